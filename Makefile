@@ -1,0 +1,34 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.headlab-installed
+
+.PHONY: demo test bench install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: its CPU wheel is local; letting the resolver pick would fetch CUDA builds.
+	$(BIN)/pip install --quiet torch==2.13.0
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e '.[test]' 'torch==2.13.0'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/headlab run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+$(VENV)/.headlab-bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,bench]' 'torch==2.13.0'
+	touch $@
+
+bench: $(VENV)/.headlab-bench
+	$(BIN)/python benchmarks/sweep_speed.py
+
+clean:
+	rm -rf $(VENV)

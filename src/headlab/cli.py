@@ -1,0 +1,238 @@
+"""The `headlab` command: typer commands, Hydra composition, multirun hand-off, exit codes."""
+from __future__ import annotations
+
+import logging
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Optional
+
+import pandas as pd
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import GROUPS, config_dir, is_schema_option
+from .errors import HeadlabError, UsageError
+
+app = typer.Typer(add_completion=False, help="headlab: experiment runner for attention-head studies.")
+out = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True)
+log = logging.getLogger("headlab")
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+# ---------------------------------------------------------------- configuration and validation
+
+
+@lru_cache(maxsize=None)
+def group_options(group: str) -> tuple[str, ...]:
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        names = GlobalHydra.instance().config_loader().get_group_options(group)
+    return tuple(sorted(n for n in names if not is_schema_option(n)))
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    cause = e.__cause__
+    if cause is not None and str(cause).strip():
+        first = str(cause).strip().splitlines()[0]
+        if first not in lines:
+            lines.append(first)
+    return "; ".join(lines[:2]) or type(e).__name__
+
+
+def validate_overrides(overrides: list[str]) -> None:
+    """Fail with one line (exit 2) on an unknown group option, key or wrong type, before any work."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise UsageError(f"bad override: {_one_line(e)}") from e
+    choices: list[list[str]] = []
+    for o in parsed:
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        group = o.key_or_group.lstrip("+~")
+        if group in GROUPS and not o.is_delete():
+            valid = group_options(group)
+            for v in values:
+                if v not in valid and not (group == "experiment" and v == "null"):
+                    raise UsageError(f"unknown {group} '{v}'; choose from: {', '.join(valid)}")
+        choices.append([f"{o.get_key_element()}={v}" for v in values])
+    base = [c[0] for c in choices]
+    variants = [base] + [base[:i] + [v] + base[i + 1 :] for i, c in enumerate(choices) for v in c[1:]]
+    for variant in variants:
+        try:
+            _compose(variant)
+        except Exception as e:
+            raise UsageError(f"invalid configuration: {_one_line(e)}") from e
+
+
+# ---------------------------------------------------------------- Hydra hand-off
+
+
+def _hydra_run(overrides: list[str], multirun: bool, job: Callable) -> None:
+    """Hand the overrides to Hydra's own entry point, so launchers, sweeps and run dirs are Hydra's."""
+    import hydra
+
+    @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
+    def entry(cfg) -> None:
+        job(cfg)
+
+    argv = sys.argv
+    sys.argv = ["headlab", *overrides, *(["--multirun"] if multirun else [])]
+    try:
+        entry()
+    finally:
+        sys.argv = argv
+
+
+def _job(work: Callable) -> Callable:
+    def job(cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        run_dir = Path(hc.runtime.output_dir)
+        interactive = hc.mode != RunMode.MULTIRUN
+        try:
+            df = work(cfg, run_dir, show_progress=interactive and sys.stderr.isatty())
+        except HeadlabError as e:
+            if interactive:
+                err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+                raise SystemExit(e.exit_code) from e
+            log.error("%s", e)
+            raise
+        log.info("results in %s", run_dir)
+        if interactive:
+            print_summary(df, cfg.output.print_rows)
+            out.print(f"results: {run_dir}", highlight=False, soft_wrap=True)
+
+    return job
+
+
+def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
+    agg = df[df["n"] > 1] if "prompt_id" in df else df
+    if agg.empty:
+        return
+    if (agg["method"] == "train").all():
+        last = agg[agg["step"] == agg["step"].max()]
+        table = Table(title=f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]}: step {int(last['step'].iloc[0])}")
+        for col in ("metric", "value"):
+            table.add_column(col)
+        for _, r in last.iterrows():
+            table.add_row(str(r["metric"]), f"{r['value']:.4f}")
+        out.print(table)
+        return
+    keys = ["intervention", "method", "layer", "head"]
+    wide = agg.pivot_table(index=keys, columns="metric", values="value", dropna=False, sort=False)
+    wide = wide.dropna(how="all").reset_index()
+    metrics = [m for m in agg["metric"].unique()]
+    clean = wide[wide["intervention"] == "none"]
+    rest = wide[wide["intervention"] != "none"]
+    if len(rest) > max_rows and len(clean):
+        key = metrics[0]
+        rest = rest.assign(_drop=(clean[key].iloc[0] - rest[key]).abs()).nlargest(max_rows, "_drop")
+    shown = pd.concat([clean, rest])
+    title = f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]} ({int(agg['n'].iloc[0])} prompts)"
+    if len(wide) - len(clean) > len(rest):
+        title += f": {len(rest)} of {len(wide) - len(clean)} interventions, largest change in {metrics[0]}"
+    table = Table(title=title)
+    for col in keys + metrics:
+        table.add_column(col, justify="right" if col not in ("intervention", "method") else "left")
+    fmt = lambda v: "" if pd.isna(v) else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for _, r in shown.iterrows():
+        table.add_row(*[fmt(r[c]) for c in keys + metrics])
+    out.print(table)
+
+
+# ---------------------------------------------------------------- commands
+
+
+@app.command(context_settings=PASS_THROUGH)
+def run(
+    ctx: typer.Context,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each."),
+) -> None:
+    """Run an experiment: `headlab run model=... task=... ablate=heads [key=value ...]`."""
+    from . import pipeline
+
+    validate_overrides(ctx.args)
+    _hydra_run(ctx.args, multirun, _job(pipeline.run))
+
+
+@app.command(context_settings=PASS_THROUGH)
+def train(
+    ctx: typer.Context,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each."),
+) -> None:
+    """Train a toy model from scratch: `headlab train model=toy-attn-1l task=counting train.steps=2000`."""
+    from . import pipeline
+
+    validate_overrides(ctx.args)
+    _hydra_run(ctx.args, multirun, _job(pipeline.train))
+
+
+@app.command("list")
+def list_(group: Optional[str] = typer.Argument(None, help="One of: " + ", ".join(GROUPS))) -> None:
+    """List config groups and their options."""
+    if group is not None and group not in GROUPS:
+        raise UsageError(f"unknown group '{group}'; choose from: {', '.join(GROUPS)}")
+    for g in [group] if group else GROUPS:
+        out.print(f"[bold]{g}[/bold]")
+        for name in group_options(g):
+            out.print(f"  {name:<20} {_describe(g, name)}", highlight=False)
+
+
+def _describe(group: str, name: str) -> str:
+    path = config_dir() / group / f"{name}.yaml"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.startswith("#") and "@package" not in line:
+                return line.lstrip("# ").strip()
+    return ""
+
+
+@app.command()
+def collect(
+    directory: Path = typer.Argument(..., help="A multirun directory (or any directory of run dirs)."),
+    output: Optional[Path] = typer.Option(None, "--out", "-o", help="Table path (default DIR/collected.parquet)."),
+) -> None:
+    """Concatenate the result tables of every run below DIR into one parquet + csv."""
+    from . import results
+
+    df = results.collect(directory)
+    target = output or directory / "collected.parquet"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    results.atomic_write_bytes(target, df.to_parquet(index=False))
+    results.atomic_write_bytes(target.with_suffix(".csv"), df.to_csv(index=False).encode())
+    out.print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> {target}", highlight=False, soft_wrap=True)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except HeadlabError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as e:  # click's own usage errors carry an exit code
+        code = getattr(e, "exit_code", None)
+        if code is None:
+            raise
+        if hasattr(e, "show"):
+            e.show()
+        sys.exit(code)

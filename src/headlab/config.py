@@ -1,0 +1,195 @@
+"""Structured configs: the typed schema behind every YAML file in configs/.
+
+Each group option (configs/<group>/<name>.yaml) starts with `defaults: [base_<group>]`, so Hydra merges
+it into the dataclass below: an unknown key or a value of the wrong type fails at composition.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+GROUPS = ("model", "task", "ablate", "patch", "train", "experiment")
+
+
+def config_dir() -> Path:
+    """configs/ of a source checkout, else the copy packaged inside the wheel."""
+    env = os.environ.get("HEADLAB_CONFIG_DIR")
+    if env:
+        return Path(env).resolve()
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[2] / "configs", here.parent / "configs"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError("headlab: configs/ not found (set HEADLAB_CONFIG_DIR)")
+
+
+class ModelKind(str, Enum):
+    toy = "toy"
+    hf = "hf"
+    pathnet = "pathnet"
+
+
+class PosEmb(str, Enum):
+    learned = "learned"
+    sinusoidal = "sinusoidal"
+    rotary = "rotary"
+    none = "none"
+
+
+class AblateSweep(str, Enum):
+    none = "none"
+    heads = "heads"
+    layers = "layers"
+
+
+class AblateMethod(str, Enum):
+    zero = "zero"
+    mean = "mean"
+    resample = "resample"
+
+
+class PatchKind(str, Enum):
+    none = "none"
+    activation = "activation"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    kind: ModelKind = ModelKind.toy
+    # hf: hub name or local directory. toy: a trained checkpoint directory (else trained on the spot).
+    path: Optional[str] = None
+    tokenizer: Optional[str] = None
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+    dtype: str = "float32"
+    # toy architecture
+    n_layers: int = 1
+    n_heads: int = 4
+    d_model: int = 64
+    d_head: int = 16
+    d_mlp: int = 0
+    n_ctx: int = 64
+    pos_emb: PosEmb = PosEmb.learned
+    layer_norm: bool = True
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+    n_prompts: int = 512
+    n_reference: int = 512
+
+
+@dataclass
+class CountingConfig(TaskConfig):
+    name: str = "counting"
+    min_len: int = 8
+    max_len: int = 24
+    p_noise: float = 0.25
+
+
+@dataclass
+class AblateConfig:
+    sweep: AblateSweep = AblateSweep.none
+    method: AblateMethod = AblateMethod.zero
+
+
+@dataclass
+class PatchConfig:
+    kind: PatchKind = PatchKind.none
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 128
+    lr: float = 3e-3
+    min_lr_frac: float = 0.05
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.98
+    grad_clip: float = 1.0
+    eval_every: int = 250
+    eval_prompts: int = 512
+    checkpoint_every: int = 500
+    target: Optional[str] = None  # metric name for early stop, e.g. label_acc
+    target_value: float = 1.0
+
+
+@dataclass
+class EngineConfig:
+    # Upper bound on tokens in one batched forward pass: interventions x prompts x positions.
+    batch_tokens: int = 65536
+    naive: bool = False  # one full forward pass per intervention (the reference implementation)
+
+
+@dataclass
+class OutputConfig:
+    root: str = "outputs"
+    per_prompt: bool = False
+    n_boot: int = 1000
+    print_rows: int = 24
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    task: TaskConfig = MISSING
+    ablate: AblateConfig = MISSING
+    patch: PatchConfig = MISSING
+    train: TrainConfig = MISSING
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    name: str = "default"
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 0  # 0 keeps torch's default; sweeps launched side by side should set 1 or 2
+
+
+SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "ablate": AblateConfig,
+    "patch": PatchConfig,
+    "train": TrainConfig,
+}
+TASK_SCHEMAS: dict[str, type] = {"counting": CountingConfig}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in SCHEMAS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+    for name, schema in TASK_SCHEMAS.items():
+        cs.store(group="task", name=f"base_{name}", node=schema)
+
+
+register_configs()
+
+
+def is_schema_option(name: str) -> bool:
+    return name.startswith("base_")
+
+
+def config_hash(cfg: DictConfig | dict, keys: tuple[str, ...] | None = None) -> str:
+    """Stable short hash of (a part of) a resolved config; output paths never enter it."""
+    data = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg
+    data = {k: v for k, v in data.items() if k not in ("output", "hydra")}
+    if keys is not None:
+        data = {k: data[k] for k in keys if k in data}
+    blob = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def to_plain(cfg: Any) -> Any:
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg

@@ -1,0 +1,132 @@
+"""Hugging Face causal LMs, by hub name or local path.
+
+HF models compute attention through `headlab_attention`, registered in transformers' attention
+interface as "headlab"; the only per-family knowledge is the small table of module names below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import HeadlabError
+from .hooked import HookedModel
+from .sites import HeadSites, headlab_attention
+
+ATTN_IMPLEMENTATION = "headlab"
+
+
+@dataclass(frozen=True)
+class Family:
+    blocks: str  # ModuleList of decoder blocks
+    attn: str  # attention module inside a block
+    out_proj: str  # output projection inside the attention module (its input is z)
+    final_norm: str
+
+
+_LLAMA_LIKE = Family("model.layers", "self_attn", "o_proj", "model.norm")
+FAMILIES: dict[str, Family] = {
+    "gpt2": Family("transformer.h", "attn", "c_proj", "transformer.ln_f"),
+    "gpt_neox": Family("gpt_neox.layers", "attention", "dense", "gpt_neox.final_layer_norm"),
+    **{t: _LLAMA_LIKE for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo", "olmo2")},
+}
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, headlab_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+
+
+def _get(root: nn.Module, dotted: str) -> Any:
+    for part in dotted.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def load_hf(
+    path: str,
+    name: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+    revision: Optional[str] = None,
+    trust_remote_code: bool = False,
+    dtype: str = "float32",
+    need_tokenizer: bool = True,
+) -> HookedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    register_attention()
+    where = f"local directory {path}" if Path(path).exists() else f"hub model '{path}'"
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError, ValueError or hub errors depending on the cause
+        raise HeadlabError(f"cannot load {where}: {_first_line(e)}") from e
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise HeadlabError(
+            f"unsupported architecture '{config.model_type}' ({where}); supported: {', '.join(sorted(FAMILIES))}"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            dtype=getattr(torch, dtype),
+        )
+    except Exception as e:
+        raise HeadlabError(f"cannot load weights of {where}: {_first_line(e)}") from e
+    model.eval()
+    tok = None
+    if need_tokenizer or tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(tokenizer or path, revision=None if tokenizer else revision)
+        except Exception as e:
+            raise HeadlabError(
+                f"cannot load a tokenizer for {where} (set model.tokenizer=...): {_first_line(e)}"
+            ) from e
+    return hook_hf(model, name or path, family, tok)
+
+
+def hook_hf(model: nn.Module, name: str, family: Family, tokenizer: Any = None) -> HookedModel:
+    cfg = model.config
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    blocks = list(_get(model, family.blocks))
+    attns = [_get(b, family.attn) for b in blocks]
+    outs = [_get(a, family.out_proj) for a in attns]
+
+    def w_o(layer: int) -> Tensor:
+        weight = outs[layer].weight
+        # Conv1D (GPT-2) stores [in, out]; nn.Linear stores [out, in].
+        w_in_out = weight if type(outs[layer]).__name__ == "Conv1D" else weight.T
+        return w_in_out.reshape(n_heads, d_head, -1)
+
+    sites = HeadSites(attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size)
+    return HookedModel(
+        name=name,
+        module=model,
+        sites=sites,
+        blocks=blocks,
+        final_norm=_get(model, family.final_norm),
+        unembed=model.get_output_embeddings(),
+        call=_call_hf,
+        family=cfg.model_type,
+        tokenizer=tokenizer,
+        logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+    )
+
+
+def _call_hf(module: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    return module(**inputs, use_cache=False).logits
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]

@@ -1,0 +1,136 @@
+"""HookedModel: one interface over every model headlab runs (HF causal LMs, toy transformers).
+
+The sweep engine needs three things from a model, and nothing about its family:
+  trace(inputs)                    one clean forward pass that keeps each block's input (the residual
+                                   stream) and the extra arguments the block was called with;
+  run_blocks(h, start, trace, g)   blocks start..L-1 on a batch that stacks g copies of the prompts;
+  readout(h, positions)            final norm + unembedding at the positions the metrics read only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .sites import HeadSites
+
+Inputs = dict[str, Tensor]
+
+
+@dataclass
+class Trace:
+    batch: int
+    resid_pre: list[Tensor]  # [batch, pos, d_model] entering each block
+    block_extra: list[tuple[tuple, dict]]  # what else each block was called with (masks, rotary, ...)
+    resid_final: Tensor  # leaving the last block
+    _expanded: dict = field(default_factory=dict)
+
+    def extra_for(self, layer: int, copies: int) -> tuple[tuple, dict]:
+        args, kwargs = self.block_extra[layer]
+        if copies == 1:
+            return args, kwargs
+        return _expand(args, self.batch, copies, self._expanded), _expand(kwargs, self.batch, copies, self._expanded)
+
+
+def _expand(obj: Any, batch: int, copies: int, memo: dict) -> Any:
+    """Repeat every batch-shaped tensor `copies` times along dim 0 (group-major, like h.repeat)."""
+    if isinstance(obj, Tensor):
+        if obj.dim() == 0 or obj.shape[0] != batch:
+            return obj
+        key = (id(obj), copies)
+        if key not in memo:
+            memo[key] = obj.repeat(copies, *([1] * (obj.dim() - 1)))
+        return memo[key]
+    if isinstance(obj, tuple):
+        return tuple(_expand(o, batch, copies, memo) for o in obj)
+    if isinstance(obj, list):
+        return [_expand(o, batch, copies, memo) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _expand(v, batch, copies, memo) for k, v in obj.items()}
+    return obj
+
+
+class HookedModel:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        sites: HeadSites,
+        blocks: list[nn.Module],
+        final_norm: nn.Module,
+        unembed: nn.Module,
+        call: Callable[[nn.Module, Inputs], Tensor],
+        family: str,
+        tokenizer: Any = None,
+        logit_softcap: Optional[float] = None,
+    ):
+        self.name = name
+        self.module = module
+        self.sites = sites
+        self.blocks = blocks
+        self.final_norm = final_norm
+        self.unembed = unembed
+        self._call = call
+        self.family = family
+        self.tokenizer = tokenizer
+        self.logit_softcap = logit_softcap
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def n_heads(self) -> int:
+        return self.sites.n_heads
+
+    def forward(self, inputs: Inputs) -> Tensor:
+        """Full logits [batch, pos, vocab]."""
+        return self._call(self.module, inputs)
+
+    def trace(self, inputs: Inputs) -> Trace:
+        resid_pre: list[Optional[Tensor]] = [None] * self.n_layers
+        extra: list[Optional[tuple]] = [None] * self.n_layers
+        final: list[Tensor] = []
+
+        def pre_hook(layer: int):
+            def hook(_module, args, kwargs):
+                if args:
+                    resid_pre[layer], extra[layer] = args[0], (tuple(args[1:]), dict(kwargs))
+                else:
+                    kw = dict(kwargs)
+                    resid_pre[layer], extra[layer] = kw.pop("hidden_states"), ((), kw)
+
+            return hook
+
+        def post_hook(_module, _args, output):
+            final.append(_hidden(output))
+
+        handles = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
+        handles.append(self.blocks[-1].register_forward_hook(post_hook))
+        try:
+            self.forward(inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        batch = next(iter(inputs.values())).shape[0]
+        return Trace(batch, resid_pre, extra, final[-1])  # type: ignore[arg-type]
+
+    def run_blocks(self, h: Tensor, start: int, trace: Trace, copies: int = 1) -> Tensor:
+        for layer in range(start, self.n_layers):
+            args, kwargs = trace.extra_for(layer, copies)
+            h = _hidden(self.blocks[layer](h, *args, **kwargs))
+        return h
+
+    def readout(self, h: Tensor, positions: Tensor) -> Tensor:
+        """Logits [batch, n_positions, vocab] at positions [batch, n_positions] only."""
+        rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
+        logits = self.unembed(self.final_norm(h[rows, positions]))
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+
+def _hidden(output: Any) -> Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output

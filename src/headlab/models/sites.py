@@ -1,0 +1,153 @@
+"""HeadSites: the one place that knows where a head lives.
+
+Every attention layer that headlab serves, Hugging Face or toy, computes attention through
+`headlab_attention` below. Each such module carries a `LayerSlot`; when a slot's hooks are all None the
+function is plain eager attention, so an installed-but-idle HeadSites leaves logits unchanged.
+
+Hook signatures (TransformerLens naming and shapes):
+  q:        [batch, head, pos, d_head]       -> same         (query heads)
+  k, v:     [batch, kv_head, pos, d_head]    -> same         (before grouped-query sharing)
+  pattern:  [batch, head, query_pos, key_pos] -> same
+  z:        [batch, pos, head, d_head]       -> same         (input of the output projection)
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+Hook = Callable[[Tensor], Tensor]
+SITE_NAMES = ("q", "k", "v", "pattern", "z")
+
+
+@dataclass
+class LayerSlot:
+    layer: int
+    q: Optional[Hook] = None
+    k: Optional[Hook] = None
+    v: Optional[Hook] = None
+    pattern: Optional[Hook] = None
+    z: Optional[Hook] = None
+
+
+def headlab_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    softcap: Optional[float] = None,
+    **_: object,
+) -> tuple[Tensor, Tensor]:
+    """Eager attention with hook points; the signature of transformers' attention interface."""
+    slot: Optional[LayerSlot] = getattr(module, "headlab_slot", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if slot is not None:
+        if slot.q is not None:
+            query = slot.q(query)
+        if slot.k is not None:
+            key = slot.k(key)
+        if slot.v is not None:
+            value = slot.v(value)
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1:
+        key = key.repeat_interleave(n_rep, dim=1)
+        value = value.repeat_interleave(n_rep, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask[..., : key.shape[-2]]
+    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    if slot is not None and slot.pattern is not None:
+        pattern = slot.pattern(pattern)
+    if dropout and module.training:
+        pattern = nn.functional.dropout(pattern, p=dropout)
+    z = torch.matmul(pattern, value).transpose(1, 2)
+    if slot is not None and slot.z is not None:
+        z = slot.z(z)
+    return z.contiguous(), pattern
+
+
+@dataclass
+class HeadSites:
+    """Per-head read/write access to a model's attention layers."""
+
+    attn_modules: list[nn.Module]
+    w_o: Callable[[int], Tensor]  # layer -> [head, d_head, d_model]
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    slots: list[LayerSlot] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = []
+        for layer, module in enumerate(self.attn_modules):
+            module.headlab_slot = LayerSlot(layer)
+            self.slots.append(module.headlab_slot)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.slots)
+
+    def kv_head_of(self, head: int) -> int:
+        return head // (self.n_heads // self.n_kv_heads)
+
+    def W_O(self, layer: int) -> Tensor:
+        return self.w_o(layer)
+
+    @contextmanager
+    def hooks(self, layer: int, **fns: Optional[Hook]) -> Iterator[None]:
+        """Install hooks on one layer for the duration of the block; existing hooks run first."""
+        slot = self.slots[layer]
+        saved = {name: getattr(slot, name) for name in fns}
+        for name, fn in fns.items():
+            if name not in SITE_NAMES:
+                raise ValueError(f"unknown head site {name!r}; sites: {', '.join(SITE_NAMES)}")
+            previous = saved[name]
+            setattr(slot, name, fn if previous is None or fn is None else _chain(previous, fn))
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(slot, name, fn)
+
+    @contextmanager
+    def record(self, sites: tuple[str, ...] = ("z",), layers: Optional[list[int]] = None) -> Iterator[dict]:
+        """Record activations: yields a dict (site, layer) -> tensor, filled by forward passes inside."""
+        store: dict[tuple[str, int], Tensor] = {}
+        layers = list(range(self.n_layers)) if layers is None else layers
+        with _stack([self.hooks(layer, **{s: _recorder(store, s, layer) for s in sites}) for layer in layers]):
+            yield store
+
+
+def _chain(first: Hook, second: Hook) -> Hook:
+    return lambda t: second(first(t))
+
+
+def _recorder(store: dict, site: str, layer: int) -> Hook:
+    def hook(t: Tensor) -> Tensor:
+        store[(site, layer)] = t
+        return t
+
+    return hook
+
+
+@contextmanager
+def _stack(managers: list) -> Iterator[None]:
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield

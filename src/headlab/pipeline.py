@@ -1,0 +1,90 @@
+"""One run, as data: config -> model -> task data -> plan -> engine -> tidy table -> run dir."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig
+
+from . import models, results
+from .config import config_hash, to_plain
+from .interventions import plan
+from .interventions.engine import execute
+from .models.hooked import HookedModel
+from .tasks import Task, build_task
+
+EVAL_SEED_OFFSET = 20_000  # sweep prompts are drawn apart from training batches and training evals
+CHECKPOINT_KEYS = ("model", "task", "train", "seed")
+
+
+@contextmanager
+def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - start
+
+
+def apply_threads(cfg: DictConfig) -> None:
+    if cfg.threads and cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    """Where the toy model for this (model, task, train, seed) lives; evaluation sizes do not count."""
+    plain = to_plain(cfg)
+    plain["task"] = {k: v for k, v in plain["task"].items() if k not in ("n_prompts", "n_reference")}
+    digest = config_hash(plain, CHECKPOINT_KEYS)
+    return Path(cfg.output.root) / "checkpoints" / f"{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{digest}"
+
+
+def obtain_model(cfg: DictConfig, task: Task, show_progress: bool = True) -> HookedModel:
+    """The configured model; a toy model without a checkpoint is trained now (or reused if trained)."""
+    if str(getattr(cfg.model.kind, "value", cfg.model.kind)) == "toy" and not cfg.model.path:
+        from .train import load_or_train
+
+        return load_or_train(cfg.model, task, cfg.train, cfg.seed, checkpoint_dir(cfg), show_progress)
+    return models.load(cfg.model, need_tokenizer=getattr(task, "needs_tokenizer", False))
+
+
+def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
+    timings: dict[str, float] = {}
+    apply_threads(cfg)
+    task = build_task(cfg.task)
+    with _timed(timings, "load_model"):
+        model = obtain_model(cfg, task, show_progress)
+    with _timed(timings, "build_task"):
+        data = task.build(cfg.task.n_prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model)
+    interventions = plan(cfg, model.n_layers, model.n_heads)
+    with _timed(timings, "sweep"):
+        quantities = execute(model, task, data, interventions, cfg.engine.batch_tokens, cfg.engine.naive,
+                             show_progress=show_progress, seed=cfg.seed)  # fmt: skip
+    with _timed(timings, "tidy"):
+        run_info = {"experiment": cfg.name, "model": cfg.model.name, "task": cfg.task.name, "seed": cfg.seed}
+        df = results.tidy(run_info, [iv.row() for iv in interventions], quantities.cpu().numpy(),
+                          task.quantities, data.answers_np(), task.aggregates,
+                          n_boot=cfg.output.n_boot, per_prompt=cfg.output.per_prompt)  # fmt: skip
+    extra = {"n_interventions": len(interventions), "n_prompts": data.n, "model_family": model.family}
+    results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
+    return df
+
+
+def train(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
+    """Train the configured toy model; its curve becomes the run's table."""
+    from .train import train_toy
+
+    timings: dict[str, float] = {}
+    apply_threads(cfg)
+    task = build_task(cfg.task)
+    directory = checkpoint_dir(cfg)
+    with _timed(timings, "train"):
+        _, curve = train_toy(cfg.model, task, cfg.train, cfg.seed, directory, show_progress)
+    df = pd.DataFrame(curve if curve else [], columns=["step", "metric", "value"])
+    df = df.assign(experiment=cfg.name, model=cfg.model.name, task=cfg.task.name, seed=cfg.seed,
+                   intervention="none", method="train", n=cfg.train.eval_prompts)  # fmt: skip
+    df = results.conform(df)
+    results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, {"checkpoint": str(directory)}))
+    return df

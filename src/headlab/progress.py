@@ -1,0 +1,36 @@
+"""Progress bars for long work (rich), quiet when disabled or when output is not a terminal."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class _Bar:
+    def __init__(self, progress: Optional[Progress], task_id: Optional[int]):
+        self._progress, self._task = progress, task_id
+
+    def update(self, completed: int, info: str = "") -> None:
+        if self._progress is not None:
+            kwargs = {"info": info} if info else {}
+            self._progress.update(self._task, completed=completed, **kwargs)
+
+
+@contextmanager
+def progress_bar(description: str, total: int, completed: int = 0, enabled: bool = True) -> Iterator[_Bar]:
+    if not enabled:
+        yield _Bar(None, None)
+        return
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        transient=False,
+    )
+    with progress:
+        task_id = progress.add_task(description, total=total, completed=completed, info="")
+        yield _Bar(progress, task_id)

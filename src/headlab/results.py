@@ -1,0 +1,197 @@
+"""The tidy result table: schema, bootstrap intervals, atomic writes, run metadata, collect.
+
+One row per observation, core columns first and in this order; extra columns may follow. A run dir is
+complete when meta.json exists: it is written last, after results.parquet and results.csv are in place.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .errors import HeadlabError
+
+CORE_COLUMNS = [
+    "experiment", "model", "task", "seed", "intervention", "method",
+    "layer", "head", "position", "metric", "value", "n", "ci_low", "ci_high",
+]  # fmt: skip
+DTYPES = {
+    "experiment": "string", "model": "string", "task": "string", "seed": "int64",
+    "intervention": "string", "method": "string", "layer": "Int64", "head": "Int64", "position": "Int64",
+    "metric": "string", "value": "float64", "n": "int64", "ci_low": "float64", "ci_high": "float64",
+    "prompt_id": "Int64",
+}  # fmt: skip
+TABLE, CSV, META = "results.parquet", "results.csv", "meta.json"
+
+
+def bootstrap(
+    quantities: np.ndarray,
+    answers: dict[str, np.ndarray],
+    aggregates: dict,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Point estimate and percentile bootstrap interval over prompts, per row of quantities [k, n, Q]."""
+    k, n = quantities.shape[:2]
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    boot_answers = {name: value[idx] for name, value in answers.items()}
+    out = {}
+    for metric, fn in aggregates.items():
+        point = np.asarray(fn(quantities, answers), dtype=float)
+        low, high = np.full(k, np.nan), np.full(k, np.nan)
+        if n_boot:
+            for i in range(k):
+                samples = np.asarray(fn(quantities[i][idx], boot_answers), dtype=float)
+                if np.isfinite(samples).any():
+                    low[i], high[i] = np.nanpercentile(samples, [50 * (1 - level), 50 * (1 + level)])
+        out[metric] = (point, low, high)
+    return out
+
+
+def tidy(
+    run: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    quantities: np.ndarray,
+    quantity_names: Sequence[str],
+    answers: dict[str, np.ndarray],
+    aggregates: dict,
+    n_boot: int = 1000,
+    per_prompt: bool = False,
+) -> pd.DataFrame:
+    """Long table from per-prompt quantities [k, n, Q]; rows[i] labels intervention i."""
+    k, n, _ = quantities.shape
+    stats = bootstrap(quantities, answers, aggregates, n_boot=n_boot, seed=int(run.get("seed", 0)))
+    label = pd.DataFrame(list(rows))
+    frames = []
+    for metric, (point, low, high) in stats.items():
+        frames.append(label.assign(metric=metric, value=point, n=n, ci_low=low, ci_high=high))
+    if per_prompt:
+        for j, name in enumerate(quantity_names):
+            frame = label.loc[label.index.repeat(n)].reset_index(drop=True)
+            frames.append(
+                frame.assign(metric=name, value=quantities[:, :, j].reshape(-1), n=1, ci_low=np.nan,
+                             ci_high=np.nan, prompt_id=np.tile(np.arange(n), k))
+            )  # fmt: skip
+    df = pd.concat(frames, ignore_index=True)
+    for key, value in run.items():
+        df[key] = value
+    return conform(df)
+
+
+def conform(df: pd.DataFrame) -> pd.DataFrame:
+    """Core columns in order and with their dtypes, extra columns after."""
+    for col in CORE_COLUMNS:
+        if col not in df:
+            df[col] = pd.NA
+    extra = [c for c in df.columns if c not in CORE_COLUMNS]
+    df = df[CORE_COLUMNS + extra]
+    return df.astype({c: t for c, t in DTYPES.items() if c in df.columns})
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write(df: pd.DataFrame, run_dir: Path, meta: dict[str, Any]) -> None:
+    """results.parquet, results.csv, then meta.json; a failure part-way leaves only temp files removed."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / META).unlink(missing_ok=True)  # an old marker must not vouch for a new table
+    tmp_table = run_dir / f".{TABLE}.tmp"
+    tmp_csv = run_dir / f".{CSV}.tmp"
+    try:
+        df.to_parquet(tmp_table, index=False)
+        df.to_csv(tmp_csv, index=False)
+        os.replace(tmp_table, run_dir / TABLE)
+        os.replace(tmp_csv, run_dir / CSV)
+    finally:
+        tmp_table.unlink(missing_ok=True)
+        tmp_csv.unlink(missing_ok=True)
+    atomic_write_bytes(run_dir / META, json.dumps(meta, indent=2, default=str).encode())
+
+
+def is_complete(run_dir: Path) -> bool:
+    return (Path(run_dir) / META).is_file() and (Path(run_dir) / TABLE).is_file()
+
+
+def run_meta(config_hash: str, timings: dict[str, float], extra: Optional[dict] = None) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for pkg in ("headlab", "torch", "transformers", "hydra-core", "pandas", "pyarrow", "numpy"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return {
+        "config_hash": config_hash,
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "packages": versions,
+        "seconds": {k: round(v, 4) for k, v in timings.items()},
+        **(extra or {}),
+    }
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def collect(directory: Path) -> pd.DataFrame:
+    """Concatenate every complete run's table below `directory`, adding each job's overrides as columns."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HeadlabError(f"no such directory: {directory}")
+    tables = sorted(p for p in directory.rglob(TABLE) if is_complete(p.parent))
+    if not tables:
+        raise HeadlabError(f"no complete results ({TABLE} with {META}) below {directory}")
+    frames, schema, first = [], {}, {}
+    for path in tables:
+        df = pd.read_parquet(path)
+        for col, dtype in df.dtypes.items():
+            known = schema.setdefault(col, str(dtype))
+            first.setdefault(col, path)
+            if known != str(dtype):
+                raise HeadlabError(
+                    f"schema conflict in column '{col}': {known} in {first[col]} but {dtype} in {path}"
+                )
+        for key, value in _job_overrides(path.parent).items():
+            if key not in df.columns:
+                df[key] = value
+        df["run_dir"] = str(path.parent.relative_to(directory)) or "."
+        frames.append(df)
+    return conform(pd.concat(frames, ignore_index=True))
+
+
+def _job_overrides(run_dir: Path) -> dict[str, str]:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    out = {}
+    for item in OmegaConf.load(path):
+        key, _, value = str(item).partition("=")
+        out[key.lstrip("+~")] = value
+    return out

@@ -1,0 +1,111 @@
+"""Count01 (arXiv 2502.06923): does a string over {0, 1} (2 is noise) hold more 1s than 0s?
+
+Sequence: BOS x_1 .. x_n SEP y EOS, with y the answer written as the symbol 0 or 1. The model is trained
+on every next token, so at y it must predict EOS although y is the same token as the string's symbols:
+only attention to SEP tells the two apart. That is the auxiliary syntactic task of the paper.
+Metrics: label accuracy (at SEP, logit of 1 vs 0), ROC AUC of that logit difference, [EOS] accuracy
+(argmax at y is EOS). Counterfactual: the same string with 0 and 1 swapped (same noise, answer flipped).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.stats import rankdata
+from torch import Tensor
+
+from . import Task, TaskData, mean_of
+
+ZERO, ONE, NOISE, SEP, EOS, BOS, PAD = range(7)
+TOKENS = ("0", "1", "2", "[SEP]", "[EOS]", "[BOS]", "[PAD]")
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """ROC AUC along the last axis (Mann-Whitney U with mid-ranks for ties)."""
+    labels = np.broadcast_to(labels, scores.shape).astype(bool)
+    ranks = rankdata(scores, axis=-1)
+    n_pos = labels.sum(-1)
+    n_neg = labels.shape[-1] - n_pos
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return ((ranks * labels).sum(-1) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+class CountingTask(Task):
+    name = "counting"
+    quantities = ("label_correct", "eos_correct", "label_margin", "signed_margin")
+    vocab_size = len(TOKENS)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.max_len = cfg.max_len + 3
+        self.aggregates = {
+            "label_acc": mean_of(0),
+            "roc_auc": lambda q, a: roc_auc(q[..., 2], a["label"]),
+            "eos_acc": mean_of(1),
+            "logit_diff": mean_of(3),
+        }
+
+    def sample(self, lengths: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Strings [n, max_len] (PAD beyond each length) with no ties, and their labels."""
+        n, width = lengths.shape[0], self.cfg.max_len
+        strings = torch.full((n, width), PAD)
+        todo = torch.arange(n)
+        while len(todo):
+            u = torch.rand(len(todo), width, generator=gen)
+            bits = torch.randint(0, 2, (len(todo), width), generator=gen)
+            s = torch.where(u < self.cfg.p_noise, torch.full_like(bits, NOISE), bits)
+            s[torch.arange(width) >= lengths[todo, None]] = PAD
+            ones, zeros = (s == ONE).sum(1), (s == ZERO).sum(1)
+            ok = ones != zeros
+            strings[todo[ok]] = s[ok]
+            todo = todo[~ok]
+        labels = ((strings == ONE).sum(1) > (strings == ZERO).sum(1)).long()
+        return strings, labels
+
+    def assemble(self, strings: Tensor, labels: Tensor, lengths: Tensor) -> Tensor:
+        """[BOS, string, SEP, y, EOS] right-padded: [n, max_len + 4]."""
+        n = strings.shape[0]
+        seq = torch.full((n, self.cfg.max_len + 4), PAD)
+        seq[:, 0] = BOS
+        seq[:, 1 : self.cfg.max_len + 1] = strings
+        rows = torch.arange(n)
+        seq[rows, lengths + 1] = SEP
+        seq[rows, lengths + 2] = labels
+        seq[rows, lengths + 3] = EOS
+        return seq
+
+    def lengths(self, n: int, gen: torch.Generator) -> Tensor:
+        return torch.randint(self.cfg.min_len, self.cfg.max_len + 1, (n,), generator=gen)
+
+    def train_batch(self, generator: torch.Generator, batch: int) -> tuple[Tensor, Tensor]:
+        lengths = self.lengths(batch, generator)
+        seq = self.assemble(*self.sample(lengths, generator), lengths)
+        inputs, targets = seq[:, :-1], seq[:, 1:].clone()
+        targets[targets == PAD] = -100
+        return inputs, targets
+
+    def build(self, n: int, seed: int, model=None) -> TaskData:
+        gen = torch.Generator().manual_seed(seed)
+        lengths = self.lengths(n, gen)
+        strings, labels = self.sample(lengths, gen)
+        flipped = torch.where(strings == ZERO, ONE, torch.where(strings == ONE, ZERO, strings))
+        ref_strings, ref_labels = self.sample(lengths, gen)  # same lengths: positions line up
+        clean = self.assemble(strings, labels, lengths)[:, :-1]
+        cf = self.assemble(flipped, 1 - labels, lengths)[:, :-1]
+        ref = self.assemble(ref_strings, ref_labels, lengths)[:, :-1]
+        positions = torch.stack([lengths + 1, lengths + 2], dim=1)  # SEP (label), y (EOS)
+        return TaskData(
+            inputs={"input_ids": clean},
+            positions=positions,
+            answers={"label": labels},
+            counterfactual={"input_ids": cf},
+            reference={"input_ids": ref},
+        )
+
+    def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
+        label = data.answers["label"].to(logits.device)
+        at_sep, at_y = logits[..., 0, :], logits[..., 1, :]
+        margin = at_sep[..., ONE] - at_sep[..., ZERO]
+        sign = label * 2 - 1
+        label_correct = ((margin > 0).long() == label).float()
+        eos_correct = (at_y.argmax(-1) == EOS).float()
+        return torch.stack([label_correct, eos_correct, margin, margin * sign], dim=-1)
