@@ -90,7 +90,7 @@ def conform(df: pd.DataFrame) -> pd.DataFrame:
     """Core columns in order and with their dtypes, extra columns after."""
     for col in CORE_COLUMNS:
         if col not in df:
-            df[col] = pd.NA
+            df[col] = np.nan if DTYPES[col] == "float64" else pd.NA
     extra = [c for c in df.columns if c not in CORE_COLUMNS]
     df = df[CORE_COLUMNS + extra]
     return df.astype({c: t for c, t in DTYPES.items() if c in df.columns})

@@ -89,9 +89,10 @@ class CountingTask(Task):
         strings, labels = self.sample(lengths, gen)
         flipped = torch.where(strings == ZERO, ONE, torch.where(strings == ONE, ZERO, strings))
         ref_strings, ref_labels = self.sample(lengths, gen)  # same lengths: positions line up
-        clean = self.assemble(strings, labels, lengths)[:, :-1]
-        cf = self.assemble(flipped, 1 - labels, lengths)[:, :-1]
-        ref = self.assemble(ref_strings, ref_labels, lengths)[:, :-1]
+        prompt = lambda seq: seq[:, :-1].masked_fill(seq[:, :-1] == EOS, PAD)  # noqa: E731 (ends at y)
+        clean = prompt(self.assemble(strings, labels, lengths))
+        cf = prompt(self.assemble(flipped, 1 - labels, lengths))
+        ref = prompt(self.assemble(ref_strings, ref_labels, lengths))
         positions = torch.stack([lengths + 1, lengths + 2], dim=1)  # SEP (label), y (EOS)
         return TaskData(
             inputs={"input_ids": clean},

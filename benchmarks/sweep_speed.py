@@ -1,0 +1,144 @@
+"""Speed of headlab's exact head-ablation sweep against the naive TransformerLens loop.
+
+Measures the wall-clock time of zero-ablating each of the 144 heads of a GPT-2-small-shaped model
+(random weights, 64 prompts x 20 tokens; metric: mean logit[A] - logit[B] at the last position) two ways:
+  headlab          `execute(..., naive=False)`: one clean trace, then per layer the interventions stacked
+                   on the cached residual stream, logits read at the metric's position only;
+  TransformerLens  one full `run_with_hooks` forward pass per head, zeroing `blocks.{l}.attn.hook_z`.
+TransformerLens 4.x removed HookedTransformer; its replacement is the TransformerBridge, built here
+offline around a second copy of the same HF model (what `TransformerBridge.boot_transformers(path,
+hf_model=...)` does, minus the tokenizer download), with raw weights (no LN folding or centering).
+Checks that both give the same 144 values; exits non-zero if they differ by more than 1e-4.
+
+Run from the repo root: .venv/bin/python benchmarks/sweep_speed.py [--batch-tokens N] [--repeats R]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from headlab.interventions import CLEAN, Intervention
+from headlab.interventions.engine import execute
+from headlab.models.hf import load_hf
+from headlab.tasks import Task, TaskData, mean_of
+
+N_LAYERS, N_HEADS, D_MODEL, VOCAB = 12, 12, 768, 50257
+N_PROMPTS, SEQ_LEN = 64, 20
+TOKEN_A, TOKEN_B = 5335, 1757
+TOLERANCE = 1e-4
+
+
+class LogitDiff(Task):
+    name = "logit_diff"
+    quantities = ("logit_diff",)
+    aggregates = {"logit_diff": mean_of(0)}
+
+    def per_prompt(self, logits: torch.Tensor, data: TaskData) -> torch.Tensor:
+        return (logits[..., 0, TOKEN_A] - logits[..., 0, TOKEN_B]).unsqueeze(-1)
+
+
+def min_time(fn, repeats: int):
+    """(min seconds over repeats, result of the last call)."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def build_bridge(path: str):
+    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+
+    hf = GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager").eval()  # the bridge edits it
+    return build_bridge_from_module(hf, "GPT2LMHeadModel", hf_config=hf.config, model_name="gpt2-random")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-tokens", type=int, default=65536, help="passed to headlab's execute()")
+    parser.add_argument("--repeats", type=int, default=1, help="time each side this many times, keep the min")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=N_LAYERS, n_head=N_HEADS, n_embd=D_MODEL, vocab_size=VOCAB, n_positions=1024)
+    with tempfile.TemporaryDirectory() as tmp:
+        GPT2LMHeadModel(config).save_pretrained(tmp)
+        hm = load_hf(tmp, name="gpt2-random", need_tokenizer=False)
+        tl = build_bridge(tmp)
+
+    ids = torch.randint(0, VOCAB, (N_PROMPTS, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    last = SEQ_LEN - 1
+    task = LogitDiff()
+    data = TaskData(inputs={"input_ids": ids}, positions=torch.full((N_PROMPTS, 1), last), answers={})
+    heads = [(l, h) for l in range(N_LAYERS) for h in range(N_HEADS)]
+    interventions = [CLEAN] + [Intervention("ablate_head", "zero", l, h) for l, h in heads]
+
+    def metric(logits: torch.Tensor) -> float:
+        return (logits[:, last, TOKEN_A] - logits[:, last, TOKEN_B]).mean().item()
+
+    def zero_head(h: int):
+        def hook(z, hook):  # z: [batch, pos, head, d_head]
+            z[:, :, h] = 0.0
+            return z
+
+        return hook
+
+    def tl_sweep() -> list[float]:
+        return [metric(tl.run_with_hooks(ids, fwd_hooks=[(f"blocks.{l}.attn.hook_z", zero_head(h))]))
+                for l, h in heads]  # fmt: skip
+
+    def headlab_sweep() -> torch.Tensor:
+        return execute(hm, task, data, interventions, batch_tokens=args.batch_tokens, naive=False)
+
+    with torch.inference_mode():
+        hf_logits = hm.forward({"input_ids": ids})
+        tl_logits = tl(ids)  # also the TransformerLens warm-up
+        clean_diff = (tl_logits - hf_logits).abs().max().item()
+        del hf_logits
+        # warm-up: a small sweep through every code path (clean readout, one layer of stacked copies)
+        execute(hm, task, data, [CLEAN, *interventions[-N_HEADS:]], batch_tokens=args.batch_tokens)
+
+        headlab_s, quantities = min_time(headlab_sweep, args.repeats)
+        tl_s, tl_values = min_time(tl_sweep, args.repeats)
+
+    headlab_values = quantities[1:, :, 0].mean(1)
+    diff = (headlab_values - torch.tensor(tl_values, dtype=headlab_values.dtype)).abs().max().item()
+    per_chunk = max(1, args.batch_tokens // (N_PROMPTS * SEQ_LEN))
+
+    print(f"model: gpt2-small-shape random ({N_LAYERS}x{N_HEADS}, d_model {D_MODEL})")
+    print(f"prompts: {N_PROMPTS}")
+    print(f"tokens_per_prompt: {SEQ_LEN}")
+    print(f"interventions: {len(heads)} zero head ablations (+ clean)")
+    print(f"torch_threads: {torch.get_num_threads()}")
+    print(f"transformerlens: {_version('transformer-lens')} TransformerBridge, raw weights, hook_z")
+    print(f"batch_tokens: {args.batch_tokens} (up to {min(per_chunk, N_HEADS)} heads per chunk)")
+    print(f"repeats: {args.repeats}")
+    print(f"tl_clean_logits_max_abs_diff: {clean_diff:.3g}")
+    print(f"clean_metric_headlab: {quantities[0, :, 0].mean().item():.6f}")
+    print(f"clean_metric_transformerlens: {metric(tl_logits):.6f}")
+    print(f"headlab_seconds: {headlab_s:.2f}")
+    print(f"transformerlens_seconds: {tl_s:.2f}")
+    print(f"max_abs_diff: {diff:.3g}")
+    print(f"peak_rss_mb: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
+    print(f"speedup_vs_transformerlens: {tl_s / headlab_s:.2f}")
+    return 0 if diff <= TOLERANCE else 1
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

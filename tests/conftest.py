@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2_TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
+
+
+def _tiny_configs():
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    small = dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=64, intermediate_size=128)
+    return {
+        "gpt2": GPT2Config(n_layer=3, n_head=4, n_embd=64, vocab_size=50257, n_positions=128),
+        "gpt_neox": GPTNeoXConfig(**small, vocab_size=50257, max_position_embeddings=128),
+        "llama": LlamaConfig(**small, num_key_value_heads=2, vocab_size=50257, max_position_embeddings=128),
+        "qwen2": Qwen2Config(**small, num_key_value_heads=2, vocab_size=50257, max_position_embeddings=128),
+    }
+
+
+HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """family -> a directory holding a small random-weight model written with save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(_tiny_configs()[family])
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path)
+            made[family] = path
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer():
+    if not GPT2_TOKENIZER.is_dir():
+        pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(GPT2_TOKENIZER))
+
+
+def counting_cfg(**kw):
+    base = dict(name="counting", n_prompts=64, n_reference=64, min_len=8, max_len=24, p_noise=0.25)
+    return OmegaConf.create({**base, **kw})
+
+
+def toy_model_cfg(**kw):
+    base = dict(name="toy", kind="toy", n_ctx=64, n_layers=1, n_heads=4, d_model=64, d_head=16, d_mlp=0,
+                pos_emb="learned", layer_norm=True)  # fmt: skip
+    return OmegaConf.create({**base, **kw})
+
+
+def train_cfg(**kw):
+    base = dict(steps=2000, batch_size=128, lr=3e-3, min_lr_frac=0.05, warmup_steps=100, weight_decay=0.01,
+                beta1=0.9, beta2=0.98, grad_clip=1.0, eval_every=250, eval_prompts=512, checkpoint_every=500,
+                target=None, target_value=1.0)  # fmt: skip
+    return OmegaConf.create({**base, **kw})
+
+
+@pytest.fixture(scope="session")
+def trained_count01(tmp_path_factory):
+    """The default demo model: 1-layer attention-only, trained on Count01 with the default schedule."""
+    from headlab.models.toy import hooked_toy
+    from headlab.tasks.counting import CountingTask
+    from headlab.train import train_toy
+
+    task = CountingTask(counting_cfg())
+    model, curve = train_toy(toy_model_cfg(), task, train_cfg(), 0, tmp_path_factory.mktemp("count01"), False)
+    return hooked_toy(model, "toy-attn-1l"), task, curve

@@ -1,0 +1,128 @@
+"""The batched, cached sweep equals the naive loop and an independent hand computation."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import counting_cfg, toy_model_cfg
+from headlab.interventions import CLEAN, Intervention, plan
+from headlab.interventions.engine import execute
+from headlab.models.hf import load_hf
+from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
+from headlab.tasks import Task, TaskData, mean_of
+from headlab.tasks.counting import CountingTask
+
+
+def _toy(n_layers=2, d_mlp=32, seed=0, pos_emb="learned", layer_norm=True):
+    torch.manual_seed(seed)
+    model = ToyTransformer(ToyConfig(vocab_size=7, n_ctx=32, n_layers=n_layers, n_heads=3, d_model=24,
+                                     d_head=8, d_mlp=d_mlp, pos_emb=pos_emb, layer_norm=layer_norm))  # fmt: skip
+    for p in model.parameters():  # larger weights than the init, so every head moves the logits
+        p.data.normal_(0, 0.3)
+    return hooked_toy(model.eval(), "toy")
+
+
+def _sweep(n_layers, n_heads):
+    ivs = [CLEAN]
+    for method in ("zero", "mean", "resample"):
+        ivs += [Intervention("ablate_head", method, l, h) for l in range(n_layers) for h in range(n_heads)]
+        ivs += [Intervention("ablate_layer", method, l) for l in range(n_layers)]
+    ivs += [Intervention("patch_head", "activation", l, h) for l in range(n_layers) for h in range(n_heads)]
+    ivs += [Intervention("ablate_head", "zero", 0, 1, position=5)]
+    return ivs
+
+
+@pytest.mark.parametrize("pos_emb,layer_norm", [("learned", True), ("rotary", False), ("sinusoidal", True)])
+def test_batched_sweep_equals_naive_loop_on_toy(pos_emb, layer_norm):
+    model = _toy(pos_emb=pos_emb, layer_norm=layer_norm)
+    task = CountingTask(counting_cfg())
+    data = task.build(40, seed=1)
+    ivs = _sweep(model.n_layers, model.n_heads)
+    fast = execute(model, task, data, ivs, batch_tokens=40 * 27 * 4)  # several chunks per layer
+    slow = execute(model, task, data, ivs, naive=True)
+    assert fast.shape == (len(ivs), 40, len(task.quantities))
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+    margin = task.quantities.index("label_margin")
+    moved = (fast[1:, :, margin] - fast[0, :, margin]).abs().amax(1)
+    assert (moved > 1e-3).float().mean() > 0.9  # nearly every intervention changes something
+
+
+class _LastTokenTask(Task):
+    """Logit difference of two fixed tokens at the last position: the benchmark's metric."""
+
+    name, quantities = "last", ("logit_diff",)
+    aggregates = {"logit_diff": mean_of(0)}
+
+    def per_prompt(self, logits, data):
+        return (logits[..., 0, 11] - logits[..., 0, 7]).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
+    model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
+    gen = torch.Generator().manual_seed(0)
+    ids = lambda: torch.randint(0, 50257, (12, 10), generator=gen)  # noqa: E731
+    data = TaskData(inputs={"input_ids": ids()}, positions=torch.full((12, 1), 9), answers={},
+                    counterfactual={"input_ids": ids()}, reference={"input_ids": ids()})  # fmt: skip
+    ivs = _sweep(model.n_layers, model.n_heads)
+    fast = execute(model, _LastTokenTask(), data, ivs, batch_tokens=12 * 10 * 5)
+    slow = execute(model, _LastTokenTask(), data, ivs, naive=True)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+
+
+def test_zero_ablating_one_head_equals_hand_computation():
+    """One-layer attention-only toy model, computed by hand from its weights without HeadSites."""
+    model = _toy(n_layers=1, d_mlp=0)
+    net = model.module
+    task = CountingTask(counting_cfg())
+    data = task.build(16, seed=2)
+    ids = data.inputs["input_ids"]
+    layer, head = 0, 1
+    H, dh = 3, 8
+    with torch.no_grad():
+        x = net.embed.weight[ids] + net.pos.weight[: ids.shape[1]]
+        a = net.blocks[0].attn
+        y = net.blocks[0].ln1(x)
+        q = (y @ a.q.weight.T + a.q.bias).unflatten(-1, (H, dh))
+        k = (y @ a.k.weight.T + a.k.bias).unflatten(-1, (H, dh))
+        v = (y @ a.v.weight.T + a.v.bias).unflatten(-1, (H, dh))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / dh**0.5
+        t = ids.shape[1]
+        scores = scores.masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
+        z = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+        w_o = a.o.weight.T.reshape(H, dh, -1)
+        per_head = torch.einsum("bqhd,hdm->bqhm", z, w_o)
+        resid = x + per_head.sum(2) - per_head[:, :, head] + a.o.bias
+        rows = torch.arange(16).unsqueeze(1)
+        logits = net.unembed(net.ln_f(resid))[rows, data.positions]
+        expected = task.per_prompt(logits, data)
+    got = execute(model, task, data, [CLEAN, Intervention("ablate_head", "zero", layer, head)])
+    torch.testing.assert_close(got[1], expected, atol=1e-5, rtol=0)
+    assert (got[1] - got[0]).abs().max() > 1e-3
+
+
+def test_patching_every_head_of_the_only_layer_reproduces_the_counterfactual_label():
+    """At SEP the token and position are the same in both runs: only attention differs, so patching
+    all of layer 0's z must give the counterfactual run's own label logits (computed without hooks)."""
+    model = _toy(n_layers=1, d_mlp=0)
+    task = CountingTask(counting_cfg())
+    data = task.build(24, seed=3)
+    got = execute(model, task, data, [CLEAN, Intervention("patch_head", "activation", 0, None)])
+    with torch.inference_mode():
+        cf_logits = model.forward(data.counterfactual)
+    rows = torch.arange(24).unsqueeze(1)
+    margin = task.quantities.index("label_margin")
+    cf_quantities = task.per_prompt(cf_logits[rows, data.positions], data)
+    torch.testing.assert_close(got[1, :, margin], cf_quantities[:, margin], atol=1e-5, rtol=0)
+    assert (got[1, :, margin] - got[0, :, margin]).abs().max() > 1e-2
+
+
+def test_plan_follows_the_config():
+    cfg = OmegaConf.create({"ablate": {"sweep": "heads", "method": "mean"}, "patch": {"kind": "activation"}})
+    ivs = plan(cfg, n_layers=2, n_heads=3)
+    assert ivs[0] == CLEAN
+    assert sum(iv.intervention == "ablate_head" and iv.method == "mean" for iv in ivs) == 6
+    assert sum(iv.intervention == "patch_head" for iv in ivs) == 6
+    cfg = OmegaConf.create({"ablate": {"sweep": "layers", "method": "zero"}, "patch": {"kind": "none"}})
+    assert [iv.layer for iv in plan(cfg, 2, 3)] == [None, 0, 1]
