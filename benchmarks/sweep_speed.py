@@ -5,9 +5,9 @@ Measures the wall-clock time of zero-ablating each of the 144 heads of a GPT-2-s
   headlab          `execute(..., naive=False)`: one clean trace, then per layer the interventions stacked
                    on the cached residual stream, logits read at the metric's position only;
   TransformerLens  one full `run_with_hooks` forward pass per head, zeroing `blocks.{l}.attn.hook_z`.
-TransformerLens 4.x removed HookedTransformer; its replacement is the TransformerBridge, built here
-offline around a second copy of the same HF model (what `TransformerBridge.boot_transformers(path,
-hf_model=...)` does, minus the tokenizer download), with raw weights (no LN folding or centering).
+The TransformerLens side is a HookedTransformer (TransformerLens 3.x, the line SAELens pins) built
+offline from a hand-made HookedTransformerConfig and `convert_gpt2_weights`, loaded with raw weights
+(no LN folding, centering or value-bias folding), so zeroing hook_z removes exactly the head's term.
 Checks that both give the same 144 values; exits non-zero if they differ by more than 1e-4.
 
 Run from the repo root: .venv/bin/python benchmarks/sweep_speed.py [--batch-tokens N] [--repeats R]
@@ -29,6 +29,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from headlab.interventions import CLEAN, Intervention
 from headlab.interventions.engine import execute
 from headlab.models.hf import load_hf
+from headlab.runtime import tune_allocator
 from headlab.tasks import Task, TaskData, mean_of
 
 N_LAYERS, N_HEADS, D_MODEL, VOCAB = 12, 12, 768, 50257
@@ -56,25 +57,36 @@ def min_time(fn, repeats: int):
     return best, result
 
 
-def build_bridge(path: str):
-    from transformer_lens.model_bridge.sources._bridge_builder import build_bridge_from_module
+def build_hooked_transformer(hf: GPT2LMHeadModel):
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
 
-    hf = GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager").eval()  # the bridge edits it
-    return build_bridge_from_module(hf, "GPT2LMHeadModel", hf_config=hf.config, model_name="gpt2-random")
+    c = hf.config
+    cfg = HookedTransformerConfig(
+        n_layers=c.n_layer, d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head,
+        d_mlp=4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions, act_fn="gelu_new",
+        normalization_type="LN", eps=c.layer_norm_epsilon, default_prepend_bos=False,
+    )  # fmt: skip
+    model = HookedTransformer(cfg)
+    model.load_and_process_state_dict(convert_gpt2_weights(hf, cfg), fold_ln=False, center_writing_weights=False,
+                                      center_unembed=False, fold_value_biases=False)  # fmt: skip
+    return model.eval()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-tokens", type=int, default=65536, help="passed to headlab's execute()")
+    parser.add_argument("--chunk-mb", type=float, default=32.0, help="passed to headlab's execute()")
     parser.add_argument("--repeats", type=int, default=1, help="time each side this many times, keep the min")
+    parser.add_argument("--default-malloc", action="store_true", help="leave glibc's allocator untuned")
     args = parser.parse_args()
+    tuned = False if args.default_malloc else tune_allocator()  # process-wide: both sides run with it
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=N_LAYERS, n_head=N_HEADS, n_embd=D_MODEL, vocab_size=VOCAB, n_positions=1024)
     with tempfile.TemporaryDirectory() as tmp:
         GPT2LMHeadModel(config).save_pretrained(tmp)
         hm = load_hf(tmp, name="gpt2-random", need_tokenizer=False)
-        tl = build_bridge(tmp)
+        tl = build_hooked_transformer(hm.module)
 
     ids = torch.randint(0, VOCAB, (N_PROMPTS, SEQ_LEN), generator=torch.Generator().manual_seed(1))
     last = SEQ_LEN - 1
@@ -98,7 +110,7 @@ def main() -> int:
                 for l, h in heads]  # fmt: skip
 
     def headlab_sweep() -> torch.Tensor:
-        return execute(hm, task, data, interventions, batch_tokens=args.batch_tokens, naive=False)
+        return execute(hm, task, data, interventions, chunk_mb=args.chunk_mb, naive=False)
 
     with torch.inference_mode():
         hf_logits = hm.forward({"input_ids": ids})
@@ -106,23 +118,24 @@ def main() -> int:
         clean_diff = (tl_logits - hf_logits).abs().max().item()
         del hf_logits
         # warm-up: a small sweep through every code path (clean readout, one layer of stacked copies)
-        execute(hm, task, data, [CLEAN, *interventions[-N_HEADS:]], batch_tokens=args.batch_tokens)
+        execute(hm, task, data, [CLEAN, *interventions[-N_HEADS:]], chunk_mb=args.chunk_mb)
 
         headlab_s, quantities = min_time(headlab_sweep, args.repeats)
         tl_s, tl_values = min_time(tl_sweep, args.repeats)
 
     headlab_values = quantities[1:, :, 0].mean(1)
     diff = (headlab_values - torch.tensor(tl_values, dtype=headlab_values.dtype)).abs().max().item()
-    per_chunk = max(1, args.batch_tokens // (N_PROMPTS * SEQ_LEN))
+    per_chunk = max(1, int(args.chunk_mb * 2**20 // (N_PROMPTS * SEQ_LEN * hm.width * 4)))
 
     print(f"model: gpt2-small-shape random ({N_LAYERS}x{N_HEADS}, d_model {D_MODEL})")
     print(f"prompts: {N_PROMPTS}")
     print(f"tokens_per_prompt: {SEQ_LEN}")
     print(f"interventions: {len(heads)} zero head ablations (+ clean)")
     print(f"torch_threads: {torch.get_num_threads()}")
-    print(f"transformerlens: {_version('transformer-lens')} TransformerBridge, raw weights, hook_z")
-    print(f"batch_tokens: {args.batch_tokens} (up to {min(per_chunk, N_HEADS)} heads per chunk)")
+    print(f"transformerlens: {_version('transformer-lens')} HookedTransformer, raw weights, hook_z")
+    print(f"chunk_mb: {args.chunk_mb:g} (up to {min(per_chunk, N_HEADS)} heads per chunk)")
     print(f"repeats: {args.repeats}")
+    print(f"allocator_tuned: {tuned}")
     print(f"tl_clean_logits_max_abs_diff: {clean_diff:.3g}")
     print(f"clean_metric_headlab: {quantities[0, :, 0].mean().item():.6f}")
     print(f"clean_metric_transformerlens: {metric(tl_logits):.6f}")

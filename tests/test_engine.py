@@ -39,7 +39,7 @@ def test_batched_sweep_equals_naive_loop_on_toy(pos_emb, layer_norm):
     task = CountingTask(counting_cfg())
     data = task.build(40, seed=1)
     ivs = _sweep(model.n_layers, model.n_heads)
-    fast = execute(model, task, data, ivs, batch_tokens=40 * 27 * 4)  # several chunks per layer
+    fast = execute(model, task, data, ivs, chunk_mb=40 * 27 * 32 * 4 * 2 / 2**20)  # two copies a chunk
     slow = execute(model, task, data, ivs, naive=True)
     assert fast.shape == (len(ivs), 40, len(task.quantities))
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
@@ -66,7 +66,7 @@ def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
     data = TaskData(inputs={"input_ids": ids()}, positions=torch.full((12, 1), 9), answers={},
                     counterfactual={"input_ids": ids()}, reference={"input_ids": ids()})  # fmt: skip
     ivs = _sweep(model.n_layers, model.n_heads)
-    fast = execute(model, _LastTokenTask(), data, ivs, batch_tokens=12 * 10 * 5)
+    fast = execute(model, _LastTokenTask(), data, ivs, chunk_mb=12 * 10 * 128 * 4 * 3 / 2**20)
     slow = execute(model, _LastTokenTask(), data, ivs, naive=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
 

@@ -12,10 +12,12 @@ from omegaconf import DictConfig
 
 from . import models, results
 from .config import config_hash, to_plain
+from .analysis.heads import attention_by_token, head_output_norms, uniform_scales
+from .errors import HeadlabError
 from .interventions import plan
 from .interventions.engine import execute
 from .models.hooked import HookedModel
-from .tasks import Task, build_task
+from .tasks import Task, build_task, mean_of
 
 EVAL_SEED_OFFSET = 20_000  # sweep prompts are drawn apart from training batches and training evals
 CHECKPOINT_KEYS = ("model", "task", "train", "seed")
@@ -58,18 +60,32 @@ def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFr
         model = obtain_model(cfg, task, show_progress)
     with _timed(timings, "build_task"):
         data = task.build(cfg.task.n_prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model)
-    interventions = plan(cfg, model.n_layers, model.n_heads)
+    scales = None
+    if str(getattr(cfg.ablate.sweep, "value", cfg.ablate.sweep)) == "uniform":
+        scales = uniform_scales(head_output_norms(model, data))
+    interventions = plan(cfg, model.n_layers, model.n_heads, scales)
     with _timed(timings, "sweep"):
-        quantities = execute(model, task, data, interventions, cfg.engine.batch_tokens, cfg.engine.naive,
+        quantities = execute(model, task, data, interventions, cfg.engine.chunk_mb, cfg.engine.naive,
                              show_progress=show_progress, seed=cfg.seed)  # fmt: skip
     with _timed(timings, "tidy"):
         run_info = {"experiment": cfg.name, "model": cfg.model.name, "task": cfg.task.name, "seed": cfg.seed}
         df = results.tidy(run_info, [iv.row() for iv in interventions], quantities.cpu().numpy(),
                           task.quantities, data.answers_np(), task.aggregates,
                           n_boot=cfg.output.n_boot, per_prompt=cfg.output.per_prompt)  # fmt: skip
+        if cfg.attention_by_token:
+            df = results.conform(pd.concat([df, _attention_table(cfg, task, model, data, run_info)]))
     extra = {"n_interventions": len(interventions), "n_prompts": data.n, "model_family": model.family}
     results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
     return df
+
+
+def _attention_table(cfg: DictConfig, task: Task, model: HookedModel, data, run_info: dict) -> pd.DataFrame:
+    tokens = getattr(task, "token_names", None)
+    if not tokens:
+        raise HeadlabError(f"task {task.name} names no tokens to group attention by")
+    quantities, labels = attention_by_token(model, data, tokens)
+    metrics = {f"attn_to_{name}": mean_of(j) for j, name in enumerate(tokens.values())}
+    return results.tidy(run_info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
 
 
 def train(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:

@@ -25,6 +25,7 @@ class Family:
     attn: str  # attention module inside a block
     out_proj: str  # output projection inside the attention module (its input is z)
     final_norm: str
+    mlp: str = "mlp"  # position-wise feed-forward inside a block
 
 
 _LLAMA_LIKE = Family("model.layers", "self_attn", "o_proj", "model.norm")
@@ -120,6 +121,8 @@ def hook_hf(model: nn.Module, name: str, family: Family, tokenizer: Any = None) 
         family=cfg.model_type,
         tokenizer=tokenizer,
         logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+        mlps=[getattr(b, family.mlp, None) for b in blocks],
+        width=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
     )
 
 

@@ -8,8 +8,9 @@ The sweep engine needs three things from a model, and nothing about its family:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -65,6 +66,8 @@ class HookedModel:
         family: str,
         tokenizer: Any = None,
         logit_softcap: Optional[float] = None,
+        mlps: Optional[list[Optional[nn.Module]]] = None,
+        width: int = 0,
     ):
         self.name = name
         self.module = module
@@ -76,6 +79,8 @@ class HookedModel:
         self.family = family
         self.tokenizer = tokenizer
         self.logit_softcap = logit_softcap
+        self.mlps = mlps or [None] * len(blocks)
+        self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
 
     @property
     def n_layers(self) -> int:
@@ -117,10 +122,16 @@ class HookedModel:
         batch = next(iter(inputs.values())).shape[0]
         return Trace(batch, resid_pre, extra, final[-1])  # type: ignore[arg-type]
 
-    def run_blocks(self, h: Tensor, start: int, trace: Trace, copies: int = 1) -> Tensor:
+    def run_blocks(
+        self, h: Tensor, start: int, trace: Trace, copies: int = 1, read: Optional[Tensor] = None
+    ) -> Tensor:
+        """Blocks start..L-1. With `read` ([batch, P] positions), the last block's MLP runs at those
+        positions only: nothing after it reads the others, so their residual is left incomplete."""
         for layer in range(start, self.n_layers):
             args, kwargs = trace.extra_for(layer, copies)
-            h = _hidden(self.blocks[layer](h, *args, **kwargs))
+            mlp = self.mlps[layer] if read is not None and layer == self.n_layers - 1 else None
+            with _only_at(mlp, read):
+                h = _hidden(self.blocks[layer](h, *args, **kwargs))
         return h
 
     def readout(self, h: Tensor, positions: Tensor) -> Tensor:
@@ -130,6 +141,32 @@ class HookedModel:
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
+
+
+@contextmanager
+def _only_at(mlp: Optional[nn.Module], positions: Optional[Tensor]) -> Iterator[None]:
+    """Run a position-wise module at `positions` only; its output elsewhere is zero."""
+    if mlp is None or positions is None:
+        yield
+        return
+    rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+    shape: list = []
+
+    def gather(_module, args):
+        shape[:] = args[0].shape
+        return (args[0][rows, positions], *args[1:])
+
+    def scatter(_module, _args, output):
+        full = output.new_zeros(*shape[:-1], output.shape[-1])
+        full[rows, positions] = output
+        return full
+
+    handles = [mlp.register_forward_pre_hook(gather), mlp.register_forward_hook(scatter)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _hidden(output: Any) -> Tensor:

@@ -152,6 +152,8 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
         unembed=model.unembed,
         call=lambda m, inputs: m(inputs["input_ids"]),
         family="toy",
+        mlps=[b.mlp for b in model.blocks],
+        width=cfg.d_mlp,
     )
 
 
