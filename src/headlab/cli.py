@@ -220,7 +220,35 @@ def collect(
     out.print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> {target}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def reproduce(
+    name: Optional[str] = typer.Argument(None, help="A paper figure (see --list)."),
+    list_all: bool = typer.Option(False, "--list", help="Name the reproductions and their papers."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer models, seeds and steps: a smoke test."),
+    root: Path = typer.Option(Path("outputs"), "--root", help="Output root (checkpoints are cached here)."),
+) -> None:
+    """Rebuild a paper's figure from scratch: train what is not trained, run, draw, print the numbers."""
+    from . import reproduce as repro
+
+    if list_all or name is None:
+        for r in repro.registry().values():
+            out.print(f"  {r.name:<16} {r.paper}", highlight=False)
+        return
+    result = repro.run_all(name, root.resolve(), quick=quick, log=lambda m: out.print(m, highlight=False))
+    table = Table(title=f"{name}: headline numbers")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for key, value in result["numbers"].items():
+        table.add_row(key, f"{value:.3f}")
+    out.print(table)
+    for path in result["figures"]:
+        out.print(f"figure: {path}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
+    from .runtime import tune_allocator
+
+    tune_allocator()
     try:
         app(standalone_mode=False)
     except HeadlabError as e:

@@ -46,8 +46,12 @@ class PosEmb(str, Enum):
 
 class AblateSweep(str, Enum):
     none = "none"
-    heads = "heads"
-    layers = "layers"
+    heads = "heads"  # each head ablated
+    layers = "layers"  # each layer's heads ablated together
+    keep_heads = "keep_heads"  # each head alone: every other head of its layer ablated
+    pattern_swaps = "pattern_swaps"  # head i alone, attending with head j's pattern (all pairs)
+    value_swaps = "value_swaps"  # head i alone, with head j's values (all pairs)
+    uniform = "uniform"  # every head's output rescaled to the same mean norm at the first read position
 
 
 class AblateMethod(str, Enum):
@@ -128,8 +132,9 @@ class TrainConfig:
 
 @dataclass
 class EngineConfig:
-    # Upper bound on tokens in one batched forward pass: interventions x prompts x positions.
-    batch_tokens: int = 65536
+    # Size of the widest activation (tokens x max(d_model, d_mlp) floats) in one batched pass of stacked
+    # interventions. Small enough to stay in cache beats large batches on CPUs (benchmarks/sweep_speed.py).
+    chunk_mb: float = 32.0
     naive: bool = False  # one full forward pass per intervention (the reference implementation)
 
 
@@ -151,6 +156,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     name: str = "default"
+    attention_by_token: bool = False  # add each head's mean attention, from the first read position, per token
     seed: int = 0
     device: str = "cpu"
     threads: int = 0  # 0 keeps torch's default; sweeps launched side by side should set 1 or 2

@@ -26,7 +26,7 @@ DTYPES = {
     "experiment": "string", "model": "string", "task": "string", "seed": "int64",
     "intervention": "string", "method": "string", "layer": "Int64", "head": "Int64", "position": "Int64",
     "metric": "string", "value": "float64", "n": "int64", "ci_low": "float64", "ci_high": "float64",
-    "prompt_id": "Int64",
+    "prompt_id": "Int64", "other_head": "Int64",
 }  # fmt: skip
 TABLE, CSV, META = "results.parquet", "results.csv", "meta.json"
 
@@ -70,6 +70,8 @@ def tidy(
     k, n, _ = quantities.shape
     stats = bootstrap(quantities, answers, aggregates, n_boot=n_boot, seed=int(run.get("seed", 0)))
     label = pd.DataFrame(list(rows))
+    optional = [c for c in label.columns if c not in CORE_COLUMNS and label[c].isna().all()]
+    label = label.drop(columns=optional)  # e.g. other_head, for sweeps that never swap heads
     frames = []
     for metric, (point, low, high) in stats.items():
         frames.append(label.assign(metric=metric, value=point, n=n, ci_low=low, ci_high=high))

@@ -33,6 +33,7 @@ class CountingTask(Task):
     name = "counting"
     quantities = ("label_correct", "eos_correct", "label_margin", "signed_margin")
     vocab_size = len(TOKENS)
+    token_names = {ZERO: "0", ONE: "1", NOISE: "2", SEP: "sep", BOS: "bos"}
 
     def __init__(self, cfg):
         self.cfg = cfg

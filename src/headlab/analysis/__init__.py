@@ -1,0 +1,1 @@
+"""Head-level analyses that read HeadSites without intervening."""

@@ -1,0 +1,1 @@
+"""Figures drawn from result tables (never from live tensors)."""
