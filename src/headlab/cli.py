@@ -82,44 +82,72 @@ def validate_overrides(overrides: list[str]) -> None:
 # ---------------------------------------------------------------- Hydra hand-off
 
 
-def _hydra_run(overrides: list[str], multirun: bool, job: Callable) -> None:
-    """Hand the overrides to Hydra's own entry point, so launchers, sweeps and run dirs are Hydra's."""
+def _hydra_run(overrides: list[str], multirun: bool, task_function: Callable) -> None:
+    """Hand the overrides to Hydra's own entry point, so launchers, sweeps and run dirs are Hydra's.
+
+    task_function is module-level: submitit pickles it, by reference, to run it in another process."""
     import hydra
 
-    @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
-    def entry(cfg) -> None:
-        job(cfg)
+    entry = hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(task_function)
+
+    from . import sweeps
 
     argv = sys.argv
     sys.argv = ["headlab", *overrides, *(["--multirun"] if multirun else [])]
+    code = 0
     try:
         entry()
+    except SystemExit as e:  # Hydra exits 1 after reporting a failed job; the summary says which
+        code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.argv = argv
+    sweep_dir = sweeps.last_sweep_dir()
+    if multirun and sweep_dir is not None and sweep_dir.is_dir():
+        jobs = sweeps.summarize(sweep_dir)
+        out.print(f"sweep {sweep_dir}: {len(jobs['done'])} done, {len(jobs['skipped'])} skipped, "
+                  f"{len(jobs['failed'])} failed", highlight=False, soft_wrap=True)  # fmt: skip
+        for job in jobs["failed"]:
+            err.print(f"failed: {job['dir']}: {job.get('error')} (log: {job.get('log')})", highlight=False, soft_wrap=True)
+        code = code or (1 if jobs["failed"] else 0)
+    if code:
+        raise SystemExit(code)
 
 
-def _job(work: Callable) -> Callable:
-    def job(cfg) -> None:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
+def run_task(cfg) -> str:
+    from . import pipeline
 
-        hc = HydraConfig.get()
-        run_dir = Path(hc.runtime.output_dir)
-        interactive = hc.mode != RunMode.MULTIRUN
-        try:
-            df = work(cfg, run_dir, show_progress=interactive and sys.stderr.isatty())
-        except HeadlabError as e:
-            if interactive:
-                err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-                raise SystemExit(e.exit_code) from e
-            log.error("%s", e)
-            raise
-        log.info("results in %s", run_dir)
+    return _job(pipeline.run, cfg)
+
+
+def train_task(cfg) -> str:
+    from . import pipeline
+
+    return _job(pipeline.train, cfg)
+
+
+def _job(work: Callable, cfg) -> str:
+    """Run one Hydra job; returns its status for the sweep summary (done | skipped)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    interactive = hc.mode != RunMode.MULTIRUN
+    try:
+        df = work(cfg, run_dir, show_progress=interactive and sys.stderr.isatty())
+    except HeadlabError as e:
         if interactive:
-            print_summary(df, cfg.output.print_rows)
-            out.print(f"results: {run_dir}", highlight=False, soft_wrap=True)
-
-    return job
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise SystemExit(e.exit_code) from e
+        log.error("%s", e)
+        raise
+    if df.attrs.get("skipped"):
+        return "skipped"
+    log.info("results in %s", run_dir)
+    if interactive:
+        print_summary(df, cfg.output.print_rows)
+        out.print(f"results: {run_dir}", highlight=False, soft_wrap=True)
+    return "done"
 
 
 def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
@@ -169,7 +197,7 @@ def run(
     from . import pipeline
 
     validate_overrides(ctx.args)
-    _hydra_run(ctx.args, multirun, _job(pipeline.run))
+    _hydra_run(ctx.args, multirun, run_task)
 
 
 @app.command(context_settings=PASS_THROUGH)
@@ -181,7 +209,7 @@ def train(
     from . import pipeline
 
     validate_overrides(ctx.args)
-    _hydra_run(ctx.args, multirun, _job(pipeline.train))
+    _hydra_run(ctx.args, multirun, train_task)
 
 
 @app.command("list")

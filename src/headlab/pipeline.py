@@ -1,6 +1,8 @@
 """One run, as data: config -> model -> task data -> plan -> engine -> tidy table -> run dir."""
 from __future__ import annotations
 
+import json
+import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ from .interventions.engine import execute
 from .models.hooked import HookedModel
 from .tasks import Task, build_task, mean_of
 
+log = logging.getLogger("headlab")
 EVAL_SEED_OFFSET = 20_000  # sweep prompts are drawn apart from training batches and training evals
 CHECKPOINT_KEYS = ("model", "task", "train", "seed")
 
@@ -31,8 +34,22 @@ def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
 
 
 def apply_threads(cfg: DictConfig) -> None:
-    if cfg.threads and cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    from .sweeps import job_threads
+
+    threads = cfg.threads if cfg.threads and cfg.threads > 0 else job_threads()
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def already_done(cfg: DictConfig, run_dir: Path) -> bool:
+    """A complete result for the same config: the job is skipped (resume, idempotent sweeps)."""
+    meta = Path(run_dir) / results.META
+    if not results.is_complete(run_dir):
+        return False
+    try:
+        return json.loads(meta.read_text()).get("config_hash") == config_hash(cfg)
+    except json.JSONDecodeError:
+        return False
 
 
 def checkpoint_dir(cfg: DictConfig) -> Path:
@@ -53,13 +70,17 @@ def obtain_model(cfg: DictConfig, task: Task, show_progress: bool = True) -> Hoo
 
 
 def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
+    if already_done(cfg, run_dir):
+        log.info("skipped: %s holds a complete result for this config", run_dir)
+        return _previous(run_dir)
     timings: dict[str, float] = {}
     apply_threads(cfg)
     task = build_task(cfg.task)
     with _timed(timings, "load_model"):
         model = obtain_model(cfg, task, show_progress)
     with _timed(timings, "build_task"):
-        data = task.build(cfg.task.n_prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model)
+        data = task.build(cfg.task.n_prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model).to(cfg.device)
+        model.module.to(cfg.device)
     scales = None
     if str(getattr(cfg.ablate.sweep, "value", cfg.ablate.sweep)) == "uniform":
         scales = uniform_scales(head_output_norms(model, data))
@@ -88,10 +109,19 @@ def _attention_table(cfg: DictConfig, task: Task, model: HookedModel, data, run_
     return results.tidy(run_info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
 
 
+def _previous(run_dir: Path) -> pd.DataFrame:
+    df = pd.read_parquet(Path(run_dir) / results.TABLE)
+    df.attrs["skipped"] = True
+    return df
+
+
 def train(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     """Train the configured toy model; its curve becomes the run's table."""
     from .train import train_toy
 
+    if already_done(cfg, run_dir):
+        log.info("skipped: %s holds a complete result for this config", run_dir)
+        return _previous(run_dir)
     timings: dict[str, float] = {}
     apply_threads(cfg)
     task = build_task(cfg.task)

@@ -195,5 +195,7 @@ def _job_overrides(run_dir: Path) -> dict[str, str]:
     out = {}
     for item in OmegaConf.load(path):
         key, _, value = str(item).partition("=")
-        out[key.lstrip("+~")] = value
+        key = key.lstrip("+~")
+        if not key.startswith("hydra"):  # launcher and paths, not experiment parameters
+            out[key] = value
     return out

@@ -32,6 +32,11 @@ class TaskData:
     def n(self) -> int:
         return self.positions.shape[0]
 
+    def to(self, device: str) -> "TaskData":
+        move = lambda d: d and {k: v.to(device) for k, v in d.items()}  # noqa: E731
+        return TaskData(move(self.inputs), self.positions.to(device), move(self.answers),
+                        move(self.counterfactual), move(self.reference))  # fmt: skip
+
     def answers_np(self) -> dict[str, np.ndarray]:
         return {k: v.cpu().numpy() for k, v in self.answers.items()}
 
