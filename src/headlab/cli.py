@@ -273,6 +273,15 @@ def reproduce(
         out.print(f"figure: {path}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def report(directory: Path = typer.Argument(..., help="A run dir, a sweep dir or a reproduction dir.")) -> None:
+    """Write DIR/report.html: config, result tables, figures and timings in one self-contained file."""
+    from . import report as report_module
+
+    target = report_module.write(directory)
+    out.print(f"report: {target}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     from .runtime import tune_allocator
 
