@@ -47,7 +47,7 @@ def run_all(name: str, root: Path, quick: bool = False, extra: tuple[str, ...] =
     from hydra import compose, initialize_config_dir
 
     from . import pipeline
-    from .config import config_dir, config_hash
+    from .config import config_dir
 
     repro = get(name)
     base = root / "reproduce" / (name + ("-quick" if quick else ""))
@@ -56,10 +56,7 @@ def run_all(name: str, root: Path, quick: bool = False, extra: tuple[str, ...] =
         for i, overrides in enumerate(runs, 1):
             cfg = compose("config", overrides=[*overrides, f"output.root={root}", *extra])
             run_dir = base / _slug(overrides)
-            digest = config_hash(cfg)
-            if results.is_complete(run_dir) and json.loads((run_dir / results.META).read_text()).get(
-                "config_hash"
-            ) == digest:
+            if pipeline.already_done(cfg, run_dir):
                 log(f"[{i}/{len(runs)}] skip (done): {run_dir.name}")
                 continue
             log(f"[{i}/{len(runs)}] run: {' '.join(overrides)}")
