@@ -5,6 +5,7 @@ interface as "headlab"; the only per-family knowledge is the small table of modu
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -62,6 +63,8 @@ def load_hf(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     register_attention()
+    # the hub client logs every retry as a warning; the failure is reported once, below
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     where = f"local directory {path}" if Path(path).exists() else f"hub model '{path}'"
     try:
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
