@@ -197,5 +197,10 @@ def config_hash(cfg: DictConfig | dict, keys: tuple[str, ...] | None = None) -> 
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def option(value: Any) -> str:
+    """The string of a config option, whether OmegaConf gives it as an Enum member or a plain str."""
+    return str(getattr(value, "value", value))
+
+
 def to_plain(cfg: Any) -> Any:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from . import models, results
-from .config import config_hash, to_plain
+from .config import config_hash, option, to_plain
 from .analysis.heads import attention_by_token, head_output_norms, uniform_scales
 from .errors import HeadlabError
 from .interventions import plan
@@ -62,7 +62,7 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
 
 def obtain_model(cfg: DictConfig, task: Task, show_progress: bool = True) -> HookedModel:
     """The configured model; a toy model without a checkpoint is trained now (or reused if trained)."""
-    if str(getattr(cfg.model.kind, "value", cfg.model.kind)) == "toy" and not cfg.model.path:
+    if option(cfg.model.kind) == "toy" and not cfg.model.path:
         from .train import load_or_train
 
         return load_or_train(cfg.model, task, cfg.train, cfg.seed, checkpoint_dir(cfg), show_progress)
@@ -82,7 +82,7 @@ def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFr
         data = task.build(cfg.task.n_prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model).to(cfg.device)
         model.module.to(cfg.device)
     scales = None
-    if str(getattr(cfg.ablate.sweep, "value", cfg.ablate.sweep)) == "uniform":
+    if option(cfg.ablate.sweep) == "uniform":
         scales = uniform_scales(head_output_norms(model, data))
     interventions = plan(cfg, model.n_layers, model.n_heads, scales)
     with _timed(timings, "sweep"):

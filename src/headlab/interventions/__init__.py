@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from ..config import option
+
 SOURCES = {"zero": "zero", "mean": "mean", "resample": "reference", "activation": "counterfactual"}
 
 
@@ -64,16 +66,12 @@ class Intervention:
 CLEAN = Intervention("none")
 
 
-def _value(option: Any) -> str:
-    return str(getattr(option, "value", option))
-
-
 def plan(cfg: Any, n_layers: int, n_heads: int, scales: Optional[dict[int, list[float]]] = None) -> list[Intervention]:
     """The clean baseline first, then the ablation sweep, then the patching sweep.
 
     `scales` (layer -> per-head factors) is needed by the uniform sweep only."""
     out = [CLEAN]
-    sweep, method = _value(cfg.ablate.sweep), _value(cfg.ablate.method)
+    sweep, method = option(cfg.ablate.sweep), option(cfg.ablate.method)
     cells = [(l, h) for l in range(n_layers) for h in range(n_heads)]
     if sweep == "heads":
         out += [Intervention("ablate_head", method, l, h) for l, h in cells]
@@ -89,6 +87,6 @@ def plan(cfg: Any, n_layers: int, n_heads: int, scales: Optional[dict[int, list[
         if scales is None:
             raise ValueError("the uniform sweep needs per-head scales")
         out += [Intervention("scale_heads", "uniform", l, scale=tuple(scales[l])) for l in range(n_layers)]
-    if _value(cfg.patch.kind) == "activation":
-        out += [Intervention("patch_head", "activation", l, h) for l in range(n_layers) for h in range(n_heads)]
+    if option(cfg.patch.kind) == "activation":
+        out += [Intervention("patch_head", "activation", l, h) for l, h in cells]
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..config import option
 from ..errors import HeadlabError
 from .hooked import HookedModel, Trace
 from .sites import HeadSites, headlab_attention
@@ -11,13 +12,9 @@ from .sites import HeadSites, headlab_attention
 __all__ = ["HookedModel", "HeadSites", "Trace", "headlab_attention", "load"]
 
 
-def _kind(cfg: Any) -> str:
-    return str(getattr(cfg.kind, "value", cfg.kind))
-
-
 def load(cfg: Any, need_tokenizer: bool = False) -> HookedModel:
     """A model from its config: HF by hub name or local path, or a trained toy checkpoint directory."""
-    kind = _kind(cfg)
+    kind = option(cfg.kind)
     if kind == "hf":
         from .hf import load_hf
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from ..config import option
 from ..errors import HeadlabError
 from ..models.toy import ToyConfig, ToyTransformer, hooked_toy, load_toy, save_toy
 from ..progress import progress_bar
@@ -40,7 +41,7 @@ def toy_config(model_cfg: Any, task: Task) -> ToyConfig:
         d_model=model_cfg.d_model,
         d_head=model_cfg.d_head,
         d_mlp=model_cfg.d_mlp,
-        pos_emb=str(getattr(model_cfg.pos_emb, "value", model_cfg.pos_emb)),
+        pos_emb=option(model_cfg.pos_emb),
         layer_norm=model_cfg.layer_norm,
     )
 
