@@ -9,18 +9,12 @@ from ..models.hooked import HookedModel
 from ..tasks import TaskData
 
 
-def _record(model: HookedModel, data: TaskData, site: str) -> dict[int, Tensor]:
-    with torch.inference_mode(), model.sites.record((site,)) as store:
-        model.forward(data.inputs)
-    return {layer: t for (_, layer), t in store.items()}
-
-
 def head_output_norms(model: HookedModel, data: TaskData) -> dict[int, Tensor]:
     """layer -> [head]: mean norm of each head's term z_h W_O^h at the first read position."""
     rows = torch.arange(data.n)
     out = {}
     with torch.inference_mode():
-        for layer, z in _record(model, data, "z").items():
+        for layer, z in model.record(data.inputs, "z").items():
             z_read = z[rows, data.positions[:, 0]]  # [n, head, d_head]
             out[layer] = torch.einsum("nhd,hdm->nhm", z_read, model.sites.W_O(layer)).norm(dim=-1).mean(0)
     return out
@@ -39,7 +33,9 @@ def attention_by_token(model: HookedModel, data: TaskData, tokens: dict[int, str
     ids = data.inputs["input_ids"]
     masks = torch.stack([(ids == t).float() for t in tokens], dim=-1)  # [n, key, token]
     quantities, labels = [], []
-    for layer, pattern in _record(model, data, "pattern").items():
+    with torch.inference_mode():
+        recorded = model.record(data.inputs, "pattern")
+    for layer, pattern in recorded.items():
         from_read = pattern[rows, :, data.positions[:, 0]]  # [n, head, key]
         per_token = torch.einsum("nhk,nkt->hnt", from_read, masks[:, : from_read.shape[-1]])
         for head in range(per_token.shape[0]):

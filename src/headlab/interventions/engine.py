@@ -33,7 +33,7 @@ class Sources:
         if needed & {"mean", "reference"}:
             if data.reference is None:
                 raise ValueError("this task provides no reference set for mean/resample ablation")
-            z = _record_z(model, data.reference)
+            z = model.record(data.reference)
             n_ref = next(iter(data.reference.values())).shape[0]
             if n_ref == data.n:
                 pick = torch.arange(data.n)  # the task matched reference i to prompt i (same length)
@@ -45,17 +45,11 @@ class Sources:
         if "counterfactual" in needed:
             if data.counterfactual is None:
                 raise ValueError("this task provides no counterfactual prompts for patching")
-            self.counterfactual = _record_z(model, data.counterfactual)
+            self.counterfactual = model.record(data.counterfactual)
 
     def value(self, source: str, layer: int) -> Optional[Tensor]:
         """[n, pos, head, d_head] or [pos, head, d_head] (broadcast over prompts); None means zero."""
         return None if source == "zero" else getattr(self, source)[layer]
-
-
-def _record_z(model: HookedModel, inputs: dict[str, Tensor]) -> dict[int, Tensor]:
-    with model.sites.record(("z",)) as store:
-        model.forward(inputs)
-    return {layer: t.contiguous() for (_, layer), t in store.items()}
 
 
 def _apply(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources) -> None:

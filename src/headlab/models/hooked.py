@@ -94,6 +94,12 @@ class HookedModel:
         """Full logits [batch, pos, vocab]."""
         return self._call(self.module, inputs)
 
+    def record(self, inputs: Inputs, site: str = "z") -> dict[int, Tensor]:
+        """layer -> one head site's activation over a plain forward pass (shapes: see sites.py)."""
+        with self.sites.record((site,)) as store:
+            self.forward(inputs)
+        return {layer: t.contiguous() for (_, layer), t in store.items()}
+
     def trace(self, inputs: Inputs) -> Trace:
         resid_pre: list[Optional[Tensor]] = [None] * self.n_layers
         extra: list[Optional[tuple]] = [None] * self.n_layers
