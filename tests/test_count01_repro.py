@@ -87,6 +87,13 @@ def test_scaling_heads(setup):
                                        Intervention("keep_head", "zero", 0, 1)])  # fmt: skip
     torch.testing.assert_close(got[1], got[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(got[2], got[3], atol=1e-6, rtol=0)
+    # at one position only: scaling every head by 0 there is ablating the layer there
+    sep = int(data.positions[0, 0])
+    same_len = data.positions[:, 0] == sep
+    at_pos = execute(hooked, task, data, [Intervention("scale_heads", "uniform", 0, position=sep, scale=(0.0,) * H),
+                                          Intervention("ablate_layer", "zero", 0, position=sep)])  # fmt: skip
+    torch.testing.assert_close(at_pos[0], at_pos[1], atol=1e-6, rtol=0)
+    assert (at_pos[0, same_len] - got[0, same_len]).abs().max() > 1e-3
     norms = head_output_norms(hooked, data)[0]
     scaled = norms * torch.tensor(uniform_scales({0: norms})[0])
     torch.testing.assert_close(scaled, torch.full((H,), norms.mean().item()))

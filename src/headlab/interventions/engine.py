@@ -60,7 +60,8 @@ def _apply(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources)
     if edit.source == "head":
         x[index] = x[(slice(None), [edit.other_head], pos)].clone()
     elif edit.source == "scale":
-        x.mul_(torch.tensor(edit.scale, dtype=x.dtype, device=x.device).view(1, 1, -1, 1))
+        factors = torch.tensor(edit.scale, dtype=x.dtype, device=x.device)[heads]
+        x[index] = x[index] * factors.view(-1, 1)
     else:
         value = sources.value(edit.source, iv.layer)
         if value is None:
