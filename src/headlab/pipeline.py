@@ -6,7 +6,7 @@ import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pandas as pd
 import torch
@@ -70,9 +70,9 @@ def obtain_model(cfg: DictConfig, task: Task, show_progress: bool = True) -> Hoo
 
 
 def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
-    if already_done(cfg, run_dir):
-        log.info("skipped: %s holds a complete result for this config", run_dir)
-        return _previous(run_dir)
+    previous = _previous_result(cfg, run_dir)
+    if previous is not None:
+        return previous
     timings: dict[str, float] = {}
     apply_threads(cfg)
     task = build_task(cfg.task)
@@ -109,7 +109,11 @@ def _attention_table(cfg: DictConfig, task: Task, model: HookedModel, data, run_
     return results.tidy(run_info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
 
 
-def _previous(run_dir: Path) -> pd.DataFrame:
+def _previous_result(cfg: DictConfig, run_dir: Path) -> Optional[pd.DataFrame]:
+    """The table of a finished run of this same config (marked skipped), else None."""
+    if not already_done(cfg, run_dir):
+        return None
+    log.info("skipped: %s holds a complete result for this config", run_dir)
     df = pd.read_parquet(Path(run_dir) / results.TABLE)
     df.attrs["skipped"] = True
     return df
@@ -119,9 +123,9 @@ def train(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.Data
     """Train the configured toy model; its curve becomes the run's table."""
     from .train import train_toy
 
-    if already_done(cfg, run_dir):
-        log.info("skipped: %s holds a complete result for this config", run_dir)
-        return _previous(run_dir)
+    previous = _previous_result(cfg, run_dir)
+    if previous is not None:
+        return previous
     timings: dict[str, float] = {}
     apply_threads(cfg)
     task = build_task(cfg.task)
