@@ -89,6 +89,32 @@ class ModelConfig:
 
 
 @dataclass
+class PathNetConfig(ModelConfig):
+    """The attention network of Tiberi et al. (models/pathnet.py), learned by Bayes and by gradient descent."""
+
+    name: str = "pathnet"
+    kind: ModelKind = ModelKind.pathnet
+    width: int = 100  # N, every layer's and the readout's
+    heads: list[list[str]] = field(default_factory=lambda: [["same_token", "random"], ["uniform", "random"]])
+    beta: float = 10.0  # inverse softmax temperature of every head template
+    head_seed: int = 7  # random heads' templates
+    random_strength: float = 1.0
+    variances: Optional[list[float]] = None  # prior variances: input, each layer, readout (default all 1)
+    temperature: float = 0.01  # the likelihood's variance
+    # named path subsets ("h1-h2", head index per layer) whose GP-limit predictor is reported too
+    reference_paths: dict[str, list[str]] = field(default_factory=dict)
+    theory_tol: float = 1e-7  # stop when every |dS/dU| is below
+    theory_steps: int = 5_000  # L-BFGS iterations at most
+    samples: int = 100  # HMC draws kept (0: no sampling)
+    collapse_input: bool = True  # integrate V0 out exactly (f is linear in it) and sample the rest
+    warmup: int = 100  # HMC draws that tune the step size, discarded
+    trajectory: float = 1.5  # HMC trajectory length; pi/2 turns a prior-dominated direction a quarter period
+    max_leapfrog: int = 512
+    sample_dtype: str = "float32"  # all-weights sampling (collapse_input=false); collapsed runs in float64
+    alignment_top: int = 30  # principal components of the kernel compared with the labels
+
+
+@dataclass
 class TaskConfig:
     name: str = MISSING
     n_prompts: int = 512
@@ -114,6 +140,20 @@ class IOIConfig(TaskConfig):
     train_names: str = "names"  # names (all but the held-out) | vocab (every capitalised word token but them)
     eval_names: str = "all"  # all | held_out | train
     prepend_bos: bool = True
+
+
+@dataclass
+class MarkovConfig(TaskConfig):
+    name: str = "markov"
+    n_prompts: int = 1000  # test chains
+    n_train: int = 100
+    n_steps: int = 30
+    n_features: int = 200
+    p_stay_plus: float = 0.7  # label +1: probability of staying in the state
+    p_stay_minus: float = 0.3  # label -1
+    noise_label: float = 1.0  # noise strength along v+ - v-
+    noise_common: float = 1.0  # along v+ + v-
+    noise_orthogonal: float = 1.0  # in the complement of both (the paper's perpendicular noise)
 
 
 @dataclass
@@ -197,7 +237,8 @@ SCHEMAS: dict[str, type] = {
     "patch": PatchConfig,
     "train": TrainConfig,
 }
-TASK_SCHEMAS: dict[str, type] = {"counting": CountingConfig, "ioi": IOIConfig}
+TASK_SCHEMAS: dict[str, type] = {"counting": CountingConfig, "ioi": IOIConfig, "markov": MarkovConfig}
+MODEL_SCHEMAS: dict[str, type] = {"pathnet": PathNetConfig}
 
 
 def register_configs() -> None:
@@ -207,6 +248,8 @@ def register_configs() -> None:
         cs.store(group=group, name=f"base_{group}", node=schema)
     for name, schema in TASK_SCHEMAS.items():
         cs.store(group="task", name=f"base_{name}", node=schema)
+    for name, schema in MODEL_SCHEMAS.items():
+        cs.store(group="model", name=f"base_{name}", node=schema)
 
 
 register_configs()

@@ -90,6 +90,8 @@ def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFr
     previous = _previous_result(cfg, run_dir)
     if previous is not None:
         return previous
+    if option(cfg.model.kind) == "pathnet" or cfg.task.name == "markov":
+        return _run_pathnet(cfg, run_dir, show_progress)
     from .figures import FIGURES
 
     if cfg.output.figures and cfg.output.figures not in FIGURES:
@@ -133,6 +135,20 @@ def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFr
     return df
 
 
+def _run_pathnet(cfg: DictConfig, run_dir: Path, show_progress: bool) -> pd.DataFrame:
+    """model=pathnet on task=markov: theory, samples and gradient descent instead of an intervention sweep."""
+    from . import pathnet_study
+
+    if option(cfg.model.kind) != "pathnet":
+        raise UsageError(f"task=markov runs on model=pathnet, not model={cfg.model.name}")
+    apply_threads(cfg)
+    start = time.perf_counter()
+    df, extra = pathnet_study.run(cfg, show_progress)
+    timings = {"total": time.perf_counter() - start, **extra.pop("timings")}
+    results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
+    return df
+
+
 def draw_figures(name: str, table: pd.DataFrame, run_dir: Path) -> None:
     """Figures from the run's table into <run_dir>/figures (+ numbers.json); the table stands without them."""
     from .figures import FIGURES
@@ -164,6 +180,8 @@ def train(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.Data
     """Train the configured toy model; its curve becomes the run's table."""
     from .train import train_toy
 
+    if option(cfg.model.kind) == "pathnet":
+        raise UsageError("model=pathnet is learned inside `headlab run` (theory, posterior samples, gradient descent)")
     previous = _previous_result(cfg, run_dir)
     if previous is not None:
         return previous

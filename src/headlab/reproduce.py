@@ -27,9 +27,9 @@ class Reproduction:
 
 
 def registry() -> dict[str, Reproduction]:
-    from .figures import count01
+    from .figures import count01, markov
 
-    return {r.name: r for r in (count01.REPRODUCTION,)}
+    return {r.name: r for r in (count01.REPRODUCTION, markov.REPRODUCTION)}
 
 
 def get(name: str) -> Reproduction:

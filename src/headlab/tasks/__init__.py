@@ -86,8 +86,9 @@ class Task:
 def _registry() -> dict[str, Callable[[Any], Task]]:
     from .counting import CountingTask
     from .ioi import IOITask
+    from .markov import MarkovTask
 
-    return {"counting": CountingTask, "ioi": IOITask}
+    return {"counting": CountingTask, "ioi": IOITask, "markov": MarkovTask}
 
 
 def task_names() -> list[str]:

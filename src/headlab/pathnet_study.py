@@ -1,0 +1,289 @@
+"""One run of model=pathnet on task=markov: theory, GP, posterior samples, gradient descent, pruning.
+
+Everything lands in one tidy table (results.py): test accuracy per method (theory = kernel regression
+with the order parameter U that minimises the action at this width; gp = U of the infinite-width limit,
+also over the reference path subsets; sample = the mean predictor over HMC posterior draws; gd = one
+network trained by gradient descent), the U matrices (theory, sample, gd, gp) in long form, the
+alignment of the kernels' principal components with the labels, head scores from U, and test accuracy
+with heads pruned (one at a time, and cumulatively in score order and in every/random order).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from . import results
+from .analysis import paths as theory
+from .errors import UsageError
+from .models.pathnet import PathNet
+from .progress import progress_bar
+from .tasks.markov import MarkovTask
+from .train.bayes import HMCStats, gradient_descent, hmc
+
+log = logging.getLogger("headlab")
+TEST_SEED_OFFSET = 20_000  # the test chains never overlap the training chains' random stream
+MAX_RANDOM_ORDERS = 120  # every pruning order up to 5 heads, else this many drawn at random
+
+
+def build(cfg) -> tuple[PathNet, MarkovTask]:
+    if cfg.task.name != "markov":
+        raise UsageError(f"model=pathnet runs task=markov only, not task={cfg.task.name}")
+    task = MarkovTask(cfg.task)
+    m = cfg.model
+    variances = list(m.variances) if m.variances is not None else [1.0] * (len(m.heads) + 2)
+    net = PathNet.build(m.heads, cfg.task.n_features, task.n_tokens, m.width, m.beta, variances,
+                        head_seed=m.head_seed, random_strength=m.random_strength)  # fmt: skip
+    return net, task
+
+
+def parse_paths(net: PathNet, spec: list[str]) -> list[int]:
+    """Path indices from strings 'h1-h2-..' (head index per layer)."""
+    index = {"-".join(map(str, p)): i for i, p in enumerate(net.paths())}
+    unknown = [s for s in spec if s not in index]
+    if unknown:
+        raise UsageError(f"unknown path {', '.join(unknown)}; paths are: {', '.join(index)}")
+    return [index[s] for s in spec]
+
+
+class Study:
+    """The arrays of one run, and the table rows they become."""
+
+    def __init__(self, cfg, show_progress: bool = False):
+        self.cfg, self.show_progress = cfg, show_progress
+        self.net, self.task = build(cfg)
+        train = self.task.sample(cfg.task.n_train, cfg.seed)
+        test = self.task.sample(cfg.task.n_prompts, cfg.seed + TEST_SEED_OFFSET)
+        self.y, self.y_test = train.y, test.y
+        self.x_train, self.x_test = self.net.path_inputs(train.x), self.net.path_inputs(test.x)
+        s0 = self.net.variances[0]
+        self.c_train = theory.path_kernels(self.x_train, self.x_train, s0)
+        self.c_cross = theory.path_kernels(self.x_train, self.x_test, s0)
+        self.heads = self.net.heads_per_layer
+        self.labels = [self.net.path_label(p) for p in self.net.paths()]
+        self.info: dict = {}
+
+    # -------------------------------------------------------------- predictors
+
+    def kernel_outputs(self, u: Tensor, subset: Optional[list[int]] = None) -> Tensor:
+        """Per-path test outputs [1, paths, n_test] of kernel regression with order parameter u."""
+        c_train, c_cross = self.c_train, self.c_cross
+        if subset is not None:
+            s = torch.tensor(subset)
+            c_train, c_cross = c_train[s][:, s], c_cross[s][:, s]  # u is given over the subset
+        return theory.path_predictions(c_train, c_cross, u, self.y, self.cfg.model.temperature)[None]
+
+    def network_outputs(self, weights: dict[str, Tensor]) -> Tensor:
+        """Each path's share of a network's f on the test set [paths, n_test]."""
+        w = self.net.effective_weights(weights) @ weights["V0"]
+        dims = self.x_test.shape[-1]
+        scale = (self.net.width * dims * self.net.n_paths) ** 0.5
+        return torch.einsum("npd,pd->pn", self.x_test.to(w.dtype), w).double() / scale
+
+    def likelihood(self, names: list[str], x: Tensor, y: Tensor, temperature: float):
+        """Negative log likelihood of all weights (V0 included): squared error / 2T."""
+
+        def fn(params: list[Tensor]) -> Tensor:
+            f = self.net.forward_paths(dict(zip(names, params)), x)
+            return ((f - y) ** 2).sum(dtype=torch.float64) / (2 * temperature)
+
+        return fn
+
+    def collapsed_likelihood(self, names: list[str], temperature: float):
+        """Negative log likelihood of a, V_1..V_L with V0 integrated out: f is linear in V0 with a Gaussian
+        prior, so given the other weights the outputs are Gaussian with covariance K(U) + T I."""
+
+        def fn(params: list[Tensor]) -> Tensor:
+            u = self.order_of(dict(zip(names, params)))
+            return theory.marginal_nll(self.c_train, u, self.y, temperature)
+
+        return fn
+
+    def order_of(self, weights: dict[str, Tensor]) -> Tensor:
+        return theory.empirical_order(self.net.effective_weights(weights).double()[None])
+
+    # -------------------------------------------------------------- stages
+
+    def run_theory(self) -> None:
+        cfg = self.cfg.model
+        with progress_bar("theory: minimising the action", cfg.theory_steps, enabled=self.show_progress) as bar:
+            order = theory.solve_order(self.c_train, self.y, self.heads, self.net.width, self.net.variances,
+                                       cfg.temperature, tol=cfg.theory_tol,
+                                       max_steps=cfg.theory_steps, on_step=lambda s, g: bar.update(s, f"max|grad| {g:.1e}"))  # fmt: skip
+        if order.grad_max >= cfg.theory_tol:
+            log.warning("theory: max|dS/dU| = %.2e after %d steps (tolerance %.0e)", order.grad_max, order.steps, cfg.theory_tol)
+        self.u = {"theory": order.u, "gp": theory.gp_order(self.net.n_paths, self.net.variances)}
+        self.info["theory"] = {"steps": order.steps, "grad_max": order.grad_max, "action": order.action, "u_a": order.u_a}
+        self.outputs = {"theory": self.kernel_outputs(order.u), "gp": self.kernel_outputs(self.u["gp"])}
+        for name, spec in (cfg.reference_paths or {}).items():
+            subset = parse_paths(self.net, list(spec))
+            self.outputs[f"gp_{name}"] = self.kernel_outputs(theory.gp_order(len(subset), self.net.variances), subset)
+
+    def run_samples(self) -> None:
+        """HMC draws; with model.collapse_input (default) V0 is integrated out and each draw's outputs are
+        its exact conditional mean given the other weights (Rao-Blackwellised)."""
+        cfg, net = self.cfg.model, self.net
+        if cfg.samples <= 0:
+            return
+        collapsed = cfg.collapse_input
+        dtype = torch.float64 if collapsed else getattr(torch, cfg.sample_dtype)
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        init = net.init_weights(gen, dtype)
+        if collapsed:
+            init.pop("V0")
+        names = list(init)
+        orders, per_path = [], []
+
+        def keep(params: list[Tensor]) -> None:
+            weights = dict(zip(names, params))
+            u = self.order_of(weights)
+            orders.append(u)
+            per_path.append(self.kernel_outputs(u)[0] if collapsed else self.network_outputs(weights))
+
+        if collapsed:
+            likelihood = self.collapsed_likelihood(names, cfg.temperature)
+        else:
+            likelihood = self.likelihood(names, self.x_train.to(dtype), self.y.to(dtype), cfg.temperature)
+        variances = [net.prior_variance(n) for n in names]
+        start = time.perf_counter()
+        with progress_bar(f"HMC, N={net.width}", cfg.warmup + cfg.samples, enabled=self.show_progress) as bar:
+            stats: HMCStats = hmc(likelihood, list(init.values()), cfg.warmup, cfg.samples, gen,
+                                  prior_variances=variances, trajectory=cfg.trajectory, max_leapfrog=cfg.max_leapfrog, on_sample=keep,
+                                  on_iteration=lambda it, s: bar.update(it))  # fmt: skip
+        self.info["sample"] = {"collapsed_input": collapsed, "step_size": stats.step_size,
+                               "accept_rate": stats.accept_rate, "leapfrog_steps": stats.leapfrog_steps,
+                               "divergent": stats.divergent, "seconds": time.perf_counter() - start}  # fmt: skip
+        self.u["sample"] = torch.stack(orders).mean(0)
+        self.outputs["sample"] = torch.stack(per_path)  # [samples, paths, n_test]
+
+    def run_gd(self) -> None:
+        train = self.cfg.train
+        if train.steps <= 0:
+            return
+        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        init = self.net.init_weights(gen)
+        names = list(init)
+        temperature = self.cfg.model.temperature
+        likelihood = self.likelihood(names, self.x_train, self.y, temperature)
+        variances = [self.net.prior_variance(n) for n in names]
+        with progress_bar(f"gradient descent, N={self.net.width}", train.steps, enabled=self.show_progress) as bar:
+            params, loss = gradient_descent(lambda p: (likelihood(p) + _prior(p, variances)) * temperature, list(init.values()),
+                                            train.steps, train.lr, on_step=lambda s, _: bar.update(s))  # fmt: skip
+        weights = dict(zip(names, params))
+        self.u["gd"] = self.order_of(weights)
+        self.outputs["gd"] = self.network_outputs(weights)[None]
+        self.info["gd"] = {"final_loss": loss}
+
+    # -------------------------------------------------------------- rows
+
+    def predictions(self, method: str, keep: Optional[Tensor] = None) -> Tensor:
+        """Test predictions [n_test] of a method (mean over draws), with only the kept paths when given."""
+        out = self.outputs[method]  # [draws, paths, n_test]
+        if keep is not None:
+            out = out * keep[None, :, None]
+        return out.sum(1).mean(0)
+
+    def accuracy_table(self, labels: list[dict], predictions: list[Tensor]) -> pd.DataFrame:
+        y = self.y_test.numpy()
+        f = torch.stack(predictions).numpy()
+        quantities = np.stack([np.sign(f) == y, f * y], -1).astype(float)  # [k, n, 2]
+        aggregates = {"test_acc": lambda q, _a: q[..., 0].mean(-1), "test_margin": lambda q, _a: q[..., 1].mean(-1)}
+        return results.tidy(self.run_info(), labels, quantities, ("correct", "margin"), {"label": y}, aggregates,
+                             n_boot=self.cfg.output.n_boot)  # fmt: skip
+
+    def run_info(self) -> dict:
+        return {"experiment": self.cfg.name, "model": self.cfg.model.name, "task": self.cfg.task.name,
+                "seed": self.cfg.seed}  # fmt: skip
+
+    def table(self) -> pd.DataFrame:
+        methods = list(self.outputs)
+        labels = [{"intervention": "none", "method": m} for m in methods]
+        preds = [self.predictions(m) for m in methods]
+        pruned_labels, pruned_preds = self._pruning(methods)
+        frames = [self.accuracy_table(labels + pruned_labels, preds + pruned_preds)]
+        frames.append(self._order_rows())
+        frames.append(self._score_rows())
+        frames.append(self._alignment_rows())
+        df = pd.concat(frames, ignore_index=True)
+        df["width"] = self.net.width
+        return results.conform(df.assign(**self.run_info()))
+
+    def _keep(self, removed: list[tuple[int, int]]) -> Tensor:
+        return torch.tensor([not any(p[l] == h for l, h in removed) for p in self.net.paths()])
+
+    def _pruning(self, methods: list[str]) -> tuple[list[dict], list[Tensor]]:
+        heads = [(l, h) for l, count in enumerate(self.heads) for h in range(count)]
+        labels, preds = [], []
+        for method in (m for m in ("theory", "sample", "gd") if m in methods):
+            for l, h in heads:
+                labels.append({"intervention": "prune", "method": method, "layer": l, "head": h})
+                preds.append(self.predictions(method, self._keep([(l, h)])))
+            scores = theory.head_scores(self.u[method], self.heads)
+            by_score = sorted(heads, key=lambda lh: scores[lh])
+            orders = list(itertools.permutations(heads))
+            if len(orders) > MAX_RANDOM_ORDERS:
+                rng = np.random.default_rng(self.cfg.seed)
+                orders = [tuple(heads[i] for i in rng.permutation(len(heads))) for _ in range(MAX_RANDOM_ORDERS)]
+            for k in range(1, len(heads)):
+                labels.append({"intervention": "prune_by_score", "method": method, "n_pruned": k})
+                preds.append(self.predictions(method, self._keep(by_score[:k])))
+                for j, order in enumerate(orders):
+                    labels.append({"intervention": "prune_random", "method": method, "n_pruned": k, "order": j})
+                    preds.append(self.predictions(method, self._keep(list(order[:k]))))
+        return labels, preds
+
+    def _order_rows(self) -> pd.DataFrame:
+        rows = []
+        for method, u in self.u.items():
+            for i, j in itertools.product(range(len(self.labels)), repeat=2):
+                rows.append({"intervention": "none", "method": method, "metric": "order_parameter",
+                             "value": float(u[i, j]), "n": 1, "path": self.labels[i], "path_b": self.labels[j]})  # fmt: skip
+        if "sample" in self.u:
+            diff = torch.linalg.norm(self.u["sample"] - self.u["theory"]) / torch.linalg.norm(self.u["theory"])
+            rows.append({"intervention": "none", "method": "sample", "metric": "u_rel_error_vs_theory",
+                         "value": float(diff), "n": self.cfg.model.samples})  # fmt: skip
+        return pd.DataFrame(rows)
+
+    def _score_rows(self) -> pd.DataFrame:
+        rows = []
+        for method in (m for m in ("theory", "sample", "gd") if m in self.u):
+            for (l, h), score in theory.head_scores(self.u[method], self.heads).items():
+                rows.append({"intervention": "none", "method": method, "layer": l, "head": h,
+                             "metric": "head_score", "value": score, "n": 1, "head_kind": self.net.heads[l][h]})  # fmt: skip
+        return pd.DataFrame(rows)
+
+    def _alignment_rows(self) -> pd.DataFrame:
+        rows = []
+        top = min(self.cfg.model.alignment_top, len(self.y))
+        for method in ("theory", "gp"):
+            k = theory.kernel(self.c_train, self.u[method])
+            for rank, value in enumerate(theory.alignment(k, self.y, top).tolist(), 1):
+                rows.append({"intervention": "none", "method": method, "metric": "label_alignment",
+                             "value": value, "n": len(self.y), "rank": rank})  # fmt: skip
+        return pd.DataFrame(rows)
+
+
+def _prior(params: list[Tensor], variances: list[float]) -> Tensor:
+    return sum(torch.sum(p * p, dtype=torch.float64) / (2 * v) for p, v in zip(params, variances))
+
+
+def run(cfg, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
+    """The run's table and what to keep in meta.json (solver, sampler and training diagnostics)."""
+    study = Study(cfg, show_progress)
+    timings = {}
+    for stage in ("theory", "samples", "gd"):
+        start = time.perf_counter()
+        getattr(study, f"run_{stage}")()
+        timings[stage] = time.perf_counter() - start
+    df = study.table()
+    for key in ("n_pruned", "order", "rank"):
+        if key in df:
+            df[key] = df[key].astype("Int64")
+    return df, {"pathnet": study.info, "timings": {k: round(v, 3) for k, v in timings.items()}}
