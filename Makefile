@@ -36,3 +36,10 @@ ioi-crosscheck: $(VENV)/.headlab-bench
 
 clean:
 	rm -rf $(VENV)
+
+.PHONY: markov markov-sampler
+markov: $(STAMP)  # Tiberi et al. Fig. 2 and head pruning, about 8 min on 2 cores
+	$(BIN)/headlab reproduce markov
+
+markov-sampler: $(STAMP)
+	$(BIN)/python benchmarks/markov_sampler.py

@@ -266,11 +266,19 @@ def reproduce(
     table = Table(title=f"{name}: headline numbers")
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    for key, value in result["numbers"].items():
-        table.add_row(key, f"{value:.3f}")
+    for key, value in _flatten(result["numbers"]).items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, (int, float)) else str(value))
     out.print(table)
     for path in result["figures"]:
         out.print(f"figure: {path}", highlight=False, soft_wrap=True)
+
+
+def _flatten(numbers: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in numbers.items():
+        name = f"{prefix}{key}"
+        flat.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+    return flat
 
 
 @app.command()

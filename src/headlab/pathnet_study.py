@@ -192,8 +192,8 @@ class Study:
 
     def accuracy_table(self, labels: list[dict], predictions: list[Tensor]) -> pd.DataFrame:
         y = self.y_test.numpy()
-        f = torch.stack(predictions).numpy()
-        quantities = np.stack([np.sign(f) == y, f * y], -1).astype(float)  # [k, n, 2]
+        f = torch.stack(predictions)
+        quantities = np.stack([theory.correct(f, self.y_test).numpy(), f.numpy() * y], -1)  # [k, n, 2]
         aggregates = {"test_acc": lambda q, _a: q[..., 0].mean(-1), "test_margin": lambda q, _a: q[..., 1].mean(-1)}
         return results.tidy(self.run_info(), labels, quantities, ("correct", "margin"), {"label": y}, aggregates,
                              n_boot=self.cfg.output.n_boot)  # fmt: skip
@@ -206,8 +206,8 @@ class Study:
         methods = list(self.outputs)
         labels = [{"intervention": "none", "method": m} for m in methods]
         preds = [self.predictions(m) for m in methods]
-        pruned_labels, pruned_preds = self._pruning(methods)
-        frames = [self.accuracy_table(labels + pruned_labels, preds + pruned_preds)]
+        pruned_labels, pruned_preds, random_orders = self._pruning(methods)
+        frames = [self.accuracy_table(labels + pruned_labels, preds + pruned_preds), random_orders]
         frames.append(self._order_rows())
         frames.append(self._score_rows())
         frames.append(self._alignment_rows())
@@ -218,26 +218,29 @@ class Study:
     def _keep(self, removed: list[tuple[int, int]]) -> Tensor:
         return torch.tensor([not any(p[l] == h for l, h in removed) for p in self.net.paths()])
 
-    def _pruning(self, methods: list[str]) -> tuple[list[dict], list[Tensor]]:
+    def _pruning(self, methods: list[str]) -> tuple[list[dict], list[Tensor], pd.DataFrame]:
+        """Single heads and score-ordered prefixes (rows for the bootstrap table), and random orders
+        (one row per number pruned: mean accuracy over orders, interval over orders)."""
         heads = [(l, h) for l, count in enumerate(self.heads) for h in range(count)]
-        labels, preds = [], []
+        orders = list(itertools.permutations(heads))
+        if len(orders) > MAX_RANDOM_ORDERS:
+            rng = np.random.default_rng(self.cfg.seed)
+            orders = [tuple(heads[i] for i in rng.permutation(len(heads))) for _ in range(MAX_RANDOM_ORDERS)]
+        labels, preds, random_rows = [], [], []
         for method in (m for m in ("theory", "sample", "gd") if m in methods):
             for l, h in heads:
                 labels.append({"intervention": "prune", "method": method, "layer": l, "head": h})
                 preds.append(self.predictions(method, self._keep([(l, h)])))
             scores = theory.head_scores(self.u[method], self.heads)
             by_score = sorted(heads, key=lambda lh: scores[lh])
-            orders = list(itertools.permutations(heads))
-            if len(orders) > MAX_RANDOM_ORDERS:
-                rng = np.random.default_rng(self.cfg.seed)
-                orders = [tuple(heads[i] for i in rng.permutation(len(heads))) for _ in range(MAX_RANDOM_ORDERS)]
             for k in range(1, len(heads)):
                 labels.append({"intervention": "prune_by_score", "method": method, "n_pruned": k})
                 preds.append(self.predictions(method, self._keep(by_score[:k])))
-                for j, order in enumerate(orders):
-                    labels.append({"intervention": "prune_random", "method": method, "n_pruned": k, "order": j})
-                    preds.append(self.predictions(method, self._keep(list(order[:k]))))
-        return labels, preds
+                accs = [theory.accuracy(self.predictions(method, self._keep(list(o[:k]))), self.y_test) for o in orders]
+                random_rows.append({"intervention": "prune_random", "method": method, "n_pruned": k,
+                                    "metric": "test_acc", "value": float(np.mean(accs)), "n": len(accs),
+                                    "ci_low": float(np.percentile(accs, 2.5)), "ci_high": float(np.percentile(accs, 97.5))})  # fmt: skip
+        return labels, preds, pd.DataFrame(random_rows)
 
     def _order_rows(self) -> pd.DataFrame:
         rows = []
@@ -283,7 +286,7 @@ def run(cfg, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
         getattr(study, f"run_{stage}")()
         timings[stage] = time.perf_counter() - start
     df = study.table()
-    for key in ("n_pruned", "order", "rank"):
+    for key in ("n_pruned", "rank"):
         if key in df:
             df[key] = df[key].astype("Int64")
     return df, {"pathnet": study.info, "timings": {k: round(v, 3) for k, v in timings.items()}}

@@ -70,8 +70,13 @@ def marginal_nll(c_train: Tensor, u: Tensor, y: Tensor, temperature: float) -> T
     return 0.5 * white.pow(2).sum() + torch.log(chol.diagonal()).sum()
 
 
+def correct(prediction: Tensor, y: Tensor) -> Tensor:
+    """1 where the sign is right, 1/2 where the prediction is exactly 0 (no paths left: a coin flip)."""
+    return (torch.sign(prediction) == y).double() + 0.5 * (prediction == 0).double()
+
+
 def accuracy(prediction: Tensor, y: Tensor) -> float:
-    return float((torch.sign(prediction) == y).double().mean())
+    return float(correct(prediction, y).mean())
 
 
 # ---------------------------------------------------------------- the action and its minimum

@@ -6,7 +6,8 @@
   fig_alignment.png       (c) |cos| of the kernel's principal components with the labels, finite N vs GP (2d)
   fig_two_paths.png       (d) the noisier two-path variant: accuracy vs width (Fig. 2e)
   fig_pruning.png         (e) head score and accuracy drop per pruned head; accuracy vs heads pruned in
-                              score order and in random order (the idea of Fig. 3e-f, on this task)
+                              score order and in random order (the idea of Fig. 3e-f, on this task), on
+                              two layers of four heads (experiment markov_pruning)
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from ..reproduce import Reproduction  # noqa: E402
 
 WIDTHS = (10, 30, 100, 300, 1000)
 QUICK_WIDTHS = (10, 100)
-MAIN, TWO = "markov_paths", "markov_two_paths"
+MAIN, TWO, PRUNE = "markov_paths", "markov_two_paths", "markov_pruning"
+PRUNE_WIDTH = 30
 METHOD_STYLE = {
     "theory": dict(color="tab:blue", marker="x", label="theory (finite N)"),
     "sample": dict(color="black", marker="o", label="posterior samples (HMC)"),
@@ -37,7 +39,8 @@ def runs(quick: bool) -> list[list[str]]:
     widths = QUICK_WIDTHS if quick else WIDTHS
     fast = ["model.samples=10", "model.warmup=20", "task.n_prompts=300", "train.steps=300",
             "output.n_boot=50"] if quick else []  # fmt: skip
-    return [[f"experiment={exp}", f"model.width={n}", *fast] for exp in (MAIN, TWO) for n in widths]
+    out = [[f"experiment={exp}", f"model.width={n}", *fast] for exp in (MAIN, TWO) for n in widths]
+    return out + [[f"experiment={PRUNE}", f"model.width={PRUNE_WIDTH}", *fast]]
 
 
 def _accuracy(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
@@ -109,8 +112,8 @@ def _plot_alignment(table: pd.DataFrame, out: Path) -> dict:
     return {"width": int(width), **numbers}
 
 
-def _pruning(table: pd.DataFrame, width: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    rows = table[(table["experiment"] == MAIN) & (table["width"] == width)]
+def _pruning(table: pd.DataFrame, experiment: str, width: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    rows = table[(table["experiment"] == experiment) & (table["width"] == width)]
     acc = rows[rows["metric"] == "test_acc"]
     base = acc[acc["intervention"] == "none"].set_index("method")["value"]
     single = acc[acc["intervention"] == "prune"].drop(columns=["head_kind"], errors="ignore")
@@ -124,9 +127,9 @@ def _pruning(table: pd.DataFrame, width: int) -> tuple[pd.DataFrame, pd.DataFram
 
 
 def _plot_pruning(table: pd.DataFrame, out: Path) -> dict:
-    widths = sorted(table[(table["experiment"] == MAIN)]["width"].unique())
-    width = widths[0]
-    single, ordered, random = _pruning(table, width)
+    experiment = PRUNE if (table["experiment"] == PRUNE).any() else MAIN
+    width = int(table[table["experiment"] == experiment]["width"].min())
+    single, ordered, random = _pruning(table, experiment, width)
     methods = [m for m in ("theory", "sample", "gd") if m in set(single["method"])]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for method in methods:
@@ -138,14 +141,14 @@ def _plot_pruning(table: pd.DataFrame, out: Path) -> dict:
         rnd = random[random["method"] == method]
         axes[1].plot(o["n_pruned"], o["value"], color=METHOD_STYLE[method]["color"], marker="o", label=f"{method}: by score")
         axes[1].plot(rnd["n_pruned"], rnd["value"], color=METHOD_STYLE[method]["color"], ls="--", label=f"{method}: random")
-    axes[0].set(xlabel="head score (from U)", ylabel="accuracy drop when pruned", title=f"single heads, N={width}")
+    axes[0].set(xlabel="head score (from U)", ylabel="accuracy drop when pruned", title=f"{experiment}: single heads, N={width}")
     axes[1].set(xlabel="heads pruned", ylabel="test accuracy", title="pruning in score order vs random order")
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "fig_pruning.png", dpi=120)
     plt.close(fig)
-    numbers = {"width": int(width)}
+    numbers = {"experiment": experiment, "width": int(width)}
     for method in methods:
         o = ordered[ordered["method"] == method].set_index("n_pruned")["value"]
         r = random[random["method"] == method].set_index("n_pruned")["value"]
