@@ -79,6 +79,19 @@ def test_forward_along_paths_equals_the_layer_by_layer_network():
                                    rtol=1e-10, atol=1e-12)  # fmt: skip
 
 
+def test_pruning_a_head_removes_exactly_its_paths_from_the_network():
+    task = MarkovTask(markov_cfg())
+    x = task.sample(12, seed=4).x
+    net = _net(heads=[["same_token", "random", "uniform"], ["uniform", "random"]])
+    weights = net.init_weights(torch.Generator().manual_seed(3))
+    per_path = net.path_outputs(weights, net.path_inputs(x))
+    for layer, head in ((0, 1), (1, 0)):
+        silenced = {**weights, f"V{layer + 1}": weights[f"V{layer + 1}"].clone()}
+        silenced[f"V{layer + 1}"][head] = 0.0  # the head writes nothing
+        keep = theory.kept_paths(net.heads_per_layer, [(layer, head)])
+        torch.testing.assert_close(per_path[:, keep].sum(-1), net.forward(silenced, x), rtol=1e-10, atol=1e-12)
+
+
 def _network_kernel(net, weights, x):
     """sigma_0^2 * Gram of df/dV0 of the layer-by-layer network: its kernel with V0 integrated out."""
     grads = []
@@ -130,6 +143,11 @@ def test_gp_predictor_equals_closed_form_ridge_regression_in_feature_space():
     w_cov = temperature * np.linalg.inv(a)
     np.testing.assert_allclose(mean.numpy(), phi_test @ w_mean, rtol=1e-7, atol=1e-9)
     np.testing.assert_allclose(var.numpy(), np.einsum("ni,ij,nj->n", phi_test, w_cov, phi_test), rtol=1e-6, atol=1e-9)
+    per_path = theory.path_predictions(theory.path_kernels(xa, xa), theory.path_kernels(xa, xb), u, train.y, temperature)
+    np.testing.assert_allclose(per_path.sum(0).numpy(), phi_test @ w_mean, rtol=1e-7, atol=1e-9)
+    # a path's share is its own features' part of the ridge solution
+    d = xa.shape[-1]
+    np.testing.assert_allclose(per_path[1].numpy(), phi_test[:, d : 2 * d] @ w_mean[d : 2 * d], rtol=1e-7, atol=1e-9)
 
 
 def test_order_parameter_is_the_gp_value_at_large_width_and_a_minimum_of_the_action_at_small_width():
@@ -158,9 +176,8 @@ def test_head_scores_and_pruning_by_hand():
     raw = {(0, 0): 7 + 2 + 2, (0, 1): 5.5 + 0.7 + 2, (1, 0): 7 + 5.5 + 1 + 0.5, (1, 1): 2 + 0.7 + 1 + 0.5}
     top = max(raw.values())
     assert theory.head_scores(u, [2, 2]) == pytest.approx({k: v / top for k, v in raw.items()})
-    pruned = theory.prune(u, [2, 2], [(1, 1)])
-    assert torch.equal(pruned[[1, 3]], torch.zeros(2, 4)) and torch.equal(pruned[:, [1, 3]], torch.zeros(4, 2))
-    assert torch.equal(pruned[[0, 2]][:, [0, 2]], u[[0, 2]][:, [0, 2]])
+    assert theory.kept_paths([2, 2], [(1, 1)]).tolist() == [True, False, True, False]
+    assert theory.kept_paths([2, 2], [(0, 0), (1, 0)]).tolist() == [False, False, False, True]
 
 
 def test_hmc_draws_from_a_correlated_gaussian():

@@ -82,10 +82,7 @@ class Study:
 
     def network_outputs(self, weights: dict[str, Tensor]) -> Tensor:
         """Each path's share of a network's f on the test set [paths, n_test]."""
-        w = self.net.effective_weights(weights) @ weights["V0"]
-        dims = self.x_test.shape[-1]
-        scale = (self.net.width * dims * self.net.n_paths) ** 0.5
-        return torch.einsum("npd,pd->pn", self.x_test.to(w.dtype), w).double() / scale
+        return self.net.path_outputs(weights, self.x_test).T.double()
 
     def likelihood(self, names: list[str], x: Tensor, y: Tensor, temperature: float):
         """Negative log likelihood of all weights (V0 included): squared error / 2T."""
@@ -216,7 +213,7 @@ class Study:
         return results.conform(df.assign(**self.run_info()))
 
     def _keep(self, removed: list[tuple[int, int]]) -> Tensor:
-        return torch.tensor([not any(p[l] == h for l, h in removed) for p in self.net.paths()])
+        return theory.kept_paths(self.heads, removed)
 
     def _pruning(self, methods: list[str]) -> tuple[list[dict], list[Tensor], pd.DataFrame]:
         """Single heads and score-ordered prefixes (rows for the bootstrap table), and random orders

@@ -15,12 +15,13 @@ U = < e_pi . e_pi' / N > over the posterior, e the paths' effective weights (mod
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from ..models.pathnet import path_tuples
 
 
 def path_kernels(xa: Tensor, xb: Tensor, sigma0_sq: float = 1.0) -> Tensor:
@@ -189,7 +190,7 @@ def alignment(k: Tensor, y: Tensor, top: int) -> Tensor:
 
 def head_scores(u: Tensor, heads: list[int]) -> dict[tuple[int, int], float]:
     """Sum of |U| over the path pairs through each head (a pair counted once), divided by the largest."""
-    paths = _path_heads(heads)
+    paths = path_tuples(heads)
     scores = {}
     for l, h_count in enumerate(heads):
         for h in range(h_count):
@@ -199,11 +200,6 @@ def head_scores(u: Tensor, heads: list[int]) -> dict[tuple[int, int], float]:
     return {k: v / top for k, v in scores.items()}
 
 
-def prune(u: Tensor, heads: list[int], removed: list[tuple[int, int]]) -> Tensor:
-    """U with every row and column of a path through a removed (layer, head) set to zero."""
-    keep = torch.tensor([not any(p[l] == h for l, h in removed) for p in _path_heads(heads)])
-    return u * (keep[:, None] & keep[None, :])
-
-
-def _path_heads(heads: list[int]) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(range(h) for h in heads)))
+def kept_paths(heads: list[int], removed: list[tuple[int, int]]) -> Tensor:
+    """[paths] bool: True for each path through none of the removed (layer, head)."""
+    return torch.tensor([not any(p[l] == h for l, h in removed) for p in path_tuples(heads)])

@@ -59,6 +59,11 @@ def head_template(kind: str, n_features: int, n_tokens: int, gen: torch.Generato
     return w
 
 
+def path_tuples(heads_per_layer: list[int]) -> list[tuple[int, ...]]:
+    """(h_1, ..., h_L) per path index, h_1 major."""
+    return list(itertools.product(*(range(h) for h in heads_per_layer)))
+
+
 @dataclass
 class PathNet:
     """Structure (heads, templates) of the network; weights live apart, in a dict (see init_weights)."""
@@ -97,8 +102,7 @@ class PathNet:
         return int(torch.tensor(self.heads_per_layer).prod())
 
     def paths(self) -> list[tuple[int, ...]]:
-        """(h_1, ..., h_L) per path index, h_1 major."""
-        return list(itertools.product(*(range(h) for h in self.heads_per_layer)))
+        return path_tuples(self.heads_per_layer)
 
     def path_label(self, path: tuple[int, ...]) -> str:
         return ">".join(f"{self.heads[l][h]}{h}" for l, h in enumerate(path))
@@ -142,11 +146,15 @@ class PathNet:
             e = torch.einsum("ri,hij->hrj", e, weights[f"V{l}"]).flatten(0, 1) / self.width**0.5
         return e
 
-    def forward_paths(self, weights: dict[str, Tensor], x_paths: Tensor) -> Tensor:
-        """f [n] from path inputs [n, paths, D]: the same function as forward, computed along paths."""
+    def path_outputs(self, weights: dict[str, Tensor], x_paths: Tensor) -> Tensor:
+        """Each path's term of f [n, paths], from path inputs [n, paths, D]."""
         w = self.effective_weights(weights) @ weights["V0"]  # [paths, D]
         dims = x_paths.shape[-1]
-        return torch.einsum("npd,pd->n", x_paths.to(w.dtype), w) / (self.width * dims * self.n_paths) ** 0.5
+        return torch.einsum("npd,pd->np", x_paths.to(w.dtype), w) / (self.width * dims * self.n_paths) ** 0.5
+
+    def forward_paths(self, weights: dict[str, Tensor], x_paths: Tensor) -> Tensor:
+        """f [n] along paths: the same function as forward."""
+        return self.path_outputs(weights, x_paths).sum(-1)
 
     def forward(self, weights: dict[str, Tensor], x: Tensor) -> Tensor:
         """f [n], layer by layer as the network is written (the reference for forward_paths)."""
