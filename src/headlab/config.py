@@ -53,6 +53,8 @@ class AblateSweep(str, Enum):
     value_swaps = "value_swaps"  # head i alone, with head j's values (all pairs)
     uniform = "uniform"  # every head's output rescaled to the same mean norm at the first read position
     components = "components"  # each head, each layer's attention output, each layer's MLP output
+    # recall vs reasoning: components and MLP neuron groups, head patching, selectivity, circuit knockouts
+    circuits = "circuits"
 
 
 class AblateMethod(str, Enum):
@@ -140,6 +142,20 @@ class IOIConfig(TaskConfig):
     train_names: str = "names"  # names (all but the held-out) | vocab (every capitalised word token but them)
     eval_names: str = "all"  # all | held_out | train
     prepend_bos: bool = True
+
+
+@dataclass
+class RecallReasoningConfig(TaskConfig):
+    name: str = "recall_reasoning"
+    n_prompts: int = 400  # half recall, half reasoning
+    source: str = "synthetic"  # synthetic (a world for models trained here) | facts (pretrained LMs)
+    n_entities: int = 40
+    n_relations: int = 3
+    n_values: int = 10
+    world_seed: int = 0  # the synthetic world's facts; the same for training and evaluation
+    recall_fraction: float = 0.4  # share of fact statements in the training stream
+    one_hop_fraction: float = 0.2  # share of one-hop problems (a curriculum for the two-hop lookup)
+    prepend_bos: bool = True  # facts: start each prompt with the tokenizer's BOS token
 
 
 @dataclass
@@ -237,7 +253,8 @@ SCHEMAS: dict[str, type] = {
     "patch": PatchConfig,
     "train": TrainConfig,
 }
-TASK_SCHEMAS: dict[str, type] = {"counting": CountingConfig, "ioi": IOIConfig, "markov": MarkovConfig}
+TASK_SCHEMAS: dict[str, type] = {"counting": CountingConfig, "ioi": IOIConfig, "markov": MarkovConfig,
+                                 "recall_reasoning": RecallReasoningConfig}
 MODEL_SCHEMAS: dict[str, type] = {"pathnet": PathNetConfig}
 
 

@@ -104,6 +104,8 @@ def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFr
     with _timed(timings, "build_task"):
         data = task.build(cfg.task.n_prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model).to(cfg.device)
         model.module.to(cfg.device)
+    if option(cfg.ablate.sweep) == "circuits":
+        return _run_circuits(cfg, run_dir, task, model, data, timings, show_progress)
     scales = None
     if option(cfg.ablate.sweep) == "uniform":
         scales = uniform_scales(head_output_norms(model, data))
@@ -129,6 +131,22 @@ def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFr
             scores = score_table(model, data, run_info, n_boot=cfg.output.n_boot, seed=cfg.seed)
         df = results.conform(pd.concat([df, scores], ignore_index=True))
     extra = {"n_interventions": len(interventions), "n_prompts": data.n, "model_family": model.family}
+    results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
+    if cfg.output.figures:
+        draw_figures(cfg.output.figures, df, Path(run_dir))
+    return df
+
+
+def _run_circuits(cfg, run_dir, task, model, data, timings, show_progress) -> pd.DataFrame:
+    """ablate=circuits: the recall vs reasoning study (recall_reasoning_study.py) instead of a plain sweep."""
+    from . import recall_reasoning_study
+
+    if "kind" not in data.answers:
+        raise UsageError(f"ablate=circuits needs a task with recall and reasoning prompts, not task={cfg.task.name}")
+    run_info = {"experiment": cfg.name, "model": cfg.model.name, "task": cfg.task.name, "seed": cfg.seed}
+    with _timed(timings, "circuits"):
+        df, extra = recall_reasoning_study.run(cfg, model, task, data, run_info, show_progress)
+    extra.update({"n_prompts": data.n, "model_family": model.family})
     results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
     if cfg.output.figures:
         draw_figures(cfg.output.figures, df, Path(run_dir))

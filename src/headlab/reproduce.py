@@ -27,9 +27,9 @@ class Reproduction:
 
 
 def registry() -> dict[str, Reproduction]:
-    from .figures import count01, markov
+    from .figures import count01, markov, recall_reasoning
 
-    return {r.name: r for r in (count01.REPRODUCTION, markov.REPRODUCTION)}
+    return {r.name: r for r in (count01.REPRODUCTION, markov.REPRODUCTION, recall_reasoning.REPRODUCTION)}
 
 
 def get(name: str) -> Reproduction:

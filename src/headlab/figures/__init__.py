@@ -13,5 +13,11 @@ def _ioi(table: pd.DataFrame, out: Path) -> dict:
     return draw(table, out)
 
 
+def _recall_reasoning(table: pd.DataFrame, out: Path) -> dict:
+    from .recall_reasoning import draw
+
+    return draw(table, out)
+
+
 # figure sets a single run can draw from its own table (output.figures=<name>)
-FIGURES: dict[str, Callable[[pd.DataFrame, Path], dict]] = {"ioi": _ioi}
+FIGURES: dict[str, Callable[[pd.DataFrame, Path], dict]] = {"ioi": _ioi, "recall_reasoning": _recall_reasoning}

@@ -9,10 +9,13 @@ layer, each on one head site (z, pattern or v):
                                            (the head alone, carrying another head's pattern or values)
   scale_heads                              z of every head multiplied by its factor in `scale`
   ablate_mlp                               the layer's MLP output <- zero | mean | resample value
+  ablate_neurons                           the MLP hidden units `neurons` <- zero | mean | resample value
+                                           (`group` labels the set in the table, e.g. recall_top8)
   path_patch                               the head's z <- its reference-run value, seen only by the
                                            receivers (interventions/path.py)
 An ablation or patch edits z unless `site` names another head site (pattern, q, k, v); it edits every
 position, or `position`, or per prompt the position of the role `token` (e.g. IOI's END).
+Interventions at several layers act together through engine.execute_joint (circuit knockouts).
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ HEAD_SITES = ("z", "pattern", "q", "k", "v")
 
 @dataclass(frozen=True)
 class Edit:
-    site: str  # z | pattern | q | k | v | mlp
-    heads: tuple[int, ...]
+    site: str  # z | pattern | q | k | v | mlp | neurons
+    heads: tuple[int, ...]  # head indices; for site "neurons", MLP hidden-unit indices
     source: str = "zero"  # zero | mean | reference | counterfactual | head | scale
     other_head: Optional[int] = None
     scale: tuple[float, ...] = ()
@@ -48,6 +51,8 @@ class Intervention:
     other_head: Optional[int] = None
     receivers: Optional[str] = None  # path_patch: "logits" or "layer.head ..."
     scale: tuple[float, ...] = ()
+    neurons: tuple[int, ...] = ()  # ablate_neurons: MLP hidden units (not tabular; `group` names the set)
+    group: Optional[str] = None  # a label for the table, e.g. "recall_top8"
 
     def edits(self, n_heads: int) -> list[Edit]:
         everyone = tuple(range(n_heads))
@@ -60,6 +65,10 @@ class Intervention:
             return [Edit(site, everyone if self.head is None else (self.head,), SOURCES[self.method])]
         if kind == "ablate_mlp":
             return [Edit("mlp", (), SOURCES[self.method])]
+        if kind == "ablate_neurons":
+            if not self.neurons:
+                raise ValueError("ablate_neurons needs the neuron indices (neurons=(i, j, ...))")
+            return [Edit("neurons", tuple(self.neurons), SOURCES[self.method])]
         if kind == "ablate_layer":
             return [Edit("z", everyone, SOURCES[self.method])]
         if kind == "keep_head":
@@ -73,8 +82,8 @@ class Intervention:
         raise ValueError(f"unknown intervention '{kind}'")
 
     def row(self) -> dict[str, Any]:
-        """The table's columns for this intervention (the scale vector is not tabular)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scale"}
+        """The table's columns for this intervention (the scale and neuron vectors are not tabular)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("scale", "neurons")}
 
 
 CLEAN = Intervention("none")

@@ -5,10 +5,14 @@ together: the cached input of block l is stacked g times (one copy per intervent
 each copy's z as its intervention says, blocks l+1.. run on the stacked batch, and logits are computed
 at the positions the metrics read only. Layers before l are never recomputed. `naive=True` runs one
 full forward pass per intervention instead: the reference the fast path is tested against.
+
+`execute_joint` applies groups of interventions at several layers together (circuit knockouts): one full
+forward pass per group, with every involved layer's hooks installed at once.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Callable, Optional, Sequence, Union
 
@@ -85,23 +89,26 @@ class Sources:
 
 def site_index(site: str, rows: Tensor, pos: Position, heads: Optional[Tensor]) -> tuple:
     """Index of (prompts `rows`, positions, heads) in a site's layout; the result's dims are
-    [n, head, ...] for head sites and [n, ...] for mlp."""
+    [n, head, ...] for head sites, [n, ...] for mlp and [n, neuron, ...] for neurons ([n, pos, d_mlp],
+    `heads` holding the neuron indices)."""
     p = slice(None) if pos is None else pos[:, None] if isinstance(pos, Tensor) else pos
     if site == "mlp":
         return (rows, pos if isinstance(pos, Tensor) else p)
     r = rows[:, None]
-    return (r, p, heads) if site == "z" else (r, heads, p)
+    return (r, p, heads) if site in ("z", "neurons") else (r, heads, p)
 
 
 def _heads(site: str, heads: Sequence[int], sources: Sources) -> Tensor:
-    """k and v live on key/value heads: a query head's edit there touches its (shared) kv head."""
+    """k and v live on key/value heads: a query head's edit there touches its (shared) kv head.
+    Neuron indices (site "neurons") are taken as they are."""
     if site in ("k", "v"):
         heads = sorted({sources.kv_head_of(h) for h in heads})
     return torch.tensor(list(heads), dtype=torch.long)
 
 
 def _apply(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources) -> None:
-    """Edit one copy [n, ...] in place, in the site's layout (see models/sites.py; mlp [n, pos, d])."""
+    """Edit one copy [n, ...] in place, in the site's layout (see models/sites.py; mlp [n, pos, d],
+    neurons [n, pos, d_mlp])."""
     pos = sources.position(iv)
     rows = torch.arange(x.shape[0], device=x.device)
     heads = None if site == "mlp" else _heads(site, edit.heads, sources).to(x.device)
@@ -122,14 +129,23 @@ def _apply(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources)
 
 def _edit_fns(chunk: Sequence[Intervention], sources: Sources, n: int, n_heads: int) -> dict[str, Callable]:
     """Hooks, per site, that edit copy i of a stacked batch [g*n, ...] as chunk[i] says."""
+    return _copy_edit_fns([[iv] for iv in chunk], sources, n, n_heads)
+
+
+def _copy_edit_fns(
+    copies: Sequence[Sequence[Intervention]], sources: Sources, n: int, n_heads: int
+) -> dict[str, Callable]:
+    """Hooks, per site, that edit copy i of a stacked batch [g*n, ...] with every intervention in
+    copies[i], in order (several interventions on one layer act together)."""
     per_site: dict[str, list[tuple[int, Intervention, Edit]]] = defaultdict(list)
-    for i, iv in enumerate(chunk):
-        for edit in iv.edits(n_heads):
-            per_site[edit.site].append((i, iv, edit))
+    for i, ivs in enumerate(copies):
+        for iv in ivs:
+            for edit in iv.edits(n_heads):
+                per_site[edit.site].append((i, iv, edit))
 
     def hook(site: str, items: list) -> Callable[[Tensor], Tensor]:
         def edit_site(t: Tensor) -> Tensor:
-            stacked = t.unflatten(0, (len(chunk), n))
+            stacked = t.unflatten(0, (len(copies), n))
             for i, iv, edit in items:
                 _apply(stacked[i], site, iv, edit, sources)
             return t
@@ -221,8 +237,9 @@ def _run_stacked(model, task, data, interventions, sources, chunk_mb, show_progr
             h = trace.resid_pre[layer].repeat(len(chunk), 1, 1)
             read = data.positions.repeat(len(chunk), 1)
             fns = _edit_fns(chunk, sources, n, model.n_heads)
-            # an MLP edit on the last layer needs the MLP at every position, not only at the read ones
-            only_read = None if "mlp" in fns and layer == model.n_layers - 1 else read
+            # an MLP or neuron edit on the last layer needs the MLP at every position, not only at the
+            # read ones (the edit indexes positions of the full sequence)
+            only_read = None if ("mlp" in fns or "neurons" in fns) and layer == model.n_layers - 1 else read
             with model.hooks(layer, **fns):
                 h = model.run_blocks(h, layer, trace, copies=len(chunk), read=only_read)
             quantities = task.per_prompt(model.readout(h, read).unflatten(0, (len(chunk), n)), data)
@@ -245,3 +262,41 @@ def _run_naive(model, task, data, interventions, sources, show_progress) -> list
             out.append(task.per_prompt(logits[rows, data.positions], data))
             bar.update(i + 1)
     return out
+
+
+def execute_joint(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    groups: Sequence[Sequence[Intervention]],
+    show_progress: bool = False,
+    seed: int = 0,
+) -> Tensor:
+    """Per-prompt task quantities [len(groups), n_prompts, n_quantities], each group's interventions
+    applied together in one full forward pass (a circuit knockout): hooks go on every layer the group
+    touches at once, and several interventions on one layer all apply, in the group's order. An empty
+    group is the clean run. Replacement values come from one Sources, as in execute()."""
+    data = _through_last_read(data)
+    for group in groups:
+        for iv in group:
+            # path and attribution patching are not edits at one layer; they have their own executors
+            if iv.intervention != "none" and (iv.layer is None or iv.method in ("path", "attribution")):
+                raise ValueError(f"execute_joint takes exact single-layer interventions, not {iv}")
+    out = []
+    with torch.inference_mode():
+        needed = {(e.source, e.site) for group in groups for iv in group for e in iv.edits(model.n_heads)}
+        sources = Sources(model, data, needed, seed)
+        with progress_bar("joint interventions", total=len(groups), enabled=show_progress) as bar:
+            for done, group in enumerate(groups, 1):
+                by_layer: dict[int, list[Intervention]] = defaultdict(list)
+                for iv in group:
+                    if iv.intervention != "none":
+                        by_layer[iv.layer].append(iv)  # type: ignore[index]
+                with ExitStack() as stack:
+                    for layer, ivs in sorted(by_layer.items()):
+                        fns = _copy_edit_fns([ivs], sources, data.n, model.n_heads)  # one copy: the prompts
+                        stack.enter_context(model.hooks(layer, **fns))
+                    h = model.forward_blocks(data.inputs)
+                out.append(task.per_prompt(model.readout(h, data.positions), data))
+                bar.update(done)
+    return torch.stack(out)

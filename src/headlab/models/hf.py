@@ -27,12 +27,14 @@ class Family:
     out_proj: str  # output projection inside the attention module (its input is z)
     final_norm: str
     mlp: str = "mlp"  # position-wise feed-forward inside a block
+    down_proj: str = "mlp.down_proj"  # inside a block: the MLP's output projection (its input is "neurons")
 
 
-_LLAMA_LIKE = Family("model.layers", "self_attn", "o_proj", "model.norm")
+_LLAMA_LIKE = Family("model.layers", "self_attn", "o_proj", "model.norm", down_proj="mlp.down_proj")
 FAMILIES: dict[str, Family] = {
-    "gpt2": Family("transformer.h", "attn", "c_proj", "transformer.ln_f"),
-    "gpt_neox": Family("gpt_neox.layers", "attention", "dense", "gpt_neox.final_layer_norm"),
+    "gpt2": Family("transformer.h", "attn", "c_proj", "transformer.ln_f", down_proj="mlp.c_proj"),
+    "gpt_neox": Family("gpt_neox.layers", "attention", "dense", "gpt_neox.final_layer_norm",
+                       down_proj="mlp.dense_4h_to_h"),
     **{t: _LLAMA_LIKE for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo", "olmo2")},
 }
 
@@ -49,6 +51,14 @@ def _get(root: nn.Module, dotted: str) -> Any:
     for part in dotted.split("."):
         root = getattr(root, part)
     return root
+
+
+def _find(root: nn.Module, dotted: str) -> Optional[nn.Module]:
+    """Like _get, but None when a block lacks the module (a layer without an MLP)."""
+    try:
+        return _get(root, dotted)
+    except AttributeError:
+        return None
 
 
 def load_hf(
@@ -136,6 +146,7 @@ def hook_hf(model: nn.Module, name: str, family: Family, tokenizer: Any = None) 
         logit_softcap=getattr(cfg, "final_logit_softcapping", None),
         mlps=[getattr(b, family.mlp, None) for b in blocks],
         width=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
+        down_projs=[_find(b, family.down_proj) for b in blocks],
     )
 
 

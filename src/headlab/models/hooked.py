@@ -5,6 +5,10 @@ The sweep engine needs three things from a model, and nothing about its family:
                                    stream) and the extra arguments the block was called with;
   run_blocks(h, start, trace, g)   blocks start..L-1 on a batch that stacks g copies of the prompts;
   readout(h, positions)            final norm + unembedding at the positions the metrics read only.
+
+Besides the head sites (sites.py), every layer with an MLP has two more: "mlp", the MLP's output
+[batch, pos, d_model], and "neurons", its hidden units [batch, pos, d_mlp] (the input of the down
+projection, reached by a forward pre-hook on that module).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 from .sites import HeadSites
 
 Inputs = dict[str, Tensor]
+MLP_SITES = ("mlp", "neurons")
 
 
 @dataclass
@@ -68,6 +73,7 @@ class HookedModel:
         logit_softcap: Optional[float] = None,
         mlps: Optional[list[Optional[nn.Module]]] = None,
         width: int = 0,
+        down_projs: Optional[list[Optional[nn.Module]]] = None,
     ):
         self.name = name
         self.module = module
@@ -80,6 +86,7 @@ class HookedModel:
         self.tokenizer = tokenizer
         self.logit_softcap = logit_softcap
         self.mlps = mlps or [None] * len(blocks)
+        self.down_projs = down_projs or [None] * len(blocks)  # per layer: the module whose input is "neurons"
         self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
 
     @property
@@ -95,9 +102,10 @@ class HookedModel:
         return self._call(self.module, inputs)
 
     def record(self, inputs: Inputs, site: str = "z") -> dict[int, Tensor]:
-        """layer -> one site's activation over a plain forward pass: a head site (shapes: see sites.py)
-        or "mlp", the MLP block's output [batch, pos, d_model]."""
-        if site != "mlp":
+        """layer -> one site's activation over a plain forward pass: a head site (shapes: see sites.py),
+        "mlp", the MLP block's output [batch, pos, d_model], or "neurons", its hidden units
+        [batch, pos, d_mlp]."""
+        if site not in MLP_SITES:
             with self.sites.record((site,)) as store:
                 self.forward_blocks(inputs)
             return {layer: t.contiguous() for (_, layer), t in store.items()}
@@ -108,7 +116,7 @@ class HookedModel:
 
         with ExitStack() as stack:
             for layer in range(self.n_layers):
-                stack.enter_context(self.hooks(layer, mlp=keep(layer)))
+                stack.enter_context(self.hooks(layer, **{site: keep(layer)}))
             self.forward_blocks(inputs)
         return out
 
@@ -132,18 +140,24 @@ class HookedModel:
 
     @contextmanager
     def hooks(self, layer: int, **fns: Callable[[Tensor], Tensor]) -> Iterator[None]:
-        """Hooks on one layer's head sites (see HeadSites.hooks) and on "mlp", its MLP output."""
-        mlp_fn = fns.pop("mlp", None)
-        handle = None
-        if mlp_fn is not None:
-            if self.mlps[layer] is None:
-                raise ValueError(f"layer {layer} of {self.name} has no MLP")
-            handle = self.mlps[layer].register_forward_hook(lambda _m, _a, output: mlp_fn(output))
+        """Hooks on one layer's head sites (see HeadSites.hooks), on "mlp", its MLP output, and on
+        "neurons", the MLP's hidden units (fn may edit its tensor in place and return it)."""
+        mlp_fn, neurons_fn = fns.pop("mlp", None), fns.pop("neurons", None)
+        handles = []
         try:
+            if mlp_fn is not None:
+                if self.mlps[layer] is None:
+                    raise ValueError(f"layer {layer} of {self.name} has no MLP")
+                handles.append(self.mlps[layer].register_forward_hook(lambda _m, _a, output: mlp_fn(output)))
+            if neurons_fn is not None:
+                if self.down_projs[layer] is None:
+                    raise ValueError(f"layer {layer} of {self.name} has no MLP (no down projection for neurons)")
+                edit_input = lambda _m, args: (neurons_fn(args[0]), *args[1:])  # noqa: E731
+                handles.append(self.down_projs[layer].register_forward_pre_hook(edit_input))
             with self.sites.hooks(layer, **fns):
                 yield
         finally:
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
 
     def trace(self, inputs: Inputs) -> Trace:

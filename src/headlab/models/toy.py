@@ -154,6 +154,7 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
         family="toy",
         mlps=[b.mlp for b in model.blocks],
         width=cfg.d_mlp,
+        down_projs=[None if b.mlp is None else b.mlp[2] for b in model.blocks],  # Linear(d_mlp, d_model)
     )
 
 

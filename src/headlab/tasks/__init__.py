@@ -87,8 +87,9 @@ def _registry() -> dict[str, Callable[[Any], Task]]:
     from .counting import CountingTask
     from .ioi import IOITask
     from .markov import MarkovTask
+    from .recall_reasoning import RecallReasoningTask
 
-    return {"counting": CountingTask, "ioi": IOITask, "markov": MarkovTask}
+    return {"counting": CountingTask, "ioi": IOITask, "markov": MarkovTask, "recall_reasoning": RecallReasoningTask}
 
 
 def task_names() -> list[str]:

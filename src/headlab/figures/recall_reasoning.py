@@ -1,0 +1,123 @@
+"""Recall vs reasoning (arXiv 2510.03366): figures and headline numbers from a circuits run's table.
+
+  fig_component_effects.png  recall drop vs reasoning drop per head, attention layer, MLP and neuron group
+  fig_knockouts.png          recall and reasoning accuracy with the top-k recall / reasoning components
+                             ablated together, against k random components (min-max band over draws)
+  fig_layer_profile.png      recall and reasoning drop per layer, attention vs MLP
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ..reproduce import Reproduction  # noqa: E402
+
+CLASS_COLOR = {"recall": "tab:blue", "reasoning": "tab:red", "shared": "tab:purple", "none": "lightgray"}
+KIND_MARKER = {"ablate_head": "o", "ablate_layer": "s", "ablate_mlp": "^", "ablate_neurons": "x"}
+KNOCKOUT_STYLE = {"recall_top": ("tab:blue", "top recall components"),
+                  "reasoning_top": ("tab:red", "top reasoning components"), "random": ("gray", "random components")}  # fmt: skip
+
+
+def component_drops(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per component: drop_recall, drop_reasoning, selectivity, class."""
+    rows = table[table["metric"].isin(["drop_recall", "drop_reasoning", "selectivity"])]
+    wide = rows.pivot_table(index=["component", "intervention"], columns="metric", values="value", aggfunc="first")
+    classes = rows.groupby("component")["class"].first()
+    wide = wide.reset_index()
+    wide["class"] = wide["component"].map(classes)
+    return wide
+
+
+def knockout_table(table: pd.DataFrame) -> pd.DataFrame:
+    rows = table[table["intervention"] == "knockout"]
+    return rows.pivot_table(index=["method", "k"], columns="metric", values="value").reset_index()
+
+
+def draw(table: pd.DataFrame, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    comps = component_drops(table)
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for kind, marker in KIND_MARKER.items():
+        c = comps[comps["intervention"] == kind]
+        ax.scatter(c["drop_recall"], c["drop_reasoning"], marker=marker, c=[CLASS_COLOR[k] for k in c["class"]],
+                   label=kind.replace("ablate_", ""))  # fmt: skip
+    ax.axhline(0, color="k", lw=0.5)
+    ax.axvline(0, color="k", lw=0.5)
+    ax.set(xlabel="recall accuracy drop", ylabel="reasoning accuracy drop",
+           title="per component (colour: class)")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fig_component_effects.png", dpi=120)
+    plt.close(fig)
+
+    ko = knockout_table(table)
+    bands = table[(table["intervention"] == "knockout") & (table["method"] == "random")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, metric in zip(axes, ("recall_acc", "reasoning_acc")):
+        for method, (color, label) in KNOCKOUT_STYLE.items():
+            r = ko[ko["method"] == method].sort_values("k")
+            ax.plot(r["k"], r[metric], marker="o", color=color, label=label)
+        b = bands[bands["metric"] == metric].sort_values("k")
+        ax.fill_between(b["k"].astype(float), b["ci_low"], b["ci_high"], color="gray", alpha=0.2)
+        ax.set(xlabel="components ablated together (k)", ylabel=metric, title=metric.replace("_", " "))
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fig_knockouts.png", dpi=120)
+    plt.close(fig)
+
+    layered = comps[comps["intervention"].isin(["ablate_layer", "ablate_mlp"])].copy()
+    layered["layer"] = layered["component"].str.extract(r"L(\d+)", expand=False).astype(int)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.2
+    for j, (kind, metric) in enumerate([(k, m) for k in ("ablate_layer", "ablate_mlp") for m in ("drop_recall", "drop_reasoning")]):
+        r = layered[layered["intervention"] == kind].sort_values("layer")
+        ax.bar(r["layer"] + (j - 1.5) * width, r[metric], width,
+               label=f"{'attention' if kind == 'ablate_layer' else 'MLP'}: {metric.replace('drop_', '')}")  # fmt: skip
+    ax.set(xlabel="layer", ylabel="accuracy drop", title="layer profile")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fig_layer_profile.png", dpi=120)
+    plt.close(fig)
+    return numbers(table, comps, ko)
+
+
+def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
+    clean = table[(table["intervention"] == "none") & table["metric"].isin(["recall_acc", "reasoning_acc"])]
+    base = ko[ko["method"] == "clean"].iloc[0] if (ko["method"] == "clean").any() else None
+    out: dict = {"clean": {m: round(float(v), 4) for m, v in zip(clean["metric"], clean["value"])},
+                 "classes": {k: int(v) for k, v in comps["class"].value_counts().items()}}  # fmt: skip
+    if base is not None:
+        for method in ("recall_top", "reasoning_top", "random"):
+            r = ko[ko["method"] == method].set_index("k")
+            out[f"knockout_{method}"] = {
+                int(k): {"recall_drop": round(float(base["recall_acc"] - row["recall_acc"]), 4),
+                         "reasoning_drop": round(float(base["reasoning_acc"] - row["reasoning_acc"]), 4)}
+                for k, row in r.iterrows()
+            }  # fmt: skip
+    for kind, name in (("ablate_head", "heads"), ("ablate_neurons", "neuron_groups"), ("ablate_mlp", "mlps")):
+        c = comps[comps["intervention"] == kind]
+        if len(c):
+            out[name] = {"max_recall_drop": round(float(c["drop_recall"].max()), 4),
+                         "max_reasoning_drop": round(float(c["drop_reasoning"].max()), 4),
+                         "mean_abs_drop": round(float(np.abs(c[["drop_recall", "drop_reasoning"]]).to_numpy().mean()), 4)}  # fmt: skip
+    return out
+
+
+def runs(quick: bool) -> list[list[str]]:
+    fast = ["train.steps=300", "task.n_entities=12", "task.n_prompts=120", "output.n_boot=50"] if quick else []
+    return [["experiment=recall_reasoning", *fast]]
+
+
+REPRODUCTION = Reproduction(
+    name="recall_reasoning",
+    paper='"Disentangling Recall and Reasoning in Transformer Models through Layer-wise Attention and '
+    'Activation Analysis" (arXiv 2510.03366)',
+    runs=runs,
+    draw=draw,
+)

@@ -1,0 +1,242 @@
+"""Recall vs reasoning (arXiv 2510.03366): matched prompts over the same entities, one answer token each.
+
+Two kinds of prompt share a table and every metric is reported per kind:
+  recall     retrieve a stored fact:                        E_i R_r =            -> V (memorised)
+  reasoning  two-hop composition over facts in the context:  a>b. d>e. b>c. e>f. ? a =   -> c
+Source `synthetic` (models trained here): a world of random entities, each with one value per relation,
+fixed by task.world_seed. Training mixes fact statements (to memorise) and fresh reasoning problems; the
+held-out reasoning problems are new draws, so their answers cannot be memorised: the same query with other
+in-context links has another answer. Source `facts` (pretrained LMs): the built-in fact table
+(tasks/facts.py) and reasoning prompts over its subjects, tokenised by the model's tokenizer.
+
+Per prompt: correct (argmax is the answer), margin (answer logit minus the best other candidate of the
+same kind), kind (0 recall, 1 reasoning). Counterfactual: recall with another entity, reasoning with the
+query moved to the other chain (a minimal pair: same tokens, other answer). Reference (mean ablation,
+resampling): fresh prompts of the same kind, meaned per kind.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import HeadlabError, UsageError
+from . import Task, TaskData
+
+PAD, BOS, IS, ARROW, SEP, QUERY, QUERY1 = range(7)
+SPECIAL = ("[PAD]", "[BOS]", "=", ">", ".", "?", "?1")  # ?1: a one-hop question, a training curriculum only
+RECALL, REASONING = 0, 1
+KINDS = ("recall", "reasoning")
+N_LINKS = 4  # two chains of two links each
+
+
+def _kind_mean(column: int, kind: int):
+    def aggregate(q: np.ndarray, answers: dict[str, np.ndarray]) -> np.ndarray:
+        mask = answers["kind"] == kind
+        if mask.ndim == 1:
+            return q[..., mask, column].mean(-1)
+        return np.stack([q[i][mask[i], column].mean() for i in range(len(mask))])  # bootstrap resamples
+
+    return aggregate
+
+
+class RecallReasoningTask(Task):
+    name = "recall_reasoning"
+    quantities = ("correct", "margin")
+    smooth_quantity = "margin"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.aggregates = {
+            "recall_acc": _kind_mean(0, RECALL), "reasoning_acc": _kind_mean(0, REASONING),
+            "recall_margin": _kind_mean(1, RECALL), "reasoning_margin": _kind_mean(1, REASONING),
+        }  # fmt: skip
+        if cfg.source not in ("synthetic", "facts"):
+            raise UsageError(f"unknown task.source '{cfg.source}'; choose from: synthetic, facts")
+        self.needs_tokenizer = cfg.source == "facts"
+        if cfg.source == "facts":
+            return
+        if cfg.n_entities < 2 * 3 + 1:
+            raise UsageError(f"task.n_entities must be at least 7 (two chains of three and a spare), not {cfg.n_entities}")
+        self.n_rel, self.n_val, self.n_ent = cfg.n_relations, cfg.n_values, cfg.n_entities
+        self.rel0 = len(SPECIAL)
+        self.ent0 = self.rel0 + self.n_rel
+        self.val0 = self.ent0 + self.n_ent
+        self.vocab_size = self.val0 + self.n_val
+        self.max_len = 1 + 4 * N_LINKS + 3
+        world = np.random.default_rng(cfg.world_seed)
+        self.attributes = world.integers(0, self.n_val, size=(self.n_ent, self.n_rel))  # the facts to memorise
+        self.token_names = {i: s for i, s in enumerate(SPECIAL)}
+
+    # ------------------------------------------------------------------ prompts
+
+    def recall(self, entity: Tensor, relation: Tensor) -> tuple[Tensor, Tensor]:
+        """Prompts [n, max_len] (right-padded) and answer tokens [n]."""
+        n = entity.shape[0]
+        ids = torch.full((n, self.max_len), PAD, dtype=torch.long)
+        ids[:, 0], ids[:, 1], ids[:, 2], ids[:, 3] = BOS, self.ent0 + entity, self.rel0 + relation, IS
+        values = torch.from_numpy(self.attributes)[entity, relation]
+        return ids, self.val0 + values
+
+    def reasoning(self, chains: Tensor, order: Tensor, query: Tensor, hops: int = 2) -> tuple[Tensor, Tensor]:
+        """chains [n, 2, 3] entity ids (a>b>c, d>e>f), order [n, 4] permutation of the links,
+        query [n] which chain is asked (its first entity); answer: the entity `hops` links on."""
+        n = chains.shape[0]
+        links = torch.stack([chains[:, 0, :2], chains[:, 0, 1:], chains[:, 1, :2], chains[:, 1, 1:]], 1)
+        links = links[torch.arange(n)[:, None], order]  # [n, 4, 2] in stated order
+        ids = torch.full((n, self.max_len), PAD, dtype=torch.long)
+        ids[:, 0] = BOS
+        body = torch.stack([self.ent0 + links[..., 0], torch.full_like(links[..., 0], ARROW),
+                            self.ent0 + links[..., 1], torch.full_like(links[..., 0], SEP)], -1)  # fmt: skip
+        ids[:, 1 : 1 + 4 * N_LINKS] = body.flatten(1)
+        rows = torch.arange(n)
+        ids[:, -3], ids[:, -2], ids[:, -1] = QUERY if hops == 2 else QUERY1, self.ent0 + chains[rows, query, 0], IS
+        return ids, self.ent0 + chains[rows, query, hops]
+
+    def _draw_reasoning(self, n: int, gen: torch.Generator, first: Tensor | None = None):
+        """Two chains of three distinct entities; chain 0 starts at `first` when given."""
+        scores = torch.rand(n, self.n_ent, generator=gen)
+        if first is not None:
+            scores[torch.arange(n), first] = 2.0  # drawn first
+        chosen = scores.argsort(1, descending=True)[:, :6]
+        chains = chosen.view(n, 2, 3)
+        order = torch.rand(n, N_LINKS, generator=gen).argsort(1)
+        return chains, order
+
+    def _draw_facts(self, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        return torch.randint(0, self.n_ent, (n,), generator=gen), torch.randint(0, self.n_rel, (n,), generator=gen)
+
+    def build(self, n: int, seed: int, model=None) -> TaskData:
+        if self.cfg.source == "facts":
+            return self._build_facts(n, seed, model)
+        return self._build_synthetic(n, seed)
+
+    def _build_synthetic(self, n: int, seed: int) -> TaskData:
+        """n // 2 recall prompts (every fact once when n // 2 covers them) and as many reasoning prompts
+        whose query starts at the same entities."""
+        gen = torch.Generator().manual_seed(seed)
+        half = n // 2
+        facts = self.n_ent * self.n_rel
+        index = torch.arange(half) % facts if half >= facts else torch.randperm(facts, generator=gen)[:half]
+        entity, relation = index // self.n_rel, index % self.n_rel
+        rec_ids, rec_ans = self.recall(entity, relation)
+        chains, order = self._draw_reasoning(half, gen, first=entity)
+        query = torch.zeros(half, dtype=torch.long)
+        rea_ids, rea_ans = self.reasoning(chains, order, query)
+        # counterfactuals: another entity with another value; the other chain of the same context
+        other = (entity + torch.randint(1, self.n_ent, (half,), generator=gen)) % self.n_ent
+        same = torch.from_numpy(self.attributes)[other, relation] == torch.from_numpy(self.attributes)[entity, relation]
+        for _ in range(20):  # redraw until the counterfactual's answer differs
+            if not same.any():
+                break
+            other[same] = (other[same] + 1) % self.n_ent
+            same = torch.from_numpy(self.attributes)[other, relation] == torch.from_numpy(self.attributes)[entity, relation]
+        cf_rec, cf_rec_ans = self.recall(other, relation)
+        cf_rea, cf_rea_ans = self.reasoning(chains, order, 1 - query)
+        # reference: fresh prompts of each kind
+        ref_rec, _ = self.recall(*self._draw_facts(half, gen))
+        ref_chains, ref_order = self._draw_reasoning(half, gen)
+        ref_rea, _ = self.reasoning(ref_chains, ref_order, torch.randint(0, 2, (half,), generator=gen))
+        kind = torch.cat([torch.full((half,), RECALL), torch.full((half,), REASONING)])
+        read = torch.cat([torch.full((half,), 3), torch.full((half,), self.max_len - 1)])
+        return TaskData(
+            inputs={"input_ids": torch.cat([rec_ids, rea_ids])},
+            positions=read[:, None],
+            answers={"answer": torch.cat([rec_ans, rea_ans]), "counter_answer": torch.cat([cf_rec_ans, cf_rea_ans]),
+                     "kind": kind, "candidates": self._synthetic_candidates(torch.cat([rec_ans, rea_ans]), kind)},  # fmt: skip
+            counterfactual={"input_ids": torch.cat([cf_rec, cf_rea])},
+            reference={"input_ids": torch.cat([ref_rec, ref_rea])},
+            token_positions={"ANSWER": read},
+            groups=kind,
+            reference_groups=kind.clone(),
+        )
+
+    # ------------------------------------------------------------------ metrics and training
+
+    def _synthetic_candidates(self, answer: Tensor, kind: Tensor) -> Tensor:
+        """[n, C] the other tokens that could answer a prompt of its kind (values or entities), -1 padded."""
+        values = torch.arange(self.val0, self.val0 + self.n_val)
+        entities = torch.arange(self.ent0, self.ent0 + self.n_ent)
+        width = max(self.n_val, self.n_ent)
+        pool = torch.stack([torch.cat([values, torch.full((width - self.n_val,), -1)]),
+                            torch.cat([entities, torch.full((width - self.n_ent,), -1)])])  # fmt: skip
+        out = pool[kind]
+        return torch.where(out == answer[:, None], -1, out)
+
+    def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
+        last = logits[..., 0, :].float()  # [..., n, vocab]
+        answer = data.answers["answer"].to(last.device)
+        correct = (last.argmax(-1) == answer).float()
+        target = last.gather(-1, answer.expand(*last.shape[:-2], -1).unsqueeze(-1)).squeeze(-1)
+        candidates = data.answers["candidates"].to(last.device)  # [n, C]
+        others = last.gather(-1, candidates.clamp_min(0).expand(*last.shape[:-2], -1, -1))
+        best_other = others.masked_fill(candidates < 0, float("-inf")).amax(-1)
+        return torch.stack([correct, target - best_other], -1)
+
+    # ------------------------------------------------------------------ pretrained LMs: the fact table
+
+    def _build_facts(self, n: int, seed: int, model) -> TaskData:
+        """n // 2 recall prompts from the fact table and n // 2 reasoning prompts (transitive and two-hop,
+        alternating) over its single-token country subjects, in the model's tokenizer, right-padded."""
+        from . import facts as table
+
+        tok = getattr(model, "tokenizer", None)
+        if tok is None:
+            raise HeadlabError("task.source=facts needs the model's tokenizer (model.tokenizer=<name or dir>)")
+        rng = random.Random(seed)
+        usable = [f for f in table.FACTS if not table.check_single_tokens(tok, [" " + f.answer])]
+        if len(usable) < 20:
+            raise HeadlabError(f"only {len(usable)} fact answers are single tokens for {model.name}'s tokenizer")
+        subjects = table.single_token_subjects(tok)
+        half = n // 2
+        rows, kinds, answers, candidates = [], [], [], []
+        for fact in rng.sample(usable, min(half, len(usable))):
+            prompt, answer = table.recall_prompt(fact)
+            same = sorted({" " + f.answer for f in usable if f.relation == fact.relation} - {answer})
+            rows.append(prompt), kinds.append(RECALL), answers.append(answer), candidates.append(same)
+        for i in range(half):
+            kind = table.REASONING_KINDS[i % len(table.REASONING_KINDS)]
+            prompt, answer, others = table.reasoning_prompt(subjects, rng, kind=kind)
+            rows.append(prompt), kinds.append(REASONING), answers.append(answer), candidates.append(others)
+        bos = [tok.bos_token_id] if self.cfg.prepend_bos and tok.bos_token_id is not None else []
+        encoded = [bos + tok(r, add_special_tokens=False)["input_ids"] for r in rows]
+        width = max(len(e) for e in encoded)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        for i, e in enumerate(encoded):
+            ids[i, : len(e)] = torch.tensor(e)
+        read = torch.tensor([len(e) - 1 for e in encoded])
+        one = lambda w: tok(w, add_special_tokens=False)["input_ids"][0]  # noqa: E731
+        c_width = max(len(c) for c in candidates)
+        cand = torch.full((len(rows), c_width), -1, dtype=torch.long)
+        for i, c in enumerate(candidates):
+            cand[i, : len(c)] = torch.tensor([one(w) for w in c])
+        kind = torch.tensor(kinds)
+        return TaskData(
+            inputs={"input_ids": ids},
+            positions=read[:, None],
+            answers={"answer": torch.tensor([one(a) for a in answers]), "kind": kind, "candidates": cand},
+            reference={"input_ids": ids.clone()},  # means over the same prompts, per kind
+            token_positions={"ANSWER": read},
+            groups=kind,
+            reference_groups=kind.clone(),
+        )
+
+    def train_batch(self, generator: torch.Generator, batch: int) -> tuple[Tensor, Tensor]:
+        """Fact statements, two-hop problems and (a curriculum that teaches the lookup) one-hop problems."""
+        n_recall = int(round(batch * self.cfg.recall_fraction))
+        n_one = int(round(batch * self.cfg.one_hop_fraction))
+        n_two = batch - n_recall - n_one
+        rec_ids, rec_ans = self.recall(*self._draw_facts(n_recall, generator))
+        parts, answers = [rec_ids], [rec_ans]
+        for count, hops in ((n_two, 2), (n_one, 1)):
+            chains, order = self._draw_reasoning(count, generator)
+            ids, ans = self.reasoning(chains, order, torch.randint(0, 2, (count,), generator=generator), hops)
+            parts.append(ids), answers.append(ans)
+        ids = torch.cat(parts)
+        targets = torch.full_like(ids, -100)
+        targets[:n_recall, 3] = answers[0]
+        targets[n_recall:, -1] = torch.cat(answers[1:])
+        return ids, targets

@@ -1,0 +1,152 @@
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from headlab.tasks.facts import (
+    FACTS,
+    NAMES,
+    RECALL_TEMPLATES,
+    REASONING_KINDS,
+    Fact,
+    check_single_tokens,
+    facts_of,
+    reasoning_prompt,
+    recall_prompt,
+    single_token_subjects,
+)
+
+# Parsed here from the prompt text, independently of how facts.py builds it.
+WINS = re.compile(r"(\w+) (?:scored more points than|finished ahead of|received more votes than) (\w+)\.")
+ASKS_TOP = re.compile(r"the (?:most points|most votes|one that finished first)")
+ASKS_BOTTOM = re.compile(r"the (?:fewest points|fewest votes|one that finished last)")
+FRIEND = re.compile(r"(\w+)'s friend is (\w+)\.")
+LIVES = re.compile(r"(\w+) lives in (\w+)\.")
+QUERY = re.compile(r"(\w+)'s friend lives in$")
+
+
+def one_token(tok, word):
+    return len(tok(word, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_the_tokenizer_is_gpt2_and_the_helper_finds_multi_token_words(gpt2_tokenizer):
+    assert gpt2_tokenizer(" Mary")["input_ids"] == [5335]
+    assert gpt2_tokenizer(" John")["input_ids"] == [1757]
+    words = [" Mary", " Kyiv", " Paris", " New Delhi"]
+    assert check_single_tokens(gpt2_tokenizer, words) == [" Kyiv", " New Delhi"]
+
+
+def test_every_answer_is_one_gpt2_token_with_a_leading_space(gpt2_tokenizer):
+    answers = sorted({" " + f.answer for f in FACTS})
+    assert check_single_tokens(gpt2_tokenizer, answers) == []
+    for f in FACTS:
+        assert not f.answer.startswith(" ") and f.answer == f.answer.strip()
+        assert one_token(gpt2_tokenizer, recall_prompt(f)[1])
+
+
+def test_table_size_relations_and_no_duplicates():
+    per_relation = Counter(f.relation for f in FACTS)
+    assert len(FACTS) >= 200
+    assert len(per_relation) >= 6
+    assert set(per_relation) == set(RECALL_TEMPLATES)
+    assert all(n >= 20 for n in per_relation.values()), per_relation
+    keys = Counter((f.relation, f.subject) for f in FACTS)
+    assert [k for k, n in keys.items() if n > 1] == []
+    assert all(isinstance(f, Fact) and f.subject and f.answer for f in FACTS)
+    assert sum(len(facts_of(r)) for r in RECALL_TEMPLATES) == len(FACTS)
+    with pytest.raises(ValueError):
+        facts_of("no_such_relation")
+
+
+def test_recall_prompts_end_without_a_space_and_contain_the_subject():
+    for f in FACTS:
+        prompt, answer = recall_prompt(f)
+        assert prompt == prompt.rstrip() and not prompt.endswith(" ")
+        assert prompt[0].isupper()
+        assert f.subject in prompt or f.subject[0].upper() + f.subject[1:] in prompt
+        assert answer == " " + f.answer
+        # the answer is recalled, not copied from the prompt
+        assert f.answer not in prompt.split()
+
+
+def test_subjects_and_names_for_reasoning_are_single_tokens(gpt2_tokenizer):
+    subjects = single_token_subjects(gpt2_tokenizer)
+    assert len(subjects) >= 40
+    assert len(set(subjects)) == len(subjects)
+    assert check_single_tokens(gpt2_tokenizer, [" " + s for s in subjects]) == []
+    assert "the United Kingdom" not in subjects and "France" in subjects
+    assert len(NAMES) >= 40 and len(set(NAMES)) == len(NAMES)
+    assert check_single_tokens(gpt2_tokenizer, [" " + n for n in NAMES]) == []
+    assert not set(NAMES) & {f.subject for f in FACTS}
+
+
+def _transitive_answer(prompt):
+    pairs = WINS.findall(prompt)
+    assert len(pairs) == 2
+    winners, losers = {w for w, _ in pairs}, {l for _, l in pairs}
+    entities = winners | losers
+    assert len(entities) == 3
+    (top,) = winners - losers
+    (bottom,) = losers - winners
+    asks_top, asks_bottom = bool(ASKS_TOP.search(prompt)), bool(ASKS_BOTTOM.search(prompt))
+    assert asks_top != asks_bottom
+    return (top if asks_top else bottom), entities
+
+
+def _two_hop_answer(prompt):
+    friend = dict(FRIEND.findall(prompt))
+    home = dict(LIVES.findall(prompt))
+    assert len(friend) == 2 and len(home) == 2
+    (asker,) = QUERY.findall(prompt)
+    assert asker in friend
+    return home[friend[asker]], set(home.values())
+
+
+SOLVERS = {"transitive": _transitive_answer, "two_hop": _two_hop_answer}
+
+
+@pytest.mark.parametrize("kind", REASONING_KINDS)
+def test_reasoning_answer_is_stated_in_context_and_logically_correct(gpt2_tokenizer, kind):
+    subjects = single_token_subjects(gpt2_tokenizer)
+    rng = random.Random(0)
+    for _ in range(300):
+        prompt, answer, others = reasoning_prompt(subjects, rng, kind)
+        assert prompt == prompt.rstrip()
+        assert answer.startswith(" ") and one_token(gpt2_tokenizer, answer)
+        assert all(o.startswith(" ") and one_token(gpt2_tokenizer, o) for o in others)
+        expected, candidates = SOLVERS[kind](prompt)
+        assert answer == " " + expected
+        assert answer not in others
+        assert {answer, *others} == {" " + c for c in candidates}
+        assert all(c in subjects for c in candidates)
+
+
+@pytest.mark.parametrize("kind,chosen", [("transitive", ["France", "Peru", "Japan"]),
+                                         ("two_hop", ["France", "Peru"])])
+def test_reasoning_answer_is_not_a_function_of_the_subjects(kind, chosen):
+    answers = Counter()
+    for seed in range(60):
+        prompt, answer, others = reasoning_prompt(chosen, random.Random(seed), kind)
+        assert {answer, *others} == {" " + s for s in chosen}
+        answers[answer] += 1
+    # same entities, other in-context statements: every entity is the answer for some seed
+    assert set(answers) == {" " + s for s in chosen}
+
+
+def test_reasoning_prompts_are_reproducible_and_vary():
+    subjects = ["France", "Peru", "Japan", "Egypt"]
+    for kind in REASONING_KINDS:
+        a = [reasoning_prompt(subjects, random.Random(7), kind) for _ in range(2)]
+        assert a[0] == a[1]
+        rng = random.Random(1)
+        assert len({reasoning_prompt(subjects, rng, kind)[0] for _ in range(20)}) > 5
+
+
+def test_reasoning_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        reasoning_prompt(["France", "Peru"], random.Random(0), "transitive")
+    with pytest.raises(ValueError):
+        reasoning_prompt(["France", "France"], random.Random(0), "two_hop")
+    with pytest.raises(ValueError):
+        reasoning_prompt(["France", "Peru", "Japan"], random.Random(0), "no_such_kind")
