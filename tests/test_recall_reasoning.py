@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from headlab.analysis.selectivity import drops, top_components
-from headlab.tasks.recall_reasoning import ARROW, BOS, IS, QUERY, SEP, RecallReasoningTask
+from headlab.tasks.recall_reasoning import ARROW, BOS, QUERY, SEP, RecallReasoningTask
 from test_cli import _error_line, headlab
 
 
@@ -22,13 +22,13 @@ def rr_cfg(**kw):
 
 def _follow(ids: list[int]) -> int:
     """Answer a reasoning prompt by reading its links: the query's successor's successor."""
-    assert ids[0] == BOS and ids[-3] == QUERY and ids[-1] == IS
+    assert ids[0] == BOS and ids[-2] == QUERY
     links = {}
-    for i in range(1, len(ids) - 3, 4):
+    for i in range(1, len(ids) - 2, 4):
         src, arrow, dst, sep = ids[i : i + 4]
         assert arrow == ARROW and sep == SEP
         links[src] = dst
-    return links[links[ids[-2]]]
+    return links[links[ids[-1]]]
 
 
 def test_recall_answers_are_the_world_facts_and_cover_every_fact():
@@ -49,12 +49,12 @@ def test_reasoning_answers_follow_the_context_and_are_not_memorisable():
     answers_by_query: dict[int, set[int]] = {}
     for row, a in zip(ids[kind == 1].tolist(), answer[kind == 1].tolist()):
         assert _follow(row) == a
-        answers_by_query.setdefault(row[-2], set()).add(a)
+        answers_by_query.setdefault(row[-1], set()).add(a)
     # the same question with other links in the context has another answer
     assert sum(len(v) > 1 for v in answers_by_query.values()) >= len(answers_by_query) // 2
     # matched pairs: reasoning prompt i asks about recall prompt i's entity
     half = data.n // 2
-    assert torch.equal(ids[half:, -2], ids[:half, 1])
+    assert torch.equal(ids[half:, -1], ids[:half, 1])
 
 
 def test_counterfactuals_keep_the_layout_and_change_the_answer():
@@ -64,7 +64,7 @@ def test_counterfactuals_keep_the_layout_and_change_the_answer():
     assert clean.shape == cf.shape
     assert (data.answers["counter_answer"] != data.answers["answer"]).all()
     rea = data.answers["kind"] == 1
-    assert torch.equal(clean[rea][:, :-2], cf[rea][:, :-2])  # same links, other query
+    assert torch.equal(clean[rea][:, :-1], cf[rea][:, :-1])  # same links, other query
     for row, a in zip(cf[rea].tolist(), data.answers["counter_answer"][rea].tolist()):
         assert _follow(row) == a
 

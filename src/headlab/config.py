@@ -153,8 +153,8 @@ class RecallReasoningConfig(TaskConfig):
     n_relations: int = 3
     n_values: int = 10
     world_seed: int = 0  # the synthetic world's facts; the same for training and evaluation
-    recall_fraction: float = 0.4  # share of fact statements in the training stream
-    one_hop_fraction: float = 0.2  # share of one-hop problems (a curriculum for the two-hop lookup)
+    recall_fraction: float = 0.3  # share of fact statements in the training stream
+    one_hop_fraction: float = 0.3  # share of one-hop problems (a curriculum for the two-hop lookup)
     prepend_bos: bool = True  # facts: start each prompt with the tokenizer's BOS token
 
 

@@ -2,7 +2,7 @@
 
 Two kinds of prompt share a table and every metric is reported per kind:
   recall     retrieve a stored fact:                        E_i R_r =            -> V (memorised)
-  reasoning  two-hop composition over facts in the context:  a>b. d>e. b>c. e>f. ? a =   -> c
+  reasoning  two-hop composition over facts in the context:  a>b. d>e. b>c. e>f. ? a     -> c
 Source `synthetic` (models trained here): a world of random entities, each with one value per relation,
 fixed by task.world_seed. Training mixes fact statements (to memorise) and fresh reasoning problems; the
 held-out reasoning problems are new draws, so their answers cannot be memorised: the same query with other
@@ -65,7 +65,7 @@ class RecallReasoningTask(Task):
         self.ent0 = self.rel0 + self.n_rel
         self.val0 = self.ent0 + self.n_ent
         self.vocab_size = self.val0 + self.n_val
-        self.max_len = 1 + 4 * N_LINKS + 3
+        self.max_len = 1 + 4 * N_LINKS + 2
         world = np.random.default_rng(cfg.world_seed)
         self.attributes = world.integers(0, self.n_val, size=(self.n_ent, self.n_rel))  # the facts to memorise
         self.token_names = {i: s for i, s in enumerate(SPECIAL)}
@@ -92,7 +92,8 @@ class RecallReasoningTask(Task):
                             self.ent0 + links[..., 1], torch.full_like(links[..., 0], SEP)], -1)  # fmt: skip
         ids[:, 1 : 1 + 4 * N_LINKS] = body.flatten(1)
         rows = torch.arange(n)
-        ids[:, -3], ids[:, -2], ids[:, -1] = QUERY if hops == 2 else QUERY1, self.ent0 + chains[rows, query, 0], IS
+        # the question ends on the query entity itself: its own embedding is the lookup key
+        ids[:, -2], ids[:, -1] = QUERY if hops == 2 else QUERY1, self.ent0 + chains[rows, query, 0]
         return ids, self.ent0 + chains[rows, query, hops]
 
     def _draw_reasoning(self, n: int, gen: torch.Generator, first: Tensor | None = None):
