@@ -32,7 +32,7 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
     [
         (["model=nope"], "unknown model 'nope'; choose from: gpt2, gpt2-ioi, hf,"),
         (["task=nope"], "unknown task 'nope'; choose from: counting"),
-        (["ablate=everything"], "unknown ablate 'everything'; choose from: components, heads, keep_heads, layers, none,"),
+        (["ablate=everything"], "unknown ablate 'everything'; choose from: circuits, components, heads, keep_heads, layers, none,"),
         (["ablate.method=median"], "invalid configuration"),
         (["model.n_layerz=3"], "n_layerz"),
         (["seed=abc"], "invalid configuration"),
