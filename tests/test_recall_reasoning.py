@@ -16,7 +16,7 @@ from test_cli import _error_line, headlab
 
 def rr_cfg(**kw):
     base = dict(name="recall_reasoning", n_prompts=200, n_reference=0, source="synthetic", n_entities=20,
-                n_relations=3, n_values=8, world_seed=0, recall_fraction=0.4, one_hop_fraction=0.2, prepend_bos=True)  # fmt: skip
+                n_relations=3, n_values=8, world_seed=0, recall_fraction=0.4, one_hop_fraction=0.2, one_hop_steps=0, prepend_bos=True)  # fmt: skip
     return OmegaConf.create({**base, **kw})
 
 

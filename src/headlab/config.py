@@ -154,7 +154,8 @@ class RecallReasoningConfig(TaskConfig):
     n_values: int = 10
     world_seed: int = 0  # the synthetic world's facts; the same for training and evaluation
     recall_fraction: float = 0.3  # share of fact statements in the training stream
-    one_hop_fraction: float = 0.3  # share of one-hop problems (a curriculum for the two-hop lookup)
+    one_hop_fraction: float = 0.2  # share of one-hop problems after one_hop_steps
+    one_hop_steps: int = 2500  # training steps with one-hop problems only (besides facts): the curriculum
     prepend_bos: bool = True  # facts: start each prompt with the tokenizer's BOS token
 
 

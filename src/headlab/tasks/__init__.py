@@ -78,8 +78,9 @@ class Task:
     vocab_size: int = 0
     max_len: int = 0
 
-    def train_batch(self, generator: Any, batch: int) -> tuple[Tensor, Tensor]:
-        """(input_ids [batch, pos], targets [batch, pos] with -100 where no loss is taken)."""
+    def train_batch(self, generator: Any, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
+        """(input_ids [batch, pos], targets [batch, pos] with -100 where no loss is taken); `step` lets a
+        task schedule a curriculum."""
         raise NotImplementedError(f"task {self.name} cannot train a model from scratch")
 
 

@@ -77,7 +77,7 @@ class CountingTask(Task):
     def lengths(self, n: int, gen: torch.Generator) -> Tensor:
         return torch.randint(self.cfg.min_len, self.cfg.max_len + 1, (n,), generator=gen)
 
-    def train_batch(self, generator: torch.Generator, batch: int) -> tuple[Tensor, Tensor]:
+    def train_batch(self, generator: torch.Generator, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
         lengths = self.lengths(batch, generator)
         seq = self.assemble(*self.sample(lengths, generator), lengths)
         inputs, targets = seq[:, :-1], seq[:, 1:].clone()

@@ -202,7 +202,7 @@ class IOITask(Task):
         diff = io_logit - s_logit
         return torch.stack([diff, io_prob, (diff > 0).float()], dim=-1)
 
-    def train_batch(self, generator: torch.Generator, batch: int) -> tuple[Tensor, Tensor]:
+    def train_batch(self, generator: torch.Generator, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
         """IOI prompts over the training names; the loss is taken at END only (target: IO)."""
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         rng = np.random.default_rng(seed)

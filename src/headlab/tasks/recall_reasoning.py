@@ -225,10 +225,12 @@ class RecallReasoningTask(Task):
             reference_groups=kind.clone(),
         )
 
-    def train_batch(self, generator: torch.Generator, batch: int) -> tuple[Tensor, Tensor]:
-        """Fact statements, two-hop problems and (a curriculum that teaches the lookup) one-hop problems."""
+    def train_batch(self, generator: torch.Generator, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
+        """Fact statements, two-hop problems and one-hop problems; before task.one_hop_steps every problem
+        is one-hop: the in-context lookup forms first, then the second hop is learned on top of it."""
         n_recall = int(round(batch * self.cfg.recall_fraction))
-        n_one = int(round(batch * self.cfg.one_hop_fraction))
+        share = 1.0 if step < self.cfg.one_hop_steps else self.cfg.one_hop_fraction / (1 - self.cfg.recall_fraction)
+        n_one = int(round((batch - n_recall) * min(1.0, share)))
         n_two = batch - n_recall - n_one
         rec_ids, rec_ans = self.recall(*self._draw_facts(n_recall, generator))
         parts, answers = [rec_ids], [rec_ans]

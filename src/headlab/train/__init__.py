@@ -292,7 +292,7 @@ def _fit(
     stop = False
     with progress_bar(label, total=tc.steps, completed=step, enabled=show_progress) as bar:
         while step < tc.steps and not stop:
-            inputs, targets = task.train_batch(_batch_generator(seed, step), tc.batch_size)
+            inputs, targets = task.train_batch(_batch_generator(seed, step), tc.batch_size, step=step)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, tc)
             loss = loss_fn(inputs, targets)
