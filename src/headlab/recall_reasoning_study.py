@@ -78,8 +78,8 @@ def run(cfg, model, task, data, run_info: dict, show_progress: bool = False) -> 
     answers = data.answers_np()
     table = results.tidy(run_info, [iv.row() for iv in singles], quantities, task.quantities, answers,
                          task.aggregates, n_boot=cfg.output.n_boot)  # fmt: skip
-    table["component"] = pd.Series([None] + [component_label(iv) for iv in ablations] + [f"L{iv.layer}H{iv.head}" for iv in patches],
-                                   dtype="string").reindex(range(len(singles))).tolist() * (len(table) // len(singles))  # fmt: skip
+    names = [None] + [component_label(iv) for iv in ablations] + [f"L{iv.layer}H{iv.head}" for iv in patches]
+    table["component"] = pd.array(names * (len(table) // len(singles)), dtype="string")  # tidy is metric-major
     correct = quantities[: 1 + len(ablations), :, 0]
     labels = [{**iv.row(), "component": component_label(iv)} for iv in ablations]
     per_component = drops(correct, answers["kind"], labels, n_boot=cfg.output.n_boot, seed=cfg.seed)
