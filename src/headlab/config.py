@@ -292,5 +292,10 @@ def option(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
+def run_info(cfg: Any) -> dict[str, Any]:
+    """The columns that name a run in its tidy table."""
+    return {"experiment": cfg.name, "model": cfg.model.name, "task": cfg.task.name, "seed": cfg.seed}
+
+
 def to_plain(cfg: Any) -> Any:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import results
 from .analysis import paths as theory
+from .config import run_info
 from .errors import UsageError
 from .models.pathnet import PathNet
 from .progress import progress_bar
@@ -192,12 +193,8 @@ class Study:
         f = torch.stack(predictions)
         quantities = np.stack([theory.correct(f, self.y_test).numpy(), f.numpy() * y], -1)  # [k, n, 2]
         aggregates = {"test_acc": lambda q, _a: q[..., 0].mean(-1), "test_margin": lambda q, _a: q[..., 1].mean(-1)}
-        return results.tidy(self.run_info(), labels, quantities, ("correct", "margin"), {"label": y}, aggregates,
+        return results.tidy(run_info(self.cfg), labels, quantities, ("correct", "margin"), {"label": y}, aggregates,
                              n_boot=self.cfg.output.n_boot)  # fmt: skip
-
-    def run_info(self) -> dict:
-        return {"experiment": self.cfg.name, "model": self.cfg.model.name, "task": self.cfg.task.name,
-                "seed": self.cfg.seed}  # fmt: skip
 
     def table(self) -> pd.DataFrame:
         methods = list(self.outputs)
@@ -210,7 +207,7 @@ class Study:
         frames.append(self._alignment_rows())
         df = pd.concat(frames, ignore_index=True)
         df["width"] = self.net.width
-        return results.conform(df.assign(**self.run_info()))
+        return results.conform(df.assign(**run_info(self.cfg)))
 
     def _keep(self, removed: list[tuple[int, int]]) -> Tensor:
         return theory.kept_paths(self.heads, removed)

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from . import models, results
-from .config import config_hash, option, to_plain
+from .config import config_hash, option, run_info, to_plain
 from .analysis.heads import attention_by_token, head_output_norms, uniform_scales
 from .errors import HeadlabError, UsageError
 from .interventions import plan
@@ -118,17 +118,17 @@ def run(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFr
         quantities = execute(model, task, data, interventions, cfg.engine.chunk_mb, cfg.engine.naive,
                              show_progress=show_progress, seed=cfg.seed)  # fmt: skip
     with _timed(timings, "tidy"):
-        run_info = {"experiment": cfg.name, "model": cfg.model.name, "task": cfg.task.name, "seed": cfg.seed}
-        df = results.tidy(run_info, [iv.row() for iv in interventions], quantities.cpu().numpy(),
+        info = run_info(cfg)
+        df = results.tidy(info, [iv.row() for iv in interventions], quantities.cpu().numpy(),
                           task.quantities, data.answers_np(), task.aggregates,
                           n_boot=cfg.output.n_boot, per_prompt=cfg.output.per_prompt)  # fmt: skip
         if cfg.attention_by_token:
-            df = results.conform(pd.concat([df, _attention_table(cfg, task, model, data, run_info)]))
+            df = results.conform(pd.concat([df, _attention_table(cfg, task, model, data, info)]))
     if cfg.head_scores:
         from .analysis.scores import score_table
 
         with _timed(timings, "head_scores"):
-            scores = score_table(model, data, run_info, n_boot=cfg.output.n_boot, seed=cfg.seed)
+            scores = score_table(model, data, info, n_boot=cfg.output.n_boot, seed=cfg.seed)
         df = results.conform(pd.concat([df, scores], ignore_index=True))
     extra = {"n_interventions": len(interventions), "n_prompts": data.n, "model_family": model.family}
     results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
@@ -143,9 +143,8 @@ def _run_circuits(cfg, run_dir, task, model, data, timings, show_progress) -> pd
 
     if "kind" not in data.answers:
         raise UsageError(f"ablate=circuits needs a task with recall and reasoning prompts, not task={cfg.task.name}")
-    run_info = {"experiment": cfg.name, "model": cfg.model.name, "task": cfg.task.name, "seed": cfg.seed}
     with _timed(timings, "circuits"):
-        df, extra = recall_reasoning_study.run(cfg, model, task, data, run_info, show_progress)
+        df, extra = recall_reasoning_study.run(cfg, model, task, data, run_info(cfg), show_progress)
     extra.update({"n_prompts": data.n, "model_family": model.family})
     results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
     if cfg.output.figures:
@@ -175,13 +174,13 @@ def draw_figures(name: str, table: pd.DataFrame, run_dir: Path) -> None:
     results.atomic_write_bytes(run_dir / "figures" / "numbers.json", json.dumps(numbers, indent=2).encode())
 
 
-def _attention_table(cfg: DictConfig, task: Task, model: HookedModel, data, run_info: dict) -> pd.DataFrame:
+def _attention_table(cfg: DictConfig, task: Task, model: HookedModel, data, info: dict) -> pd.DataFrame:
     tokens = getattr(task, "token_names", None)
     if not tokens:
         raise HeadlabError(f"task {task.name} names no tokens to group attention by")
     quantities, labels = attention_by_token(model, data, tokens)
     metrics = {f"attn_to_{name}": mean_of(j) for j, name in enumerate(tokens.values())}
-    return results.tidy(run_info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
+    return results.tidy(info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
 
 
 def _previous_result(cfg: DictConfig, run_dir: Path) -> Optional[pd.DataFrame]:

@@ -35,6 +35,11 @@ def kernel(c: Tensor, u: Tensor) -> Tensor:
     return torch.einsum("pq,pqmn->mn", u, c) / c.shape[0]
 
 
+def with_noise(k: Tensor, temperature: float) -> Tensor:
+    """K + T I: the training outputs' covariance under the Gaussian likelihood."""
+    return k + temperature * torch.eye(k.shape[0], dtype=k.dtype)
+
+
 def gp_order(n_paths: int, variances: list[float]) -> Tensor:
     """U of the infinite-width limit: the product of the layers' and the readout's prior variances."""
     scale = float(torch.tensor(variances[1:]).prod())
@@ -44,8 +49,7 @@ def gp_order(n_paths: int, variances: list[float]) -> Tensor:
 def predict(k_train: Tensor, k_cross: Tensor, y: Tensor, temperature: float,
             k_test_diag: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
     """Posterior mean y^T (K + T I)^-1 k and variance k** - k^T (K + T I)^-1 k at the test inputs."""
-    a = k_train + temperature * torch.eye(k_train.shape[0], dtype=k_train.dtype)
-    solved = torch.linalg.solve(a, k_cross)  # [n_train, n_test]
+    solved = torch.linalg.solve(with_noise(k_train, temperature), k_cross)  # [n_train, n_test]
     mean = y @ solved
     var = None if k_test_diag is None else k_test_diag - (k_cross * solved).sum(0)
     return mean, var
@@ -58,15 +62,13 @@ def path_predictions(c_train: Tensor, c_cross: Tensor, u: Tensor, y: Tensor, tem
     being (1/H) sum_pi' U_{pi pi'} C_{pi' pi}(X, x*). Zeroing a path's share removes it from the learned
     predictor without refitting (pruning a trained network)."""
     u = (u + u.T) / 2
-    k = kernel(c_train, u) + temperature * torch.eye(c_train.shape[-1], dtype=c_train.dtype)
-    alpha = torch.linalg.solve(k, y)
+    alpha = torch.linalg.solve(with_noise(kernel(c_train, u), temperature), y)
     return torch.einsum("pq,qpmn,m->pn", u, c_cross, alpha) / c_train.shape[0]
 
 
 def marginal_nll(c_train: Tensor, u: Tensor, y: Tensor, temperature: float) -> Tensor:
     """-log N(y; 0, K(U) + T I) up to a constant: the likelihood of the other weights with V0 integrated out."""
-    k = kernel(c_train, u) + temperature * torch.eye(c_train.shape[-1], dtype=c_train.dtype)
-    chol = torch.linalg.cholesky(k)
+    chol = torch.linalg.cholesky(with_noise(kernel(c_train, u), temperature))
     white = torch.linalg.solve_triangular(chol, y[:, None], upper=False)
     return 0.5 * white.pow(2).sum() + torch.log(chol.diagonal()).sum()
 
@@ -109,8 +111,7 @@ def action(nested: list[Tensor], c: Tensor, y: Tensor, heads: list[int], width: 
            variances: list[float], temperature: float) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(S / N, U_a) for nested order parameters U_1 .. U_L (each symmetrised here)."""
     nested = [(u + u.T) / 2 for u in nested]
-    k = kernel(c, nested[0])
-    a = k + temperature * torch.eye(k.shape[0], dtype=k.dtype)
+    a = with_noise(kernel(c, nested[0]), temperature)
     energy = torch.logdet(a) + y @ torch.linalg.solve(a, y)
     layers = len(heads)
     u_a = _readout_order(torch.trace(nested[-1]), heads[-1], variances[layers], variances[-1])

@@ -250,17 +250,25 @@ def _run_stacked(model, task, data, interventions, sources, chunk_mb, show_progr
 
 
 def _run_naive(model, task, data, interventions, sources, show_progress) -> list[Tensor]:
-    rows = torch.arange(data.n).unsqueeze(1)
+    return _run_groups(model, task, data, [[iv] for iv in interventions], sources, "sweep (naive)", show_progress)
+
+
+def _run_groups(model, task, data, groups, sources, label: str, show_progress: bool) -> list[Tensor]:
+    """One full forward pass per group, with the hooks of every layer the group edits installed at once
+    (several interventions on one layer all apply, in order); logits only at the read positions."""
     out = []
-    with progress_bar("sweep (naive)", total=len(interventions), enabled=show_progress) as bar:
-        for i, iv in enumerate(interventions):
-            if iv.intervention == "none":
-                logits = model.forward(data.inputs)
-            else:
-                with model.hooks(iv.layer, **_edit_fns([iv], sources, data.n, model.n_heads)):
-                    logits = model.forward(data.inputs)
-            out.append(task.per_prompt(logits[rows, data.positions], data))
-            bar.update(i + 1)
+    with progress_bar(label, total=len(groups), enabled=show_progress) as bar:
+        for done, group in enumerate(groups, 1):
+            by_layer: dict[int, list[Intervention]] = defaultdict(list)
+            for iv in group:
+                if iv.intervention != "none":
+                    by_layer[iv.layer].append(iv)  # type: ignore[index]
+            with ExitStack() as stack:
+                for layer, ivs in sorted(by_layer.items()):
+                    stack.enter_context(model.hooks(layer, **_copy_edit_fns([ivs], sources, data.n, model.n_heads)))
+                h = model.forward_blocks(data.inputs)
+            out.append(task.per_prompt(model.readout(h, data.positions), data))
+            bar.update(done)
     return out
 
 
@@ -282,21 +290,7 @@ def execute_joint(
             # path and attribution patching are not edits at one layer; they have their own executors
             if iv.intervention != "none" and (iv.layer is None or iv.method in ("path", "attribution")):
                 raise ValueError(f"execute_joint takes exact single-layer interventions, not {iv}")
-    out = []
     with torch.inference_mode():
         needed = {(e.source, e.site) for group in groups for iv in group for e in iv.edits(model.n_heads)}
         sources = Sources(model, data, needed, seed)
-        with progress_bar("joint interventions", total=len(groups), enabled=show_progress) as bar:
-            for done, group in enumerate(groups, 1):
-                by_layer: dict[int, list[Intervention]] = defaultdict(list)
-                for iv in group:
-                    if iv.intervention != "none":
-                        by_layer[iv.layer].append(iv)  # type: ignore[index]
-                with ExitStack() as stack:
-                    for layer, ivs in sorted(by_layer.items()):
-                        fns = _copy_edit_fns([ivs], sources, data.n, model.n_heads)  # one copy: the prompts
-                        stack.enter_context(model.hooks(layer, **fns))
-                    h = model.forward_blocks(data.inputs)
-                out.append(task.per_prompt(model.readout(h, data.positions), data))
-                bar.update(done)
-    return torch.stack(out)
+        return torch.stack(_run_groups(model, task, data, groups, sources, "joint interventions", show_progress))

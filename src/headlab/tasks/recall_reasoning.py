@@ -128,12 +128,12 @@ class RecallReasoningTask(Task):
         rea_ids, rea_ans = self.reasoning(chains, order, query)
         # counterfactuals: another entity with another value; the other chain of the same context
         other = (entity + torch.randint(1, self.n_ent, (half,), generator=gen)) % self.n_ent
-        same = torch.from_numpy(self.attributes)[other, relation] == torch.from_numpy(self.attributes)[entity, relation]
-        for _ in range(20):  # redraw until the counterfactual's answer differs
+        value = torch.from_numpy(self.attributes)
+        for _ in range(20):  # step to the next entity until the counterfactual's answer differs
+            same = value[other, relation] == value[entity, relation]
             if not same.any():
                 break
             other[same] = (other[same] + 1) % self.n_ent
-            same = torch.from_numpy(self.attributes)[other, relation] == torch.from_numpy(self.attributes)[entity, relation]
         cf_rec, cf_rec_ans = self.recall(other, relation)
         cf_rea, cf_rea_ans = self.reasoning(chains, order, 1 - query)
         # reference: fresh prompts of each kind

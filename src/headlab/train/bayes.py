@@ -11,7 +11,7 @@ dims^-1/4 to integrate the prior accurately; the split integrator's error comes 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +26,6 @@ class HMCStats:
     accept_rate: float = 0.0  # mean Metropolis acceptance probability over the kept draws
     leapfrog_steps: int = 0
     divergent: int = 0  # kept draws whose energy error exceeded 1000
-    trace: list[float] = field(default_factory=list)  # potential after each draw
 
 
 def _grad(potential: Potential, params: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
@@ -107,7 +106,6 @@ def hmc(potential: Potential, init: list[Tensor], n_warmup: int, n_samples: int,
             accepted_sum += accept_prob
             stats.divergent += int(not math.isfinite(error) or error > 1000)
             stats.leapfrog_steps += n_steps
-            stats.trace.append(float(value))
             if on_sample is not None:
                 on_sample(params)
         if on_iteration is not None:
