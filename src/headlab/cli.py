@@ -125,6 +125,12 @@ def train_task(cfg) -> str:
     return _job(pipeline.train, cfg)
 
 
+def sae_task(cfg) -> str:
+    from . import pipeline
+
+    return _job(pipeline.sae, cfg)
+
+
 def _job(work: Callable, cfg) -> str:
     """Run one Hydra job; returns its status for the sweep summary (done | skipped)."""
     from hydra.core.hydra_config import HydraConfig
@@ -153,6 +159,9 @@ def _job(work: Callable, cfg) -> str:
 def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
     agg = df[df["n"] > 1] if "prompt_id" in df else df
     if agg.empty:
+        return
+    if (agg["intervention"] == "sae").all():
+        _print_sae(agg)
         return
     if (agg["method"] == "train").all():
         last = agg[agg["step"] == agg["step"].max()]
@@ -188,6 +197,26 @@ def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
 # ---------------------------------------------------------------- commands
 
 
+def _print_sae(df: pd.DataFrame) -> None:
+    top = df[(df["method"] != "fit") & df["head"].isna()]
+    arch, layer = top["method"].iloc[0], int(top["layer"].iloc[0])
+    table = Table(title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z ({int(top['n'].iloc[0])} held-out tokens)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for _, r in top.iterrows():
+        table.add_row(str(r["metric"]), f"{r['value']:.4f}")
+    out.print(table)
+    heads = df[df["metric"].isin(["n_dominated", "effective_features", "polysemantic"])]
+    wide = heads.pivot_table(index="head", columns="metric", values="value").reset_index()
+    table = Table(title="features per head (decoder-norm dominance)")
+    for col in ("head", "n_dominated", "effective_features", "polysemantic"):
+        table.add_column(col, justify="right")
+    for _, r in wide.iterrows():
+        table.add_row(str(int(r["head"])), str(int(r["n_dominated"])), f"{r['effective_features']:.2f}",
+                      "yes" if r["polysemantic"] else "no")  # fmt: skip
+    out.print(table)
+
+
 @app.command(context_settings=PASS_THROUGH)
 def run(
     ctx: typer.Context,
@@ -210,6 +239,16 @@ def train(
 
     validate_overrides(ctx.args)
     _hydra_run(ctx.args, multirun, train_task)
+
+
+@app.command(context_settings=PASS_THROUGH)
+def sae(
+    ctx: typer.Context,
+    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each."),
+) -> None:
+    """Fit a sparse autoencoder on one layer's head outputs z: `headlab sae sae=topk sae.layer=1 [key=value ...]`."""
+    validate_overrides(ctx.args)
+    _hydra_run(ctx.args, multirun, sae_task)
 
 
 @app.command("list")

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-GROUPS = ("model", "task", "ablate", "patch", "train", "experiment")
+GROUPS = ("model", "task", "ablate", "patch", "train", "sae", "experiment")
 
 
 def config_dir() -> Path:
@@ -155,7 +155,7 @@ class RecallReasoningConfig(TaskConfig):
     world_seed: int = 0  # the synthetic world's facts; the same for training and evaluation
     recall_fraction: float = 0.3  # share of fact statements in the training stream
     one_hop_fraction: float = 0.2  # share of one-hop problems after one_hop_steps
-    one_hop_steps: int = 2500  # training steps with one-hop problems only (besides facts): the curriculum
+    one_hop_steps: int = 2000  # training steps with one-hop problems only (besides facts): the curriculum
     prepend_bos: bool = True  # facts: start each prompt with the tokenizer's BOS token
 
 
@@ -214,6 +214,42 @@ class TrainConfig:
     freeze_embeddings: bool = False
 
 
+class SaeArchitecture(str, Enum):
+    relu_l1 = "relu_l1"  # Kissane et al.: ReLU, L1 penalty, unit-norm decoder rows, dead-latent resampling
+    topk = "topk"  # the k largest pre-activations per token, no L1
+
+
+@dataclass
+class SaeConfig:
+    """`headlab sae`: an SAE on one layer's per-head outputs z, concatenated over heads (hook_z)."""
+
+    architecture: SaeArchitecture = SaeArchitecture.relu_l1
+    layer: int = 0
+    expansion: int = 16  # latents per input dimension: d_sae = expansion * n_heads * d_head
+    l1_coeff: float = 1.0  # relu_l1: weight of sum |f| against the squared error (summed over dimensions)
+    l1_warmup_steps: int = 0  # relu_l1: the L1 weight ramps up linearly over these steps
+    k: int = 8  # topk: latents active per token
+    steps: int = 2000
+    batch_size: int = 1024  # tokens per step
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    beta1: float = 0.9
+    beta2: float = 0.999
+    # corpus: null = the task's prompts (task.n_prompts per pass, redrawn each pass); else a text file or
+    # a directory of .txt / .jsonl ("text" field) files, cut into windows of context_size tokens
+    corpus: Optional[str] = None
+    context_size: int = 64
+    model_batch: int = 64  # sequences per forward pass of the model
+    buffer_tokens: int = 65_536  # shuffle buffer: activations mix across sequences before batching
+    resample_every: int = 500  # relu_l1: re-initialise dead latents every N steps (0: never), not near the end
+    dead_window: int = 100_000  # tokens: a latent that did not fire on the last this many is dead
+    checkpoint_every: int = 500
+    eval_sequences: int = 256  # held-out sequences for the metrics, attribution and contexts
+    top_contexts: int = 10  # top-activating contexts kept per feature
+    context_window: int = 12  # tokens shown before the activating one
+    dominance: float = 0.5  # a head dominates a feature that has this share of its decoder norm
+
+
 @dataclass
 class EngineConfig:
     # Size of the widest activation (tokens x max(d_model, d_mlp) floats) in one batched pass of stacked
@@ -238,6 +274,7 @@ class Config:
     ablate: AblateConfig = MISSING
     patch: PatchConfig = MISSING
     train: TrainConfig = MISSING
+    sae: SaeConfig = field(default_factory=SaeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     name: str = "default"
@@ -253,6 +290,7 @@ SCHEMAS: dict[str, type] = {
     "ablate": AblateConfig,
     "patch": PatchConfig,
     "train": TrainConfig,
+    "sae": SaeConfig,
 }
 TASK_SCHEMAS: dict[str, type] = {"counting": CountingConfig, "ioi": IOIConfig, "markov": MarkovConfig,
                                  "recall_reasoning": RecallReasoningConfig}

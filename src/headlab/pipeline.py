@@ -214,3 +214,16 @@ def train(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.Data
     df = results.conform(df)
     results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, {"checkpoint": str(directory)}))
     return df
+
+
+def sae(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
+    """`headlab sae`: fit (or reuse) an SAE on one layer's z and write its tables (sae/study.py)."""
+    from .sae import study
+
+    if option(cfg.model.kind) == "pathnet":
+        raise UsageError("model=pathnet has no token inputs to fit an SAE on")
+    previous = _previous_result(cfg, run_dir)
+    if previous is not None:
+        return previous
+    return study.run(cfg, run_dir, show_progress)
+

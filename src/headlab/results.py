@@ -27,6 +27,7 @@ DTYPES = {
     "intervention": "string", "method": "string", "layer": "Int64", "head": "Int64", "position": "Int64",
     "metric": "string", "value": "float64", "n": "int64", "ci_low": "float64", "ci_high": "float64",
     "prompt_id": "Int64", "other_head": "Int64", "site": "string", "token": "string", "receivers": "string",
+    "feature": "Int64", "rank": "Int64", "sequence": "Int64", "query_position": "Int64", "context": "string",
 }  # fmt: skip
 TABLE, CSV, META = "results.parquet", "results.csv", "meta.json"
 

@@ -120,6 +120,21 @@ class HookedModel:
             self.forward_blocks(inputs)
         return out
 
+    def capture(self, inputs: Inputs, layer: int, site: str = "z") -> Tensor:
+        """One head site of one layer (shapes: see sites.py); the forward pass stops right there."""
+        kept: list[Tensor] = []
+
+        def grab(t: Tensor) -> Tensor:
+            kept.append(t)
+            raise _Stop
+
+        with self.sites.hooks(layer, **{site: grab}):
+            try:
+                self.forward(inputs)
+            except _Stop:
+                pass
+        return kept[0]
+
     def forward_blocks(self, inputs: Inputs) -> Tensor:
         """A forward pass that stops before the final norm: hooks see every block, and no vocabulary-
         sized logits are computed. Returns the residual stream entering the final norm."""

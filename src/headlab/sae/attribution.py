@@ -1,0 +1,72 @@
+"""From SAE features to heads (Kissane et al. 2024, section 3):
+
+  decoder_head_shares       weight-based: the share of a feature's decoder norm on each head,
+                            ||W_dec[f, head h]|| / sum_h' ||W_dec[f, head h']||
+  head_polysemanticity      per head: the live features it dominates (share >= sae.dominance), the
+                            effective number of them (exp of the entropy of their firing frequencies),
+                            and whether that number is at least 2 (polysemantic: more than one role)
+  direct_feature_attribution  a feature's pre-activation is linear in z, and z of head h at the query
+                            position is sum_s pattern[h, q, s] v[h, s]; so the pre-activation splits
+                            exactly into pattern[h, q, s] (v[h, s] . W_enc[head h, f]) per head and source
+                            position, plus b_enc[f] - b_dec . W_enc[:, f]
+  top_activations           the k largest activations of every feature over a token set, in chunks
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..models.hooked import HookedModel
+from .base import SparseAutoencoder
+
+
+def decoder_head_shares(sae: SparseAutoencoder, n_heads: int) -> Tensor:
+    """[d_sae, n_heads], rows sum to 1."""
+    norms = sae.W_dec.detach().view(sae.d_sae, n_heads, -1).norm(dim=-1)
+    return norms / norms.sum(1, keepdim=True).clamp_min(1e-12)
+
+
+def head_polysemanticity(shares: Tensor, frequency: Tensor, dominance: float) -> list[dict]:
+    """One dict per head: n_dominated, effective_features, polysemantic (0/1). frequency [d_sae]: the
+    fraction of tokens each feature fires on (dead features count for no head)."""
+    out = []
+    for h in range(shares.shape[1]):
+        mine = (shares[:, h] >= dominance) & (frequency > 0)
+        p = frequency[mine] / frequency[mine].sum() if mine.any() else frequency[:0]
+        effective = math.exp(float(-(p * p.log()).sum())) if mine.any() else 0.0
+        out.append({"head": h, "n_dominated": int(mine.sum()), "effective_features": effective,
+                    "polysemantic": float(effective >= 2.0)})  # fmt: skip
+    return out
+
+
+@torch.no_grad()
+def direct_feature_attribution(model: HookedModel, layer: int, sae: SparseAutoencoder, ids: Tensor,
+                               position: int, feature: int) -> Tensor:  # fmt: skip
+    """[n_heads, pos] for one sequence ids [pos]: each head's and source position's part of the feature's
+    pre-activation at `position`."""
+    with model.sites.record(("pattern", "v"), layers=[layer]) as store:
+        model.forward_blocks({"input_ids": ids[None]})
+    pattern, v = store[("pattern", layer)][0], store[("v", layer)][0]  # [H, q, k], [kv_H, k, d_head]
+    n_heads = pattern.shape[0]
+    v = v.repeat_interleave(n_heads // v.shape[0], dim=0)
+    w = sae.W_enc[:, feature].view(n_heads, -1)  # [H, d_head]
+    return pattern[:, position, :] * torch.einsum("hkd,hd->hk", v.float(), w)
+
+
+@torch.no_grad()
+def top_activations(sae: SparseAutoencoder, x: Tensor, k: int, batch: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
+    """(values [k, d_sae], token indices into x [k, d_sae], firing frequency [d_sae])."""
+    k = min(k, x.shape[0])
+    best_v = torch.full((k, sae.d_sae), -math.inf)
+    best_i = torch.zeros((k, sae.d_sae), dtype=torch.long)
+    fired = torch.zeros(sae.d_sae)
+    for start in range(0, x.shape[0], batch):
+        f = sae.encode(x[start : start + batch])
+        fired += (f > 0).sum(0)
+        values = torch.cat([best_v, f])
+        index = torch.cat([best_i, torch.arange(start, start + f.shape[0])[:, None].expand_as(f)])
+        best_v, order = values.topk(k, dim=0)
+        best_i = index.gather(0, order)
+    return best_v, best_i, fired / x.shape[0]

@@ -1,0 +1,72 @@
+"""The interface every SAE architecture implements (one file per architecture, after SAELens).
+
+Parameters carry SAELens's names and shapes, so a state dict is an SAELens state dict:
+  W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in], b_dec [d_in].
+The encoder sees x - b_dec (SAELens: apply_b_dec_to_input). Inputs are hook_z flattened over heads:
+[..., n_heads * d_head], head-major, as TransformerLens's `... n_heads d_head -> ... (n_heads d_head)`.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+
+class SparseAutoencoder(nn.Module):
+    architecture: ClassVar[str]  # headlab's name (sae=<name>)
+    saelens_architecture: ClassVar[str]  # the architecture SAELens loads it as
+
+    def __init__(self, d_in: int, d_sae: int, seed: int = 0):
+        super().__init__()
+        self.d_in, self.d_sae = d_in, d_sae
+        gen = torch.Generator().manual_seed(seed)
+        # decoder rows at unit norm, encoder its transpose: every latent starts as a matched filter
+        w_dec = torch.randn(d_sae, d_in, generator=gen)
+        w_dec /= w_dec.norm(dim=1, keepdim=True)
+        self.W_dec = nn.Parameter(w_dec)
+        self.W_enc = nn.Parameter(w_dec.t().clone())
+        self.b_enc = nn.Parameter(torch.zeros(d_sae))
+        self.b_dec = nn.Parameter(torch.zeros(d_in))
+
+    # ------------------------------------------------------------------ the forward pass
+
+    def pre_activation(self, x: Tensor) -> Tensor:
+        """[..., d_in] -> [..., d_sae]: (x - b_dec) W_enc + b_enc."""
+        return (x - self.b_dec) @ self.W_enc + self.b_enc
+
+    def encode(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def decode(self, f: Tensor) -> Tensor:
+        return f @ self.W_dec + self.b_dec
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(reconstruction [..., d_in], feature activations [..., d_sae])."""
+        f = self.encode(x)
+        return self.decode(f), f
+
+    def loss(self, x: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """(training loss, its named parts, fires [d_sae]: on how many tokens each latent was active)
+        on a batch [tokens, d_in]."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ constraints kept during fitting
+
+    @torch.no_grad()
+    def normalize_decoder(self) -> None:
+        self.W_dec /= self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-8)
+
+    @torch.no_grad()
+    def remove_parallel_grad(self) -> None:
+        """Drop the part of each decoder row's gradient along the row: the step then moves the row
+        on its unit sphere (to first order) instead of fighting the renormalisation."""
+        if self.W_dec.grad is not None:
+            parallel = (self.W_dec.grad * self.W_dec).sum(1, keepdim=True)
+            self.W_dec.grad -= parallel * self.W_dec
+
+    # ------------------------------------------------------------------ SAELens
+
+    def saelens_fields(self) -> dict:
+        """Architecture-specific fields of SAELens's cfg.json."""
+        return {}

@@ -1,0 +1,36 @@
+"""ReLU SAE with an L1 penalty (Kissane et al. 2024, after Anthropic's "Towards Monosemanticity").
+
+f = ReLU((x - b_dec) W_enc + b_enc), x_hat = f W_dec + b_dec, decoder rows at unit norm;
+loss = ||x - x_hat||^2 (summed over dimensions, mean over tokens) + l1_coeff * sum_i |f_i|.
+With unit-norm rows the L1 term cannot be dodged by shrinking f and growing W_dec.
+SAELens loads it as architecture "standard".
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import SparseAutoencoder
+
+
+class ReluL1SAE(SparseAutoencoder):
+    architecture = "relu_l1"
+    saelens_architecture = "standard"
+
+    def __init__(self, d_in: int, d_sae: int, seed: int = 0, l1_coeff: float = 1.0, l1_warmup_steps: int = 0):
+        super().__init__(d_in, d_sae, seed)
+        self.l1_coeff, self.l1_warmup_steps = l1_coeff, l1_warmup_steps
+
+    def encode(self, x: Tensor) -> Tensor:
+        return torch.relu(self.pre_activation(x))
+
+    def l1_weight(self, step: int) -> float:
+        if self.l1_warmup_steps <= 0:
+            return self.l1_coeff
+        return self.l1_coeff * min(1.0, (step + 1) / self.l1_warmup_steps)
+
+    def loss(self, x: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        recon, f = self(x)
+        mse = (recon - x).pow(2).sum(-1).mean()
+        l1 = f.abs().sum(-1).mean()
+        return mse + self.l1_weight(step) * l1, {"mse": mse, "l1": l1}, (f > 0).sum(0)

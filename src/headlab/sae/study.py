@@ -1,0 +1,180 @@
+"""`headlab sae`: fit (or reuse) an SAE on one layer's z, measure it, attribute its features to heads,
+export it for SAELens, and write the run's tables.
+
+<run>/results.parquet (+ csv)   tidy: the SAE's metrics (intervention "sae", method = architecture), the
+                                training curve (method "fit", column step), per head its polysemanticity
+                                numbers, per feature and head the decoder share (column feature), and
+                                direct feature attribution per head and source position (metric dfa)
+                                for the top context of the most frequent features, and per live feature
+                                its top-activating contexts (metric top_context, columns rank, token,
+                                context: the activating token in [[ ]] after its preceding tokens)
+<run>/contexts.parquet (+ csv)  the same contexts alone, for eyes and spreadsheets
+<run>/sae/                      cfg.json + sae_weights.safetensors (SAELens: SAE.load_from_disk)
+The fitted SAE itself lives in <output.root>/saes/<model>-L<layer>-<architecture>-<hash>/ and is reused
+by every run with the same model, task, corpus and SAE settings.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from .. import results
+from ..config import config_hash, option, run_info, to_plain
+from ..errors import UsageError
+from ..models.hooked import HookedModel
+from ..tasks import build_task
+from . import build_sae
+from .activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
+from .attribution import decoder_head_shares, direct_feature_attribution, head_polysemanticity, top_activations
+from .export import CFG, WEIGHTS, hook_name, load_sae, save_sae
+from .fit import fit
+from .metrics import ce_recovered, reconstruction_metrics
+
+DONE = "headlab.json"
+EVAL_SEED = 77_777  # held-out prompts: apart from the training stream's passes
+HELD_OUT = 10  # a text corpus keeps its last 1/10 of windows out of training
+DFA_FEATURES = 8  # features whose top context is split by head and source position
+# settings that do not change the fitted SAE (evaluation and display only)
+DISPLAY_KEYS = ("eval_sequences", "top_contexts", "context_window", "dominance")
+
+
+def sae_dir(cfg: Any) -> Path:
+    plain = to_plain(cfg)
+    plain["task"] = {k: v for k, v in plain["task"].items() if k not in ("n_reference",)}
+    plain["sae"] = {k: v for k, v in plain["sae"].items() if k not in DISPLAY_KEYS}
+    digest = config_hash(plain, ("model", "task", "train", "seed", "sae"))
+    name = f"{cfg.model.name}-L{cfg.sae.layer}-{option(cfg.sae.architecture)}-{digest}"
+    return Path(cfg.output.root) / "saes" / name
+
+
+def corpora(cfg: Any, task: Any, model: HookedModel):
+    """(passes: i -> the corpus of training pass i, held-out corpus)."""
+    sc = cfg.sae
+    if sc.corpus:
+        corpus = text_corpus(sc.corpus, model, sc.context_size)
+        n = corpus.ids.shape[0]
+        split = n - max(1, n // HELD_OUT)  # fixed: no evaluation setting changes what the SAE trains on
+        train = corpus.rows(torch.arange(0, split))
+        return (lambda _i: train), corpus.rows(torch.arange(split, min(n, split + sc.eval_sequences)))
+    n = max(cfg.task.n_prompts, sc.model_batch)
+    return (lambda i: task_corpus(task, model, n, seed=cfg.seed * 1_000_003 + i)), task_corpus(
+        task, model, sc.eval_sequences, seed=EVAL_SEED + cfg.seed)
+
+
+def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
+    """The fitted SAE of this config and its fit record: fitted now, resumed, or reused."""
+    sc, directory = cfg.sae, sae_dir(cfg)
+    if (directory / DONE).is_file():
+        sae, _ = load_sae(directory)
+        return sae, json.loads((directory / DONE).read_text())
+    d_in = model.sites.n_heads * model.sites.d_head
+    sae = build_sae(sc, d_in, seed=cfg.seed)
+    # a resumed fit streams passes it has not seen: pass numbers (prompt seeds) start from the step
+    batches = lambda step: stream(model, sc.layer, lambda i: passes(step * 1_000 + i), sc.batch_size,  # noqa: E731
+                                  sc.buffer_tokens, sc.model_batch, seed=cfg.seed * 1_000_003 + step)  # fmt: skip
+    record = fit(sae, batches, sc, directory, show_progress, label=f"sae {option(sc.architecture)} L{sc.layer}")
+    meta = {"model_name": cfg.model.name, "hook_name": hook_name(sc.layer), "context_size": sc.context_size,
+            "dataset_path": sc.corpus or f"task:{cfg.task.name}", "n_heads": model.sites.n_heads,
+            "d_head": model.sites.d_head, "l1_coeff": sc.l1_coeff}  # fmt: skip
+    save_sae(sae, directory, meta)
+    results.atomic_write_bytes(directory / DONE, json.dumps({"complete": True, **record}).encode())  # last
+    return sae.eval(), record
+
+
+def token_text(model: HookedModel, task: Any) -> callable:
+    if model.tokenizer is not None:
+        return lambda i: model.tokenizer.decode([int(i)])
+    names = getattr(task, "token_names", None) or {}
+    return lambda i: names.get(int(i), str(int(i)))
+
+
+def run(cfg: Any, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
+    from ..pipeline import apply_threads, obtain_model
+
+    apply_threads(cfg)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    task = build_task(cfg.task)
+    model = obtain_model(cfg, task, show_progress)
+    sc = cfg.sae
+    if not 0 <= sc.layer < model.n_layers:
+        raise UsageError(f"sae.layer={sc.layer}: model {cfg.model.name} has layers 0..{model.n_layers - 1}")
+    passes, held_out = corpora(cfg, task, model)
+    timings["load"] = time.perf_counter() - start
+    start = time.perf_counter()
+    sae, record = obtain_sae(cfg, model, passes, show_progress)
+    timings["fit"] = time.perf_counter() - start
+    start = time.perf_counter()
+    x = corpus_z(model, sc.layer, held_out, sc.model_batch)
+    metrics = reconstruction_metrics(sae, x)
+    metrics.update(ce_recovered(model, sc.layer, held_out, lambda z: sae(z)[0], sc.model_batch))
+    metrics["dead_window_fraction"] = record["dead_window_fraction"]
+    n_heads = model.sites.n_heads
+    shares = decoder_head_shares(sae, n_heads)
+    values, where, frequency = top_activations(sae, x, sc.top_contexts)
+    heads = head_polysemanticity(shares, frequency, sc.dominance)
+    metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in heads) / n_heads
+    timings["evaluate"] = time.perf_counter() - start
+    info = {**run_info(cfg), "intervention": "sae", "method": option(sc.architecture), "layer": sc.layer}
+    tokens = int(x.shape[0])
+    rows = [{**info, "metric": k, "value": v, "n": tokens} for k, v in metrics.items()]
+    rows += [{**info, "method": "fit", "metric": p["metric"], "value": p["value"], "n": sc.batch_size, "step": p["step"]}
+             for p in record["curve"]]  # fmt: skip
+    for h in heads:
+        rows += [{**info, "head": h["head"], "metric": k, "value": float(h[k]), "n": tokens}
+                 for k in ("n_dominated", "effective_features", "polysemantic")]  # fmt: skip
+    live = (frequency > 0).nonzero().squeeze(1)
+    share_rows = pd.DataFrame({
+        "feature": live.repeat_interleave(n_heads).numpy(), "head": torch.arange(n_heads).repeat(len(live)).numpy(),
+        "value": shares[live].reshape(-1).numpy()})  # fmt: skip
+    share_rows = share_rows.assign(**info, metric="decoder_share", n=tokens)
+    locate = real_tokens(held_out).nonzero()  # token index -> (row, position)
+    contexts = contexts_table(held_out, locate, values, where, live, token_text(model, task), sc.context_window)
+    dfa = dfa_rows(model, sc.layer, sae, held_out, locate, values, where, frequency, info)
+    context_rows = contexts.rename(columns={"activation": "value"}).assign(**info, metric="top_context", n=1)
+    df = results.conform(pd.concat([pd.DataFrame(rows), share_rows, dfa, context_rows], ignore_index=True))
+    export = Path(run_dir) / "sae"
+    export.mkdir(parents=True, exist_ok=True)
+    for name in (WEIGHTS, CFG):
+        shutil.copyfile(sae_dir(cfg) / name, export / name)
+    results.atomic_write_bytes(Path(run_dir) / "contexts.parquet", contexts.to_parquet(index=False))
+    results.atomic_write_bytes(Path(run_dir) / "contexts.csv", contexts.to_csv(index=False).encode())
+    extra = {"sae_dir": str(sae_dir(cfg)), "fit_seconds": record["seconds"], "fit_tokens": record["tokens"]}
+    results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
+    return df
+
+
+def contexts_table(corpus: Corpus, locate, values, where, live, text, window: int) -> pd.DataFrame:
+    rows = []
+    for f in live.tolist():
+        for rank in range(values.shape[0]):
+            if values[rank, f] <= 0:
+                break
+            row, pos = locate[where[rank, f]].tolist()
+            ids = corpus.ids[row, max(0, pos - window) : pos + 1].tolist()
+            shown = "".join(text(t) for t in ids[:-1]) + "[[" + text(ids[-1]) + "]]"
+            rows.append({"feature": f, "rank": rank, "activation": float(values[rank, f]), "sequence": row,
+                         "position": pos, "token": text(ids[-1]), "context": shown})  # fmt: skip
+    return pd.DataFrame(rows, columns=["feature", "rank", "activation", "sequence", "position", "token", "context"])
+
+
+def dfa_rows(model, layer, sae, corpus, locate, values, where, frequency, info) -> pd.DataFrame:
+    frames = []
+    for f in frequency.argsort(descending=True)[:DFA_FEATURES].tolist():
+        if values[0, f] <= 0:
+            continue
+        row, pos = locate[where[0, f]].tolist()
+        dfa = direct_feature_attribution(model, layer, sae, corpus.ids[row], pos, f)[:, : pos + 1]
+        heads, sources = torch.meshgrid(torch.arange(dfa.shape[0]), torch.arange(dfa.shape[1]), indexing="ij")
+        frames.append(pd.DataFrame({"head": heads.reshape(-1).numpy(), "position": sources.reshape(-1).numpy(),
+                                    "value": dfa.reshape(-1).numpy(), "feature": f, "sequence": row,
+                                    "query_position": pos}))  # fmt: skip
+    if not frames:
+        return pd.DataFrame()
+    return pd.concat(frames).assign(**info, metric="dfa", n=1)
