@@ -44,7 +44,11 @@ def drops(correct: np.ndarray, kind: np.ndarray, labels: list[dict], n_boot: int
 
 
 def top_components(table: pd.DataFrame, kind: str, k: int) -> pd.DataFrame:
-    """The k components that hurt `kind` most and the other kind less (selectivity on its side)."""
+    """The k components that hurt `kind` most and the other kind less (selectivity on its side): the
+    selective ones (|s| >= MIN_SELECTIVITY) first, by drop, then the rest of that side, by drop; a shared
+    component that breaks both kinds would otherwise lead both lists."""
     sign = 1 if kind == "recall" else -1
-    side = table[(table["selectivity"].fillna(0) * sign) > 0]
-    return side.sort_values(f"drop_{kind}", ascending=False).head(k)
+    leaning = table["selectivity"].fillna(0) * sign
+    side = table[leaning > 0].assign(_selective=leaning[leaning > 0] >= MIN_SELECTIVITY)
+    ranked = side.sort_values(["_selective", f"drop_{kind}"], ascending=[False, False], kind="stable")
+    return ranked.head(k).drop(columns="_selective")

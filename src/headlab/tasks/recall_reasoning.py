@@ -69,6 +69,9 @@ class RecallReasoningTask(Task):
         world = np.random.default_rng(cfg.world_seed)
         self.attributes = world.integers(0, self.n_val, size=(self.n_ent, self.n_rel))  # the facts to memorise
         self.token_names = {i: s for i, s in enumerate(SPECIAL)}
+        # every token's text, for tables of contexts: entities e0.., relations r0.., values v0..
+        self.token_strings = [*SPECIAL, *(f"r{i}" for i in range(self.n_rel)), *(f"e{i}" for i in range(self.n_ent)),
+                              *(f"v{i}" for i in range(self.n_val))]  # fmt: skip
 
     # ------------------------------------------------------------------ prompts
 
