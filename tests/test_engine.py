@@ -1,6 +1,8 @@
 """The batched, cached sweep equals the naive loop and an independent hand computation."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -55,8 +57,11 @@ class _LastTokenTask(Task):
     name, quantities = "last", ("logit_diff",)
     aggregates = {"logit_diff": mean_of(0)}
 
+    def __init__(self, good: int = 11, bad: int = 7):
+        self.good, self.bad = good, bad
+
     def per_prompt(self, logits, data):
-        return (logits[..., 0, 11] - logits[..., 0, 7]).unsqueeze(-1)
+        return (logits[..., 0, self.good] - logits[..., 0, self.bad]).unsqueeze(-1)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -128,3 +133,36 @@ def test_plan_follows_the_config():
     assert sum(iv.intervention == "patch_head" for iv in ivs) == 6
     cfg = OmegaConf.create({"ablate": {"sweep": "layers", "method": "zero"}, "patch": patch([])})
     assert [iv.layer for iv in plan(cfg, 2, 3)] == [None, 0, 1]
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_patching_a_role_from_a_counterfactual_laid_out_otherwise_reads_the_source_at_its_own_position(naive):
+    """counterfactual_positions: z of a head at each prompt's role position takes the counterfactual's
+    z at that prompt's (other) role position; checked against a hand-written hook."""
+    model = _toy(n_layers=2)
+    gen = torch.Generator().manual_seed(5)
+    n, t = 10, 12
+    ids, cf_ids = torch.randint(0, 7, (n, t), generator=gen), torch.randint(0, 7, (n, t), generator=gen)
+    role, cf_role = torch.randint(2, 9, (n,), generator=gen), torch.randint(0, 11, (n,), generator=gen)
+    data = TaskData(inputs={"input_ids": ids}, positions=torch.full((n, 1), t - 1), answers={},
+                    counterfactual={"input_ids": cf_ids}, token_positions={"R": role},
+                    counterfactual_positions={"R": cf_role})  # fmt: skip
+    task = _LastTokenTask(good=3, bad=1)
+    layer, head = 0, 2
+    got = execute(model, task, data, [CLEAN, Intervention("patch_head", "activation", layer, head, token="R")],
+                  naive=naive)  # fmt: skip
+    with torch.inference_mode():
+        source = model.capture({"input_ids": cf_ids}, layer, "z")  # [n, pos, head, d_head]
+        rows = torch.arange(n)
+
+        def put(z):
+            z[rows, role, head] = source[rows, cf_role, head]
+            return z
+
+        with model.hooks(layer, z=put):
+            logits = model.forward({"input_ids": ids})
+    expected = task.per_prompt(logits[:, -1:], data)
+    torch.testing.assert_close(got[1], expected, atol=1e-5, rtol=0)
+    aligned = execute(model, task, replace(data, counterfactual_positions=None),
+                      [Intervention("patch_head", "activation", layer, head, token="R")])  # fmt: skip
+    assert (aligned[0] - got[1]).abs().max() > 1e-3  # the source position matters

@@ -139,14 +139,15 @@ def test_circuits_run_writes_drops_classes_knockouts_and_figures(tmp_path):
     run_dir = next(tmp_path.rglob("results.parquet")).parent
     table = pd.read_parquet(run_dir / "results.parquet")
     comps = table[table["metric"] == "drop_recall"]
-    n_components = 2 * 4 + 2 * 2 + 2 * 4  # heads, attention + MLP per layer, 4 neuron groups per layer
-    assert len(comps) == n_components
+    ablated, crossed = comps[comps["intervention"] != "patch_head"], comps[comps["intervention"] == "patch_head"]
+    assert len(ablated) == 2 * 4 + 2 * 2 + 2 * 4  # heads, attention + MLP per layer, 4 neuron groups per layer
+    assert len(crossed) == 8 and (crossed["group"] == "other_kind").all()  # every head, from the other kind
     assert set(comps["class"]) <= {"recall", "reasoning", "shared", "none"}
     knock = table[table["intervention"] == "knockout"]
     assert {"recall_top", "reasoning_top", "random", "clean"} >= set(knock["method"]) >= {"random", "clean"}
     assert knock["k"].max() == 10
     patches = table[(table["intervention"] == "patch_head") & (table["metric"] == "recall_margin")]
-    assert len(patches) == 8
+    assert len(patches) == 16 and patches["group"].isna().sum() == 8  # same kind, then the other kind
     numbers = json.loads((run_dir / "figures" / "numbers.json").read_text())
     assert set(numbers["clean"]) == {"recall_acc", "reasoning_acc"}
     assert {p.name for p in (run_dir / "figures").glob("*.png")} == {
@@ -165,9 +166,12 @@ def test_circuits_on_a_pretrained_model_with_the_fact_table(tiny_hf_dir, gpt2_to
                             "output": {"n_boot": 20}, "seed": 0})  # fmt: skip
     table, extra = recall_reasoning_study.run(cfg, model, task, data, {"experiment": "t", "model": "tiny", "task": task.name, "seed": 0})
     comps = table[table["metric"] == "drop_recall"]
-    assert len(comps) == 3 * 4 + 3 * 2 + 3 * 4  # heads, attention + MLP, neuron groups
-    assert extra["n_components"] == len(comps)
-    assert not (table["intervention"] == "patch_head").any()  # the fact table has no counterfactuals
+    ablated = comps[comps["intervention"] != "patch_head"]
+    assert len(ablated) == 3 * 4 + 3 * 2 + 3 * 4  # heads, attention + MLP, neuron groups
+    assert extra["n_components"] == len(ablated)
+    # the fact table has no same-kind counterfactuals; every head is patched from the other kind
+    patched = table[(table["intervention"] == "patch_head") & (table["metric"] == "recall_acc")]
+    assert len(patched) == 12 and (patched["group"] == "other_kind").all()
     clean = table[(table["intervention"] == "knockout") & (table["method"] == "clean") & (table["metric"] == "recall_acc")]
     base = table[(table["intervention"] == "none") & (table["metric"] == "recall_acc")]
     assert float(clean["value"].iloc[0]) == pytest.approx(float(base["value"].iloc[0]))
@@ -177,3 +181,24 @@ def test_circuits_needs_a_recall_reasoning_task(tmp_path):
     proc = headlab("run", "ablate=circuits", "train.steps=20", f"output.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode != 0
     assert "ablate=circuits needs a task with recall and reasoning prompts" in _error_line(proc)
+
+
+def test_other_kind_pairs_each_prompt_with_the_other_kinds_prompt_over_the_same_entity():
+    from headlab.tasks.recall_reasoning import other_kind
+
+    task = RecallReasoningTask(rr_cfg())
+    data = task.build(40, seed=4)
+    paired = other_kind(data)
+    ids, cf = data.inputs["input_ids"], paired.counterfactual["input_ids"]
+    half = data.n // 2
+    kind = data.answers["kind"]
+    for i in range(half):
+        recall, reasoning = ids[i].tolist(), ids[half + i].tolist()
+        assert kind[i] == 0 and kind[half + i] == 1
+        assert cf[i].tolist() == reasoning and cf[half + i].tolist() == recall
+        assert reasoning[-1] == recall[1]  # the reasoning query starts at the recalled entity
+    answer = data.token_positions["ANSWER"]
+    moved = paired.counterfactual_positions["ANSWER"]
+    assert answer[:half].tolist() == [3] * half and moved[:half].tolist() == [task.max_len - 1] * half
+    assert moved[half:].tolist() == [3] * half
+    assert paired.inputs is data.inputs and data.counterfactual is not None  # the original is untouched

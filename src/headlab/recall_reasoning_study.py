@@ -3,9 +3,10 @@
 1. Ablate (ablate.method: zero | mean) every head, every layer's attention output and MLP output, and MLP
    neurons in groups: per layer, the neurons ranked by mean activation on recall prompts minus on
    reasoning prompts (at the answer position), the top groups of each sign. Activation-patch every head's
-   z at the answer position from the counterfactual prompt. All through the core engine, per prompt.
-2. Per component: recall and reasoning accuracy drops with paired bootstrap intervals, selectivity, class
-   (analysis/selectivity.py).
+   z at the answer position from the counterfactual prompt of the same kind, and from the paired prompt
+   of the other kind (recall <-> reasoning, group "other_kind"). All through the core engine, per prompt.
+2. Per component (ablations, and heads patched from the other kind): recall and reasoning accuracy drops
+   with paired bootstrap intervals, selectivity, class (analysis/selectivity.py).
 3. Knockouts: the top-k recall components and the top-k reasoning components (heads and MLPs) ablated
    together, k = 1..knockout_k, against k components drawn at random (knockout_draws draws).
 """
@@ -20,15 +21,17 @@ from .analysis.selectivity import drops, top_components
 from .config import option
 from .interventions import CLEAN, Intervention
 from .interventions.engine import execute, execute_joint
+from .tasks.recall_reasoning import other_kind
 
 NEURON_GROUP = 16  # neurons per group
 NEURON_GROUPS = 2  # groups per sign and layer
 KNOCKOUT_K = 10
 KNOCKOUT_DRAWS = 5
+OTHER_KIND = "other_kind"  # the group of the heads patched from the paired prompt of the other kind
 
 
 def component_label(iv: Intervention) -> str:
-    if iv.intervention == "ablate_head":
+    if iv.intervention in ("ablate_head", "patch_head"):
         return f"L{iv.layer}H{iv.head}"
     if iv.intervention == "ablate_layer":
         return f"L{iv.layer} attn"
@@ -56,38 +59,45 @@ def neuron_groups(model, data, method: str) -> list[Intervention]:
     return out
 
 
-def plan(model, data, method: str) -> tuple[list[Intervention], list[Intervention]]:
-    """(ablations, patches); the clean run is not included."""
+def plan(model, data, method: str) -> tuple[list[Intervention], list[Intervention], list[Intervention]]:
+    """(ablations, patches from the same kind's counterfactual, patches from the other kind); the clean
+    run is not included."""
     layers, heads = range(model.n_layers), range(model.n_heads)
     ablations = [Intervention("ablate_head", method, l, h) for l in layers for h in heads]
     ablations += [Intervention(kind, method, l) for l in layers for kind in ("ablate_layer", "ablate_mlp")
                   if kind != "ablate_mlp" or model.mlps[l] is not None]  # fmt: skip
     if any(m is not None for m in model.mlps):
         ablations += neuron_groups(model, data, method)
-    patches = [] if data.counterfactual is None else [
-        Intervention("patch_head", "activation", l, h, token="ANSWER") for l in layers for h in heads]
-    return ablations, patches
+    patch = lambda group: [Intervention("patch_head", "activation", l, h, token="ANSWER", group=group)  # noqa: E731
+                           for l in layers for h in heads]  # fmt: skip
+    return ablations, [] if data.counterfactual is None else patch(None), patch(OTHER_KIND)
 
 
 def run(cfg, model, task, data, run_info: dict, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
     method = option(cfg.ablate.method)
-    ablations, patches = plan(model, data, method)
-    singles = [CLEAN, *ablations, *patches]
-    quantities = execute(model, task, data, singles, cfg.engine.chunk_mb, cfg.engine.naive,
-                         show_progress=show_progress, seed=cfg.seed).cpu().numpy()  # fmt: skip
+    ablations, patches, crossed = plan(model, data, method)
     answers = data.answers_np()
-    table = results.tidy(run_info, [iv.row() for iv in singles], quantities, task.quantities, answers,
-                         task.aggregates, n_boot=cfg.output.n_boot)  # fmt: skip
-    names = [None] + [component_label(iv) for iv in ablations] + [f"L{iv.layer}H{iv.head}" for iv in patches]
-    table["component"] = pd.array(names * (len(table) // len(singles)), dtype="string")  # tidy is metric-major
-    correct = quantities[: 1 + len(ablations), :, 0]
-    labels = [{**iv.row(), "component": component_label(iv)} for iv in ablations]
-    per_component = drops(correct, answers["kind"], labels, n_boot=cfg.output.n_boot, seed=cfg.seed)
+    tables, drop_tables = [], []
+    for edited, ivs in ((data, [*ablations, *patches]), (other_kind(data), crossed)):
+        singles = [CLEAN, *ivs]
+        quantities = execute(model, task, edited, singles, cfg.engine.chunk_mb, cfg.engine.naive,
+                             show_progress=show_progress, seed=cfg.seed).cpu().numpy()  # fmt: skip
+        table = results.tidy(run_info, [iv.row() for iv in singles], quantities, task.quantities, answers,
+                             task.aggregates, n_boot=cfg.output.n_boot)  # fmt: skip
+        names = [None] + [component_label(iv) for iv in ivs]
+        table["component"] = pd.array(names * (len(table) // len(singles)), dtype="string")  # tidy is metric-major
+        tables.append(table if edited is data else table[table["intervention"] != "none"])
+        measured = ablations if edited is data else crossed  # same-kind patches change the answer: no drops
+        labels = [{**iv.row(), "component": component_label(iv)} for iv in measured]
+        drop_tables.append(drops(quantities[: 1 + len(measured), :, 0], answers["kind"], labels,
+                                 n_boot=cfg.output.n_boot, seed=cfg.seed))  # fmt: skip
+    per_component, cross_drops = drop_tables
     knockouts = _knockouts(cfg, model, task, data, ablations, per_component, show_progress)
-    frames = [table, _drop_rows(per_component, run_info, data.n), _knockout_rows(knockouts, run_info)]
+    frames = [*tables, _drop_rows(pd.concat(drop_tables, ignore_index=True), run_info, data.n),
+              _knockout_rows(knockouts, run_info)]  # fmt: skip
     df = results.conform(pd.concat(frames, ignore_index=True))
-    counts = per_component["class"].value_counts().to_dict()
-    return df, {"classes": counts, "n_components": len(per_component)}
+    return df, {"classes": per_component["class"].value_counts().to_dict(), "n_components": len(per_component),
+                "other_kind_patching_classes": cross_drops["class"].value_counts().to_dict()}  # fmt: skip
 
 
 def _drop_rows(per_component: pd.DataFrame, run_info: dict, n: int) -> pd.DataFrame:

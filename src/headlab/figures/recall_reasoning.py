@@ -1,6 +1,7 @@
 """Recall vs reasoning (arXiv 2510.03366): figures and headline numbers from a circuits run's table.
 
   fig_component_effects.png  recall drop vs reasoning drop per head, attention layer, MLP and neuron group
+                             ablated; beside it, per head patched from the paired prompt of the other kind
   fig_knockouts.png          recall and reasoning accuracy with the top-k recall / reasoning components
                              ablated together, against k random components (min-max band over draws)
   fig_layer_profile.png      recall and reasoning drop per layer, attention vs MLP
@@ -27,11 +28,9 @@ KNOCKOUT_STYLE = {"recall_top": ("tab:blue", "top recall components"),
 def component_drops(table: pd.DataFrame) -> pd.DataFrame:
     """One row per component: drop_recall, drop_reasoning, selectivity, class."""
     rows = table[table["metric"].isin(["drop_recall", "drop_reasoning", "selectivity"])]
-    wide = rows.pivot_table(index=["component", "intervention"], columns="metric", values="value", aggfunc="first")
-    classes = rows.groupby("component")["class"].first()
-    wide = wide.reset_index()
-    wide["class"] = wide["component"].map(classes)
-    return wide
+    keys = ["component", "intervention"]
+    wide = rows.pivot_table(index=keys, columns="metric", values="value", aggfunc="first")
+    return wide.join(rows.groupby(keys)["class"].first()).reset_index()
 
 
 def knockout_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -42,16 +41,18 @@ def knockout_table(table: pd.DataFrame) -> pd.DataFrame:
 def draw(table: pd.DataFrame, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     comps = component_drops(table)
-    fig, ax = plt.subplots(figsize=(6, 5))
-    for kind, marker in KIND_MARKER.items():
-        c = comps[comps["intervention"] == kind]
-        ax.scatter(c["drop_recall"], c["drop_reasoning"], marker=marker, c=[CLASS_COLOR[k] for k in c["class"]],
-                   label=kind.replace("ablate_", ""))  # fmt: skip
-    ax.axhline(0, color="k", lw=0.5)
-    ax.axvline(0, color="k", lw=0.5)
-    ax.set(xlabel="recall accuracy drop", ylabel="reasoning accuracy drop",
-           title="per component (colour: class)")  # fmt: skip
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharex=True, sharey=True)
+    panels = [(axes[0], KIND_MARKER, "ablated (colour: class)"),
+              (axes[1], {"patch_head": "o"}, "head z at the answer from the other kind's prompt")]  # fmt: skip
+    for ax, markers, title in panels:
+        for kind, marker in markers.items():
+            c = comps[comps["intervention"] == kind]
+            ax.scatter(c["drop_recall"], c["drop_reasoning"], marker=marker, c=[CLASS_COLOR[k] for k in c["class"]],
+                       label=kind.replace("ablate_", "").replace("_", " "))  # fmt: skip
+        ax.axhline(0, color="k", lw=0.5)
+        ax.axvline(0, color="k", lw=0.5)
+        ax.set(xlabel="recall accuracy drop", ylabel="reasoning accuracy drop", title=title)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "fig_component_effects.png", dpi=120)
     plt.close(fig)
@@ -90,8 +91,9 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
 def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
     clean = table[(table["intervention"] == "none") & table["metric"].isin(["recall_acc", "reasoning_acc"])]
     base = ko[ko["method"] == "clean"].iloc[0] if (ko["method"] == "clean").any() else None
+    ablated = comps[comps["intervention"] != "patch_head"]
     out: dict = {"clean": {m: round(float(v), 4) for m, v in zip(clean["metric"], clean["value"])},
-                 "classes": {k: int(v) for k, v in comps["class"].value_counts().items()}}  # fmt: skip
+                 "classes": {k: int(v) for k, v in ablated["class"].value_counts().items()}}  # fmt: skip
     if base is not None:
         for method in ("recall_top", "reasoning_top", "random"):
             r = ko[ko["method"] == method].set_index("k")
@@ -100,12 +102,21 @@ def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
                          "reasoning_drop": round(float(base["reasoning_acc"] - row["reasoning_acc"]), 4)}
                 for k, row in r.iterrows()
             }  # fmt: skip
-    for kind, name in (("ablate_head", "heads"), ("ablate_neurons", "neuron_groups"), ("ablate_mlp", "mlps")):
+    for kind, name in (("ablate_head", "heads"), ("ablate_neurons", "neuron_groups"), ("ablate_mlp", "mlps"),
+                       ("patch_head", "heads_patched_from_other_kind")):  # fmt: skip
         c = comps[comps["intervention"] == kind]
         if len(c):
             out[name] = {"max_recall_drop": round(float(c["drop_recall"].max()), 4),
                          "max_reasoning_drop": round(float(c["drop_reasoning"].max()), 4),
                          "mean_abs_drop": round(float(np.abs(c[["drop_recall", "drop_reasoning"]]).to_numpy().mean()), 4)}  # fmt: skip
+    patched = comps[comps["intervention"] == "patch_head"].set_index("component")
+    if len(patched):
+        out["heads_patched_from_other_kind"]["classes"] = {k: int(v) for k, v in patched["class"].value_counts().items()}
+        heads = comps[comps["intervention"] == "ablate_head"].set_index("component").loc[patched.index]
+        # do the heads that matter when ablated also matter when they carry the other kind's activation?
+        out["heads_patched_from_other_kind"]["pearson_r_with_head_ablation"] = {
+            kind: round(float(np.corrcoef(heads[f"drop_{kind}"], patched[f"drop_{kind}"])[0, 1]), 4)
+            for kind in ("recall", "reasoning")}  # fmt: skip
     return out
 
 

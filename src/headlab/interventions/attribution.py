@@ -28,6 +28,9 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
         raise ValueError(f"task {task.name} names no smooth quantity for attribution patching")
     if data.counterfactual is None:
         raise ValueError("this task provides no counterfactual prompts for patching")
+    if data.counterfactual_positions:
+        # the estimate pairs each clean activation with the counterfactual one at the same position
+        raise ValueError("attribution patching needs counterfactual prompts laid out like the clean ones")
     col = task.quantities.index(task.smooth_quantity)
     sites = sorted({iv.site or "z" for iv in interventions})
     deltas: dict[tuple[str, int], list[Tensor]] = {}

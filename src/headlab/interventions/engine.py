@@ -86,6 +86,14 @@ class Sources:
             raise ValueError(f"this task names no position '{iv.token}' (it names: {names})")
         return self.data.token_positions[iv.token]
 
+    def source_position(self, iv: Intervention, source: str) -> Position:
+        """Where the replacement value is read: the edited position, except for a role that the
+        counterfactual prompts hold elsewhere."""
+        moved = self.data.counterfactual_positions or {}
+        if source == "counterfactual" and iv.token in moved:
+            return moved[iv.token]
+        return self.position(iv)
+
 
 def site_index(site: str, rows: Tensor, pos: Position, heads: Optional[Tensor]) -> tuple:
     """Index of (prompts `rows`, positions, heads) in a site's layout; the result's dims are
@@ -124,7 +132,7 @@ def _apply(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources)
         x[index] = 0.0
     else:
         value, value_rows = sources.value(edit.source, site, iv.layer)  # type: ignore[arg-type]
-        x[index] = value[site_index(site, value_rows.to(x.device), pos, heads)]
+        x[index] = value[site_index(site, value_rows.to(x.device), sources.source_position(iv, edit.source), heads)]
 
 
 def _edit_fns(chunk: Sequence[Intervention], sources: Sources, n: int, n_heads: int) -> dict[str, Callable]:
@@ -157,7 +165,8 @@ def _copy_edit_fns(
 
 def _through_last_read(data: TaskData) -> TaskData:
     """Drop positions after the last one any metric reads: in a causal model they cannot matter."""
-    keep = int(data.positions.max()) + 1
+    reads = [data.positions.max(), *(p.max() for p in (data.counterfactual_positions or {}).values())]
+    keep = int(max(reads)) + 1
     seq_len = next(iter(data.inputs.values())).shape[1]
     if keep >= seq_len:
         return data

@@ -33,6 +33,9 @@ class TaskData:
     # replaces an activation with the mean over reference prompts of the same group.
     groups: Optional[Tensor] = None
     reference_groups: Optional[Tensor] = None
+    # The same roles' positions in the counterfactual prompts, where those are laid out otherwise (e.g.
+    # the other kind of prompt): patching a role then reads the source there and writes it here.
+    counterfactual_positions: Optional[dict[str, Tensor]] = None
 
     @property
     def n(self) -> int:
@@ -43,7 +46,7 @@ class TaskData:
         opt = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TaskData(move(self.inputs), self.positions.to(device), move(self.answers),
                         move(self.counterfactual), move(self.reference), move(self.token_positions),
-                        opt(self.groups), opt(self.reference_groups))  # fmt: skip
+                        opt(self.groups), opt(self.reference_groups), move(self.counterfactual_positions))  # fmt: skip
 
     def answers_np(self) -> dict[str, np.ndarray]:
         return {k: v.cpu().numpy() for k, v in self.answers.items()}

@@ -17,6 +17,7 @@ resampling): fresh prompts of the same kind, meaned per kind.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -40,6 +41,21 @@ def _kind_mean(column: int, kind: int):
         return np.stack([q[i][mask[i], column].mean() for i in range(len(mask))])  # bootstrap resamples
 
     return aggregate
+
+
+def other_kind(data: TaskData) -> TaskData:
+    """The same prompts with each one's counterfactual the prompt of the other kind it is paired with
+    (the i-th recall prompt with the i-th reasoning prompt: over the same entity in the synthetic world),
+    its ANSWER position read where that prompt has it: patching from it carries one kind's activations
+    into the other kind's run."""
+    kind = data.answers["kind"]
+    recall, reasoning = (kind == RECALL).nonzero().squeeze(1), (kind == REASONING).nonzero().squeeze(1)
+    if len(recall) != len(reasoning):
+        raise ValueError(f"pairing needs as many recall as reasoning prompts, not {len(recall)} and {len(reasoning)}")
+    pair = torch.empty_like(kind)
+    pair[recall], pair[reasoning] = reasoning, recall
+    return replace(data, counterfactual={k: v[pair] for k, v in data.inputs.items()},
+                   counterfactual_positions={"ANSWER": data.token_positions["ANSWER"][pair]})  # fmt: skip
 
 
 class RecallReasoningTask(Task):
