@@ -659,3 +659,27 @@ def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "sae.layer=5" in lines[0], proc.stderr
     assert len(list(tmp_path.glob("runs/*/*/results.parquet"))) == 2
+
+
+def test_quick_attn_sae_reproduction_draws_from_the_table_and_reuses_its_runs(tmp_path):
+    from headlab.reproduce import run_all
+
+    logs: list[str] = []
+    result = run_all("attn_sae", tmp_path, quick=True, log=logs.append)
+    assert {Path(p).name for p in result["figures"]} == {"fig_layers.png", "fig_head_attribution.png",
+                                                         "fig_top_features.png"}  # fmt: skip
+    table = pd.read_parquet(Path(result["dir"]) / "collected.parquet")
+    summary = result["numbers"]["relu_l1_L1"]
+    for metric in ("l0", "explained_variance", "ce_loss_recovered"):
+        row = table[(table["metric"] == metric) & (table["intervention"] == "sae") & table["head"].isna()]
+        assert summary[metric] == pytest.approx(float(row["value"].iloc[0]))
+    shares = table[table["metric"] == "decoder_share"].pivot_table(index="feature", columns="head", values="value")
+    features = result["numbers"]["features_L1_relu_l1"]
+    assert features, "no feature shown"
+    for name, f in features.items():  # each shown feature is dominated by the head it is listed under
+        row = shares.loc[int(name[1:])]
+        assert int(row.idxmax()) == f["head"] and row.max() == pytest.approx(f["share"], abs=1e-4)
+        assert "[[" in f["top_context"]
+    assert logs[0].startswith("[1/1] run")
+    run_all("attn_sae", tmp_path, quick=True, log=logs.append)
+    assert logs[1].startswith("[1/1] skip (done)")

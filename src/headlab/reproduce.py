@@ -24,12 +24,14 @@ class Reproduction:
     paper: str
     runs: Callable[[bool], list[list[str]]]  # quick -> override lists, one per run
     draw: Callable[[pd.DataFrame, Path], dict]  # table, figure dir -> headline numbers
+    command: str = "run"  # the headlab command behind each run: run | sae
 
 
 def registry() -> dict[str, Reproduction]:
-    from .figures import count01, markov, recall_reasoning
+    from .figures import attn_sae, count01, markov, recall_reasoning
 
-    return {r.name: r for r in (count01.REPRODUCTION, markov.REPRODUCTION, recall_reasoning.REPRODUCTION)}
+    return {r.name: r for r in (count01.REPRODUCTION, markov.REPRODUCTION, recall_reasoning.REPRODUCTION,
+                                attn_sae.REPRODUCTION)}  # fmt: skip
 
 
 def get(name: str) -> Reproduction:
@@ -60,7 +62,7 @@ def run_all(name: str, root: Path, quick: bool = False, extra: tuple[str, ...] =
                 log(f"[{i}/{len(runs)}] skip (done): {run_dir.name}")
                 continue
             log(f"[{i}/{len(runs)}] run: {' '.join(overrides)}")
-            pipeline.run(cfg, run_dir, show_progress=False)
+            {"run": pipeline.run, "sae": pipeline.sae}[repro.command](cfg, run_dir, show_progress=False)
     table = results.collect(base)
     figures = base / "figures"
     figures.mkdir(exist_ok=True)

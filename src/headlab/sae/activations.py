@@ -25,6 +25,7 @@ from ..errors import HeadlabError, UsageError
 from ..models.hooked import HookedModel
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+AFTER_CURRICULUM = 10**9  # a training step past every task's curriculum: the stream the model ended on
 
 
 @dataclass
@@ -45,7 +46,7 @@ def task_corpus(task: Any, model: HookedModel, n: int, seed: int) -> Corpus:
     if model.tokenizer is not None and hasattr(task, "use_tokenizer"):
         task.use_tokenizer(model.tokenizer)
     try:
-        ids, targets = task.train_batch(torch.Generator().manual_seed(seed), n)
+        ids, targets = task.train_batch(torch.Generator().manual_seed(seed), n, step=AFTER_CURRICULUM)
     except NotImplementedError:
         data = task.build(n, seed=seed, model=model)
         if "input_ids" not in data.inputs:

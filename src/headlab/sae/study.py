@@ -90,8 +90,11 @@ def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
 def token_text(model: HookedModel, task: Any) -> callable:
     if model.tokenizer is not None:
         return lambda i: model.tokenizer.decode([int(i)])
+    strings = getattr(task, "token_strings", None)
+    if strings:
+        return lambda i: strings[int(i)] + " "
     names = getattr(task, "token_names", None) or {}
-    return lambda i: names.get(int(i), str(int(i)))
+    return lambda i: names.get(int(i), str(int(i))) + " "
 
 
 def run(cfg: Any, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:

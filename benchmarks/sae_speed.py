@@ -1,0 +1,325 @@
+"""Speed of headlab's SAE fitter against SAELens's trainer, on the same stored activations.
+
+What runs:
+  activations  a GPT-2-small-shaped model (n_embd 768, 12 heads of 64, 2 layers, GPT-2 tokenizer's vocabulary)
+               with RANDOM weights (transformers' GPT-2 init; no pretrained GPT-2 on this machine), loaded
+               through headlab's load_hf; layer 1's z (hook_z flattened over heads: d_in 768) is collected
+               with headlab's layer_z over windows of 64 token ids drawn from a Zipf-like law over the
+               vocabulary, stored once as a safetensors file and read back. The last sequences are held
+               out for evaluation; the rest, shuffled once (seeded), is fed batch by batch in the SAME
+               order to every fitter.
+  TopK pair    headlab `fit()` + `TopKSAE` against SAELens `SAETrainer` + `TopKTrainingSAE` (its real
+               training path: training_forward_pass, Adam, grad clipping, LR scheduler, dead-feature and
+               sparsity bookkeeping; wandb, evals and checkpoints off). Same d_sae (16 x 768), k, batch,
+               lr, linear warm-up, steps, seed of the data order, thread count. L0 is matched by
+               construction (k per token, less only where a top pre-activation is <= 0).
+  ReLU-L1 pair headlab `ReluL1SAE` against SAELens `StandardTrainingSAE`, same l1 coefficient. L0 is NOT
+               matched here: headlab penalises sum |f| with unit-norm decoder rows, SAELens penalises
+               sum |f_i| ||W_dec,i|| with free-norm rows initialised at norm 0.1 and clips the gradient
+               norm at 1, so the same coefficient lands at different sparsity. Resampling is off
+               (SAELens's standard trainer has none).
+  Each fitter keeps its own defaults where the libraries differ: headlab starts with unit-norm decoder
+  rows and b_dec at the first batch's mean, keeps rows at unit norm; SAELens (TopK) starts with rows at
+  norm 0.1, b_dec 0, selects the top k of pre-activation x ||W_dec row|| (rescale_acts_by_decoder_norm)
+  and clips gradients. Neither side's dead-latent machinery acts within these few steps (SAELens's
+  TopK auxiliary loss needs latents dead for 1000 steps).
+
+Timing: only the fitting loop, from the moment the (warm-up + 1)-th batch is handed out to the return of
+the fit call (the first --warmup-timing steps, which include one-off allocations, are not timed);
+tokens/s = timed steps x batch / seconds. One process, torch.set_num_threads(--threads) for both, the
+fitters run one after the other. On a shared machine the step times move with other processes' load;
+the table also gives batch / median step time (med_tok/s), which a burst of contention moves less.
+
+Evaluation: ONE function for every SAE, headlab's reconstruction_metrics (L0, MSE, explained variance =
+1 - residual SS / total SS about the mean, dead fraction) on the held-out tokens. SAELens's weights are
+brought into a headlab SAE of the same architecture (for TopK after SAELens's own inference fold of the
+decoder norms, process_state_dict_for_saving_inference); the script checks that SAELens's forward and
+the headlab copy agree on held-out tokens (max_abs_diff lines).
+
+What the numbers mean: throughput is a property of the fitters and the shapes (d_in, d_sae, batch, k),
+not of the weights, so tokens/s and their ratio carry over to real GPT-2 activations of this shape.
+Explained variance does not: z of a randomly initialised GPT-2 comes from near-uniform attention (a
+running mean of random value vectors), which is dense, low-rank-ish and nothing like the sparse
+structure of trained attention outputs; after a few dozen steps both SAEs are far from converged. Read the EV
+columns only as "the two fitters, on the same data and budget, reach comparable reconstruction", never
+as the quality an SAE would reach on real GPT-2.
+
+Run from the repo root: .venv/bin/python benchmarks/sae_speed.py [--quick] [--steps N] [--batch B] [--k K]
+The last line is `throughput_ratio_vs_saelens: X.XX` (TopK pair, headlab tokens/s / SAELens tokens/s;
+goal >= 1.0 at equal or better explained variance).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TQDM_DISABLE", "1")  # SAELens's progress bar
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from headlab.models.hf import load_hf
+from headlab.sae.activations import layer_z
+from headlab.sae.fit import fit
+from headlab.sae.metrics import reconstruction_metrics
+from headlab.sae.relu_l1 import ReluL1SAE
+from headlab.sae.topk import TopKSAE
+
+TOKENIZER = "/work/shared/data/gpt2-tokenizer"
+N_LAYERS, N_HEADS, D_MODEL = 2, 12, 768
+LAYER = 1
+D_IN = D_MODEL  # z flattened over heads: 12 x 64
+CONTEXT = 64
+EXPANSION = 16
+MODEL_BATCH = 64  # sequences per forward pass while collecting z
+
+
+# ---------------------------------------------------------------------------- stored activations
+
+
+def collect_activations(n_sequences: int, seed: int, where: Path) -> Path:
+    """Run the random GPT-2-shaped model once, store layer-1 z of every token: [n_sequences * CONTEXT, D_IN]."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=N_LAYERS, n_head=N_HEADS, n_embd=D_MODEL, vocab_size=len(tok),
+                        n_positions=max(CONTEXT, 128), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    model_dir = where / "gpt2-random"
+    GPT2LMHeadModel(config).save_pretrained(model_dir)
+    hm = load_hf(str(model_dir), name="gpt2-small-shape-random-2L", tokenizer=TOKENIZER)
+    # token ids: a Zipf-like law over the vocabulary (BPE ids roughly follow merge order, so low ids are
+    # the common pieces); gives repeated tokens within and across windows, as text does
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = 1.0 / (torch.arange(len(tok), dtype=torch.float64) + 50.0)
+    ids = torch.multinomial(weights, n_sequences * CONTEXT, replacement=True, generator=gen).view(n_sequences, CONTEXT)
+    parts = [layer_z(hm, LAYER, ids[i : i + MODEL_BATCH]).reshape(-1, D_IN) for i in range(0, n_sequences, MODEL_BATCH)]
+    z = torch.cat(parts).float().contiguous()
+    path = where / "z_layer1.safetensors"
+    save_file({"z": z}, str(path))
+    return path
+
+
+class Feed:
+    """Batches of the stored activations in one fixed order; records when each batch is handed out."""
+
+    def __init__(self, x: torch.Tensor, order: torch.Tensor, batch: int, steps: int):
+        self.x, self.order, self.batch, self.steps = x, order, batch, steps
+        self.stamps: list[float] = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        i = len(self.stamps)
+        if i >= self.steps:
+            raise StopIteration
+        out = self.x[self.order[i * self.batch : (i + 1) * self.batch]]
+        self.stamps.append(time.perf_counter())
+        return out
+
+
+@dataclass
+class Timing:
+    seconds: float  # steps warm.. to the end of the fit call
+    tokens: int  # tokens in those steps
+    median_step: float  # seconds: the median of those steps' durations (robust to bursts of CPU contention)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def median_tokens_per_s(self, batch: int) -> float:
+        return batch / self.median_step
+
+
+def timed(run, feed: Feed, warm: int) -> Timing:
+    """Time steps warm.. of run() (which consumes feed): from the moment batch `warm` is handed out to
+    the return of run()."""
+    run()
+    end = time.perf_counter()
+    if len(feed.stamps) != feed.steps:
+        raise RuntimeError(f"the fitter took {len(feed.stamps)} batches, expected {feed.steps}")
+    bounds = feed.stamps[warm:] + [end]
+    steps = sorted(b - a for a, b in zip(bounds, bounds[1:]))
+    return Timing(end - feed.stamps[warm], (feed.steps - warm) * feed.batch, steps[len(steps) // 2])
+
+
+# ---------------------------------------------------------------------------- the fitters
+
+
+def fit_headlab(sae, feed: Feed, args, workdir: Path, warm: int) -> Timing:
+    sc = SimpleNamespace(steps=feed.steps, lr=args.lr, warmup_steps=args.lr_warmup, beta1=0.9, beta2=0.999,
+                         dead_window=100_000, resample_every=0, checkpoint_every=10**9)  # fmt: skip
+    directory = Path(tempfile.mkdtemp(dir=workdir, prefix=f"headlab-{sae.architecture}-"))
+    return timed(lambda: fit(sae, lambda step: feed, sc, directory, show_progress=False), feed, warm)
+
+
+def saelens_trainer_config(feed: Feed, args):
+    from sae_lens.config import LoggingConfig, SAETrainerConfig
+
+    return SAETrainerConfig(
+        total_training_samples=feed.steps * feed.batch, train_batch_size_samples=feed.batch, lr=args.lr,
+        lr_end=args.lr / 10, lr_scheduler_name="constant", lr_warm_up_steps=args.lr_warmup, adam_beta1=0.9,
+        adam_beta2=0.999, device="cpu", autocast=False, n_checkpoints=0, checkpoint_path=None,
+        save_final_checkpoint=False, logger=LoggingConfig(log_to_wandb=False),
+    )  # fmt: skip
+
+
+def fit_saelens(sae, feed: Feed, args, warm: int) -> Timing:
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    trainer = SAETrainer(cfg=saelens_trainer_config(feed, args), sae=sae, data_provider=feed, evaluator=None)
+    return timed(trainer.fit, feed, warm)
+
+
+def saelens_topk(args):
+    from sae_lens.saes.topk_sae import TopKTrainingSAE, TopKTrainingSAEConfig
+
+    torch.manual_seed(args.seed)
+    return TopKTrainingSAE(TopKTrainingSAEConfig(d_in=D_IN, d_sae=EXPANSION * D_IN, k=args.k, dtype="float32", device="cpu"))
+
+
+def saelens_standard(args):
+    from sae_lens.saes.standard_sae import StandardTrainingSAE, StandardTrainingSAEConfig
+
+    torch.manual_seed(args.seed)
+    cfg = StandardTrainingSAEConfig(d_in=D_IN, d_sae=EXPANSION * D_IN, l1_coefficient=args.l1_coeff, l1_warm_up_steps=0,
+                                    dtype="float32", device="cpu")  # fmt: skip
+    return StandardTrainingSAE(cfg)
+
+
+@torch.no_grad()
+def as_headlab(saelens_sae, cls, **kwargs):
+    """SAELens's trained weights in a headlab SAE of the same architecture (SAELens's own inference fold)."""
+    state = {k: v.detach().clone() for k, v in saelens_sae.state_dict().items()}
+    saelens_sae.process_state_dict_for_saving_inference(state)
+    sae = cls(D_IN, saelens_sae.cfg.d_sae, **kwargs)
+    sae.load_state_dict({k: state[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec")})
+    return sae.eval()
+
+
+@torch.no_grad()
+def forward_diff(saelens_sae, headlab_sae, x: torch.Tensor) -> float:
+    saelens_sae.eval()
+    return float((saelens_sae(x) - headlab_sae(x)[0]).abs().max())
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small run (well under a minute)")
+    parser.add_argument("--steps", type=int, default=None, help="fitting steps per SAE (default 60; quick 8)")
+    parser.add_argument("--batch", type=int, default=None, help="tokens per step (default 1024; quick 256)")
+    parser.add_argument("--k", type=int, default=32, help="TopK: active latents per token")
+    parser.add_argument("--l1-coeff", type=float, default=0.5, help="ReLU-L1 pair: l1 coefficient (both sides)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr-warmup", type=int, default=None, help="linear LR warm-up steps, both sides (default steps/10)")
+    parser.add_argument("--warmup-timing", type=int, default=2, help="first steps of every fit not timed")
+    parser.add_argument("--sequences", type=int, default=None, help="stored sequences of 64 tokens (default 1280; quick 192)")
+    parser.add_argument("--eval-sequences", type=int, default=None, help="of which held out (default 256; quick 32)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, both fitters")
+    parser.add_argument("--skip-relu", action="store_true", help="TopK pair only")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    quick = args.quick
+    args.steps = args.steps or (8 if quick else 60)
+    args.batch = args.batch or (256 if quick else 1024)
+    args.sequences = args.sequences or (192 if quick else 1280)
+    args.eval_sequences = args.eval_sequences or (32 if quick else 256)
+    args.lr_warmup = args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10)
+    warm = args.warmup_timing
+    if not 0 <= warm < args.steps:
+        parser.error("--warmup-timing must be below --steps")
+    if not 0 < args.eval_sequences < args.sequences:
+        parser.error("--eval-sequences must be positive and below --sequences")
+    torch.set_num_threads(args.threads)
+    wall = time.perf_counter()
+
+    rows: dict[tuple[str, str], tuple[Timing, dict]] = {}
+    diffs: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="sae_speed-") as tmp:
+        workdir = Path(tmp)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            path = collect_activations(args.sequences, args.seed, workdir)
+        collect_s = time.perf_counter() - start
+        z = load_file(str(path))["z"]  # the stored activations, read back: what every fitter sees
+        n_eval = args.eval_sequences * CONTEXT
+        train, held_out = z[:-n_eval], z[-n_eval:]
+        gen = torch.Generator().manual_seed(args.seed + 2)
+        epochs = -(-args.steps * args.batch // train.shape[0])
+        order = torch.cat([torch.randperm(train.shape[0], generator=gen) for _ in range(epochs)])
+
+        def run_pair(pair: str, headlab_sae, saelens_sae, cls, **kwargs) -> None:
+            timing = fit_headlab(headlab_sae, Feed(train, order, args.batch, args.steps), args, workdir, warm)
+            rows[(pair, "headlab")] = (timing, reconstruction_metrics(headlab_sae.eval(), held_out))
+            timing = fit_saelens(saelens_sae, Feed(train, order, args.batch, args.steps), args, warm)
+            copy = as_headlab(saelens_sae, cls, **kwargs)
+            diffs[pair] = forward_diff(saelens_sae, copy, held_out[:2048])
+            rows[(pair, "saelens")] = (timing, reconstruction_metrics(copy, held_out))
+
+        d_sae = EXPANSION * D_IN
+        run_pair("topk", TopKSAE(D_IN, d_sae, seed=args.seed, k=args.k), saelens_topk(args), TopKSAE, k=args.k)
+        if not args.skip_relu:
+            run_pair("relu_l1", ReluL1SAE(D_IN, d_sae, seed=args.seed, l1_coeff=args.l1_coeff, l1_warmup_steps=0),
+                     saelens_standard(args), ReluL1SAE)  # fmt: skip
+
+    print(f"model: gpt2-small-shape RANDOM weights ({N_LAYERS} layers x {N_HEADS} heads, d_model {D_MODEL}), "
+          f"z of layer {LAYER} (hook_z, {N_HEADS} x {D_IN // N_HEADS})")  # fmt: skip
+    print(f"stored_tokens: {z.shape[0]} ({args.sequences} x {CONTEXT}); fed {train.shape[0]}, "
+          f"held-out {held_out.shape[0]} ({args.eval_sequences} sequences)")  # fmt: skip
+    print(f"collect_seconds: {collect_s:.1f}")
+    print(f"d_in: {D_IN}  d_sae: {EXPANSION * D_IN}  batch: {args.batch}  steps: {args.steps} (first {warm} not timed)  "
+          f"lr: {args.lr:g}  lr_warmup: {args.lr_warmup}  k: {args.k}  l1_coeff: {args.l1_coeff:g}")  # fmt: skip
+    print(f"torch_threads: {torch.get_num_threads()}  torch: {torch.__version__}  sae_lens: {_version('sae-lens')}  "
+          f"load_avg_1min: {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print()
+    print("held-out metrics: headlab's reconstruction_metrics for both (SAELens weights in a headlab SAE)")
+    print(f"{'pair':<8} {'fitter':<8} {'tokens/s':>9} {'med_tok/s':>9} {'fit_s':>7} {'L0':>8} {'EV':>8} {'MSE':>9} {'dead':>6}")
+    for (pair, who), (t, m) in rows.items():
+        print(f"{pair:<8} {who:<8} {t.tokens_per_s:>9.0f} {t.median_tokens_per_s(args.batch):>9.0f} {t.seconds:>7.2f} "
+              f"{m['l0']:>8.2f} {m['explained_variance']:>8.4f} {m['mse']:>9.4g} {m['dead_fraction']:>6.3f}")  # fmt: skip
+    print("(tokens/s: timed steps / their total time; med_tok/s: batch / median step time; dead: latents that fire "
+          "on no held-out token)")  # fmt: skip
+    print()
+    for pair, d in diffs.items():
+        print(f"{pair}_saelens_forward_vs_headlab_copy_max_abs_diff: {d:.3g}")
+    for pair in ("relu_l1", "topk"):
+        if (pair, "headlab") not in rows:
+            continue
+        (th, mh), (ts, ms) = rows[(pair, "headlab")], rows[(pair, "saelens")]
+        note = "matched by construction" if pair == "topk" else "NOT matched: the two L1 penalties differ"
+        print(f"{pair}_tokens_per_s_headlab: {th.tokens_per_s:.0f}")
+        print(f"{pair}_tokens_per_s_saelens: {ts.tokens_per_s:.0f}")
+        print(f"{pair}_l0_headlab: {mh['l0']:.2f}  {pair}_l0_saelens: {ms['l0']:.2f}  ({note})")
+        print(f"{pair}_explained_variance_headlab: {mh['explained_variance']:.4f}")
+        print(f"{pair}_explained_variance_saelens: {ms['explained_variance']:.4f}")
+        print(f"{pair}_throughput_ratio_median_step: {th.median_tokens_per_s(args.batch) / ts.median_tokens_per_s(args.batch):.2f}")
+    print(f"peak_rss_mb: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
+    print(f"wall_seconds: {time.perf_counter() - wall:.1f}")
+    (th, _), (ts, _) = rows[("topk", "headlab")], rows[("topk", "saelens")]
+    print(f"throughput_ratio_vs_saelens: {th.tokens_per_s / ts.tokens_per_s:.2f}")
+    return 0
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

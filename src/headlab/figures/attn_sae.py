@@ -1,0 +1,114 @@
+"""Attention-output SAEs (Kissane et al., arXiv 2406.17759) on toy-rr, the four-layer model trained here on
+recall and two-hop reasoning (experiment=attn_sae).
+
+`headlab reproduce attn_sae` fits a relu_l1 and a topk SAE on z of each of its layers, then draws:
+  fig_layers.png            L0, explained variance and CE loss recovered per layer and architecture
+  fig_head_attribution.png  feature-by-head decoder-norm shares (live features, grouped by their
+                            dominant head), per layer, relu_l1
+  fig_top_features.png      for features each dominated by one head, their top-activating contexts
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ..reproduce import Reproduction  # noqa: E402
+
+SUMMARY = ("l0", "explained_variance", "ce_loss_recovered", "dead_fraction", "polysemantic_head_fraction")
+ARCH_COLOR = {"relu_l1": "tab:blue", "topk": "tab:orange"}
+FEATURES_PER_HEAD = 2
+CONTEXTS_SHOWN = 3
+
+
+def _runs(quick: bool) -> list[list[str]]:
+    base = ["experiment=attn_sae"]
+    if quick:
+        return [[*base, "sae.layer=1", "sae.steps=200", "train.steps=200", "train.target=null"]]
+    return [[*base, f"sae={arch}", f"sae.layer={layer}"] for layer in range(4) for arch in ("relu_l1", "topk")]
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    rows = table[(table["intervention"] == "sae") & table["head"].isna() & table["metric"].isin(SUMMARY)]
+    return rows.pivot_table(index=["method", "layer"], columns="metric", values="value").reset_index()
+
+
+def shares(table: pd.DataFrame, method: str, layer: int) -> pd.DataFrame:
+    rows = table[(table["metric"] == "decoder_share") & (table["method"] == method) & (table["layer"] == layer)]
+    return rows.pivot_table(index="feature", columns="head", values="value")
+
+
+def draw(table: pd.DataFrame, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    summ = summary(table)
+    layers = sorted(summ["layer"].unique())
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    width = 0.8 / max(1, summ["method"].nunique())
+    for ax, metric in zip(axes, ("l0", "explained_variance", "ce_loss_recovered")):
+        for i, (method, rows) in enumerate(summ.groupby("method")):
+            x = np.array([layers.index(v) for v in rows["layer"]]) + i * width
+            ax.bar(x, rows[metric], width, color=ARCH_COLOR.get(method, "gray"), label=method)
+        ax.set(xticks=np.arange(len(layers)) + width * (summ["method"].nunique() - 1) / 2,
+               xticklabels=[f"L{int(v)}" for v in layers], title=metric.replace("_", " "))  # fmt: skip
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fig_layers.png", dpi=120)
+    plt.close(fig)
+
+    method = "relu_l1" if (summ["method"] == "relu_l1").any() else summ["method"].iloc[0]
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 4.5), squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        m = shares(table, method, layer)
+        order = np.lexsort((-m.max(axis=1).to_numpy(), m.to_numpy().argmax(1)))
+        image = ax.imshow(m.to_numpy()[order], aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        ax.set(xlabel="head", ylabel=f"live features ({len(m)}), by dominant head", title=f"L{int(layer)} {method}",
+               xticks=range(m.shape[1]))  # fmt: skip
+    fig.colorbar(image, ax=axes[0].tolist(), label="share of decoder norm")
+    fig.savefig(out / "fig_head_attribution.png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    features = head_features(table, method, layers[-1])
+    lines = []
+    for f in features:
+        lines.append(f"feature {f['feature']} (head {f['head']}, share {f['share']:.2f})")
+        lines += [f"    {c}" for c in f["contexts"]]
+    fig = plt.figure(figsize=(11, 0.22 * len(lines) + 0.6))
+    fig.text(0.01, 0.99, "\n".join(lines) or "no live features", family="monospace", fontsize=7, va="top")
+    fig.suptitle(f"top-activating contexts, L{int(layers[-1])} {method} ([[token]] = where it fires)", fontsize=9)
+    fig.savefig(out / "fig_top_features.png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    numbers = {f"{r['method']}_L{int(r['layer'])}": {m: float(r[m]) for m in SUMMARY if m in r and pd.notna(r[m])}
+               for _, r in summ.iterrows()}  # fmt: skip
+    numbers[f"features_L{int(layers[-1])}_{method}"] = {
+        f"f{f['feature']}": {"head": f["head"], "share": round(f["share"], 4), "top_context": (f["contexts"] or [""])[0]}
+        for f in features}  # fmt: skip
+    return numbers
+
+
+def head_features(table: pd.DataFrame, method: str, layer: int) -> list[dict]:
+    """The FEATURES_PER_HEAD features most concentrated on each head, with their top contexts."""
+    m = shares(table, method, layer)
+    ctx = table[(table["metric"] == "top_context") & (table["method"] == method) & (table["layer"] == layer)]
+    picked = []
+    for head in m.columns:
+        mine = m[m.to_numpy().argmax(1) == list(m.columns).index(head)][head].sort_values(ascending=False)
+        for feature, share in mine.head(FEATURES_PER_HEAD).items():
+            rows = ctx[ctx["feature"] == feature].sort_values("rank").head(CONTEXTS_SHOWN)
+            picked.append({"feature": int(feature), "head": int(head), "share": float(share),
+                           "contexts": [f"{v:.2f}  {c}" for v, c in zip(rows["value"], rows["context"])]})  # fmt: skip
+    return picked
+
+
+REPRODUCTION = Reproduction(
+    name="attn_sae",
+    paper="Kissane et al. 2024, Interpreting Attention Layer Outputs with Sparse Autoencoders (arXiv 2406.17759)",
+    runs=_runs,
+    draw=draw,
+    command="sae",
+)
