@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -42,17 +43,20 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     comps = component_drops(table)
     fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharex=True, sharey=True)
-    panels = [(axes[0], KIND_MARKER, "ablated (colour: class)"),
+    panels = [(axes[0], KIND_MARKER, "ablated"),
               (axes[1], {"patch_head": "o"}, "head z at the answer from the other kind's prompt")]  # fmt: skip
     for ax, markers, title in panels:
         for kind, marker in markers.items():
             c = comps[comps["intervention"] == kind]
-            ax.scatter(c["drop_recall"], c["drop_reasoning"], marker=marker, c=[CLASS_COLOR[k] for k in c["class"]],
-                       label=kind.replace("ablate_", "").replace("_", " "))  # fmt: skip
+            ax.scatter(c["drop_recall"], c["drop_reasoning"], marker=marker, c=[CLASS_COLOR[k] for k in c["class"]])
         ax.axhline(0, color="k", lw=0.5)
         ax.axvline(0, color="k", lw=0.5)
         ax.set(xlabel="recall accuracy drop", ylabel="reasoning accuracy drop", title=title)
-        ax.legend(fontsize=7)
+        # shape = component kind, colour = class: one legend entry per meaning, not per (kind, class)
+        shapes = [Line2D([], [], ls="", marker=m, color="k", label=k.replace("ablate_", "").replace("_", " "))
+                  for k, m in markers.items()]  # fmt: skip
+        colours = [Line2D([], [], ls="", marker="o", color=c, label=k) for k, c in CLASS_COLOR.items()]
+        ax.legend(handles=shapes + colours, fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "fig_component_effects.png", dpi=120)
     plt.close(fig)
