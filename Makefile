@@ -30,6 +30,10 @@ $(VENV)/.headlab-bench: $(STAMP)
 bench: $(VENV)/.headlab-bench
 	$(BIN)/python benchmarks/sweep_speed.py
 
+.PHONY: sae-bench
+sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer (sae-lens is in the test extra), ~7 min
+	$(BIN)/python benchmarks/sae_speed.py
+
 .PHONY: ioi-crosscheck
 ioi-crosscheck: $(VENV)/.headlab-bench
 	$(BIN)/python benchmarks/ioi_crosscheck.py
