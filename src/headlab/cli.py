@@ -11,6 +11,7 @@ import pandas as pd
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .config import GROUPS, config_dir, is_schema_option
 from .errors import HeadlabError, UsageError
@@ -306,7 +307,8 @@ def reproduce(
     table.add_column("quantity")
     table.add_column("value", justify="right")
     for key, value in _flatten(result["numbers"]).items():
-        table.add_row(key, f"{value:.3f}" if isinstance(value, (int, float)) else str(value))
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        table.add_row(key, Text(shown))  # Text: a context's [[token]] is data, not rich markup
     out.print(table)
     for path in result["figures"]:
         out.print(f"figure: {path}", highlight=False, soft_wrap=True)

@@ -34,7 +34,8 @@ def _runs(quick: bool) -> list[list[str]]:
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
-    rows = table[(table["intervention"] == "sae") & table["head"].isna() & table["metric"].isin(SUMMARY)]
+    rows = table[(table["intervention"] == "sae") & (table["method"] != "fit") & table["head"].isna()
+                 & table["metric"].isin(SUMMARY)]  # fmt: skip
     return rows.pivot_table(index=["method", "layer"], columns="metric", values="value").reset_index()
 
 
@@ -66,20 +67,20 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         m = shares(table, method, layer)
         order = np.lexsort((-m.max(axis=1).to_numpy(), m.to_numpy().argmax(1)))
         image = ax.imshow(m.to_numpy()[order], aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-        ax.set(xlabel="head", ylabel=f"live features ({len(m)}), by dominant head", title=f"L{int(layer)} {method}",
-               xticks=range(m.shape[1]))  # fmt: skip
+        ax.set(xlabel="head", title=f"L{int(layer)} {method}: {len(m)} live", xticks=range(m.shape[1]))
+    axes[0][0].set_ylabel("live features, grouped by dominant head")
     fig.colorbar(image, ax=axes[0].tolist(), label="share of decoder norm")
     fig.savefig(out / "fig_head_attribution.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     features = head_features(table, method, layers[-1])
-    lines = []
+    lines = [f"top-activating contexts, L{int(layers[-1])} {method} ([[token]] = where it fires)", ""]
     for f in features:
         lines.append(f"feature {f['feature']} (head {f['head']}, share {f['share']:.2f})")
         lines += [f"    {c}" for c in f["contexts"]]
     fig = plt.figure(figsize=(11, 0.22 * len(lines) + 0.6))
-    fig.text(0.01, 0.99, "\n".join(lines) or "no live features", family="monospace", fontsize=7, va="top")
-    fig.suptitle(f"top-activating contexts, L{int(layers[-1])} {method} ([[token]] = where it fires)", fontsize=9)
+    fig.text(0.01, 0.99, "\n".join(lines if features else [*lines, "no live features"]), family="monospace",
+             fontsize=7, va="top")  # fmt: skip
     fig.savefig(out / "fig_top_features.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
