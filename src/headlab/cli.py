@@ -218,14 +218,15 @@ def _print_sae(df: pd.DataFrame) -> None:
     out.print(table)
 
 
+MULTIRUN = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each.")
+
+
 @app.command(context_settings=PASS_THROUGH)
 def run(
     ctx: typer.Context,
-    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each."),
+    multirun: bool = MULTIRUN,
 ) -> None:
     """Run an experiment: `headlab run model=... task=... ablate=heads [key=value ...]`."""
-    from . import pipeline
-
     validate_overrides(ctx.args)
     _hydra_run(ctx.args, multirun, run_task)
 
@@ -233,11 +234,9 @@ def run(
 @app.command(context_settings=PASS_THROUGH)
 def train(
     ctx: typer.Context,
-    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each."),
+    multirun: bool = MULTIRUN,
 ) -> None:
     """Train a toy model from scratch: `headlab train model=toy-attn-1l task=counting train.steps=2000`."""
-    from . import pipeline
-
     validate_overrides(ctx.args)
     _hydra_run(ctx.args, multirun, train_task)
 
@@ -245,7 +244,7 @@ def train(
 @app.command(context_settings=PASS_THROUGH)
 def sae(
     ctx: typer.Context,
-    multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each."),
+    multirun: bool = MULTIRUN,
 ) -> None:
     """Fit a sparse autoencoder on one layer's head outputs z: `headlab sae sae=topk sae.layer=1 [key=value ...]`."""
     validate_overrides(ctx.args)
