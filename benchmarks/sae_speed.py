@@ -26,7 +26,7 @@ What runs:
                norm at 1, so the same coefficient lands at different sparsity. Resampling is off
                (SAELens's standard trainer has none).
   Each fitter keeps its own defaults where the libraries differ: headlab starts with unit-norm decoder
-  rows and b_dec at the first batch's mean, keeps rows at unit norm; SAELens (TopK) starts with rows at
+  rows (ReLU: encoder W_dec^T x 2 d_in / d_sae) and b_dec at the first batch's mean, keeps rows at unit norm; SAELens (TopK) starts with rows at
   norm 0.1, b_dec 0, selects the top k of pre-activation x ||W_dec row|| (rescale_acts_by_decoder_norm)
   and clips gradients. Neither side's dead-latent machinery acts within these steps (SAELens's TopK
   auxiliary loss needs latents dead for 1000 steps).

@@ -396,6 +396,17 @@ def test_task_corpus_keeps_the_tasks_training_targets():
 # ---------------------------------------------------------------- fitting
 
 
+def test_relu_l1_starts_reconstructing_an_input_at_about_its_own_size():
+    """Half of 16 x d_in random matched filters fire on x; unscaled, their sum along x would be 8|x|^2."""
+    sae = ReluL1SAE(64, 1024, seed=3)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(4)) * 5
+    with torch.no_grad():
+        recon, f = sae(x)
+    along = ((recon - sae.b_dec) * x).sum(1) / x.pow(2).sum(1)
+    assert along.mean().item() == pytest.approx(1.0, abs=0.1)
+    assert (f > 0).float().mean().item() == pytest.approx(0.5, abs=0.05)
+
+
 @pytest.mark.parametrize("arch", ["relu_l1", "topk"])
 def test_fit_keeps_unit_decoder_rows_and_learns_a_sparse_dataset(arch, tmp_path):
     sae = ReluL1SAE(D_SYN, 32, seed=0, l1_coeff=0.1) if arch == "relu_l1" else TopKSAE(D_SYN, 32, seed=0, k=2)
