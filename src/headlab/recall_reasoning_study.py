@@ -78,7 +78,10 @@ def run(cfg, model, task, data, run_info: dict, show_progress: bool = False) -> 
     ablations, patches, crossed = plan(model, data, method)
     answers = data.answers_np()
     tables, drop_tables = [], []
-    for edited, ivs in ((data, [*ablations, *patches]), (other_kind(data), crossed)):
+    # (prompts, interventions, those measured as accuracy drops: listed first); same-kind patches change
+    # the answer, so they get no drops. Each pass runs clean first; its rows are kept once.
+    passes = ((data, [*ablations, *patches], ablations), (other_kind(data), crossed, crossed))
+    for edited, ivs, measured in passes:
         singles = [CLEAN, *ivs]
         quantities = execute(model, task, edited, singles, cfg.engine.chunk_mb, cfg.engine.naive,
                              show_progress=show_progress, seed=cfg.seed).cpu().numpy()  # fmt: skip
@@ -86,8 +89,7 @@ def run(cfg, model, task, data, run_info: dict, show_progress: bool = False) -> 
                              task.aggregates, n_boot=cfg.output.n_boot)  # fmt: skip
         names = [None] + [component_label(iv) for iv in ivs]
         table["component"] = pd.array(names * (len(table) // len(singles)), dtype="string")  # tidy is metric-major
-        tables.append(table if edited is data else table[table["intervention"] != "none"])
-        measured = ablations if edited is data else crossed  # same-kind patches change the answer: no drops
+        tables.append(table[table["intervention"] != "none"] if tables else table)
         labels = [{**iv.row(), "component": component_label(iv)} for iv in measured]
         drop_tables.append(drops(quantities[: 1 + len(measured), :, 0], answers["kind"], labels,
                                  n_boot=cfg.output.n_boot, seed=cfg.seed))  # fmt: skip
