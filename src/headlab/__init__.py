@@ -1,3 +1,15 @@
-"""headlab: experiment runner for attention-head interpretability."""
+"""headlab: experiment runner for attention-head interpretability.
+
+The Python API (api.py) is the front door; the `headlab` command is a shell over the same calls.
+"""
+
+from .api import RunResult as RunResult
+from .api import compose as compose
+from .api import load_model as load_model
+from .api import load_task as load_task
+from .api import run as run
+from .api import sweep as sweep
+from .errors import HeadlabError as HeadlabError
+from .errors import UsageError as UsageError
 
 __version__ = "0.1.0"

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
+
+from omegaconf import DictConfig
 
 import pandas as pd
 import typer
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .config import GROUPS, config_dir, is_schema_option
+from .config import GROUPS, config_dir, group_options, typed, validate_overrides
 from .errors import HeadlabError, UsageError
 
 app = typer.Typer(add_completion=False, help="headlab: experiment runner for attention-head studies.")
@@ -23,67 +24,10 @@ log = logging.getLogger("headlab")
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-# ---------------------------------------------------------------- configuration and validation
-
-
-@lru_cache(maxsize=None)
-def group_options(group: str) -> tuple[str, ...]:
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        names = GlobalHydra.instance().config_loader().get_group_options(group)
-    return tuple(sorted(n for n in names if not is_schema_option(n)))
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        return compose("config", overrides=overrides)
-
-
-def _one_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    cause = e.__cause__
-    if cause is not None and str(cause).strip():
-        first = str(cause).strip().splitlines()[0]
-        if first not in lines:
-            lines.append(first)
-    return "; ".join(lines[:2]) or type(e).__name__
-
-
-def validate_overrides(overrides: list[str]) -> None:
-    """Fail with one line (exit 2) on an unknown group option, key or wrong type, before any work."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:
-        raise UsageError(f"bad override: {_one_line(e)}") from e
-    choices: list[list[str]] = []
-    for o in parsed:
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
-        group = o.key_or_group.lstrip("+~")
-        if group in GROUPS and not o.is_delete():
-            valid = group_options(group)
-            for v in values:
-                if v not in valid and not (group == "experiment" and v == "null"):
-                    raise UsageError(f"unknown {group} '{v}'; choose from: {', '.join(valid)}")
-        choices.append([f"{o.get_key_element()}={v}" for v in values])
-    base = [c[0] for c in choices]
-    variants = [base] + [base[:i] + [v] + base[i + 1 :] for i, c in enumerate(choices) for v in c[1:]]
-    for variant in variants:
-        try:
-            _compose(variant)
-        except Exception as e:
-            raise UsageError(f"invalid configuration: {_one_line(e)}") from e
-
-
 # ---------------------------------------------------------------- Hydra hand-off
 
 
-def _hydra_run(overrides: list[str], multirun: bool, task_function: Callable) -> None:
+def _hydra_run(overrides: list[str], task_function: Callable) -> None:
     """Hand the overrides to Hydra's own entry point, so launchers, sweeps and run dirs are Hydra's.
 
     task_function is module-level: submitit pickles it, by reference, to run it in another process."""
@@ -94,7 +38,7 @@ def _hydra_run(overrides: list[str], multirun: bool, task_function: Callable) ->
     from . import sweeps
 
     argv = sys.argv
-    sys.argv = ["headlab", *overrides, *(["--multirun"] if multirun else [])]
+    sys.argv = ["headlab", *overrides, "--multirun"]
     code = 0
     try:
         entry()
@@ -103,7 +47,7 @@ def _hydra_run(overrides: list[str], multirun: bool, task_function: Callable) ->
     finally:
         sys.argv = argv
     sweep_dir = sweeps.last_sweep_dir()
-    if multirun and sweep_dir is not None and sweep_dir.is_dir():
+    if sweep_dir is not None and sweep_dir.is_dir():
         jobs = sweeps.summarize(sweep_dir)
         out.print(f"sweep {sweep_dir}: {len(jobs['done'])} done, {len(jobs['skipped'])} skipped, "
                   f"{len(jobs['failed'])} failed", highlight=False, soft_wrap=True)  # fmt: skip
@@ -114,47 +58,47 @@ def _hydra_run(overrides: list[str], multirun: bool, task_function: Callable) ->
         raise SystemExit(code)
 
 
-def run_task(cfg) -> str:
-    from . import pipeline
-
-    return _job(pipeline.run, cfg)
+def run_task(cfg: DictConfig) -> str:
+    return _job("run", cfg)
 
 
-def train_task(cfg) -> str:
-    from . import pipeline
-
-    return _job(pipeline.train, cfg)
+def train_task(cfg: DictConfig) -> str:
+    return _job("train", cfg)
 
 
-def sae_task(cfg) -> str:
-    from . import pipeline
-
-    return _job(pipeline.sae, cfg)
+def sae_task(cfg: DictConfig) -> str:
+    return _job("sae", cfg)
 
 
-def _job(work: Callable, cfg) -> str:
-    """Run one Hydra job; returns its status for the sweep summary (done | skipped)."""
+def _job(command: str, cfg: DictConfig) -> str:
+    """One job of a multirun, wherever the launcher runs it; returns its status (done | skipped)."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    interactive = hc.mode != RunMode.MULTIRUN
+    from .studies import execute_run
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        df = work(cfg, run_dir, show_progress=interactive and sys.stderr.isatty())
+        df = execute_run(command, typed(cfg), run_dir, show_progress=False)
     except HeadlabError as e:
-        if interactive:
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-            raise SystemExit(e.exit_code) from e
         log.error("%s", e)
         raise
     if df.attrs.get("skipped"):
         return "skipped"
     log.info("results in %s", run_dir)
-    if interactive:
-        print_summary(df, cfg.output.print_rows)
-        out.print(f"results: {run_dir}", highlight=False, soft_wrap=True)
     return "done"
+
+
+def _single(command: str, overrides: list[str]) -> None:
+    """One run in this process, through the Python API (headlab.run)."""
+    from . import api
+
+    result = api.run(*overrides, command=command, show_progress=sys.stderr.isatty())
+    if result.skipped:
+        out.print(f"skipped: {result.run_dir} holds a complete result for this config", highlight=False,
+                  soft_wrap=True)  # fmt: skip
+    else:
+        print_summary(result.table, result.config.output.print_rows)
+    out.print(f"results: {result.run_dir}", highlight=False, soft_wrap=True)
 
 
 def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
@@ -228,7 +172,10 @@ def run(
 ) -> None:
     """Run an experiment: `headlab run model=... task=... ablate=heads [key=value ...]`."""
     validate_overrides(ctx.args)
-    _hydra_run(ctx.args, multirun, run_task)
+    if multirun:
+        _hydra_run(ctx.args, run_task)
+    else:
+        _single("run", ctx.args)
 
 
 @app.command(context_settings=PASS_THROUGH)
@@ -238,7 +185,10 @@ def train(
 ) -> None:
     """Train a toy model from scratch: `headlab train model=toy-attn-1l task=counting train.steps=2000`."""
     validate_overrides(ctx.args)
-    _hydra_run(ctx.args, multirun, train_task)
+    if multirun:
+        _hydra_run(ctx.args, train_task)
+    else:
+        _single("train", ctx.args)
 
 
 @app.command(context_settings=PASS_THROUGH)
@@ -248,7 +198,10 @@ def sae(
 ) -> None:
     """Fit a sparse autoencoder on one layer's head outputs z: `headlab sae sae=topk sae.layer=1 [key=value ...]`."""
     validate_overrides(ctx.args)
-    _hydra_run(ctx.args, multirun, sae_task)
+    if multirun:
+        _hydra_run(ctx.args, sae_task)
+    else:
+        _single("sae", ctx.args)
 
 
 @app.command("list")

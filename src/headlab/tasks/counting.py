@@ -13,7 +13,7 @@ import torch
 from scipy.stats import rankdata
 from torch import Tensor
 
-from . import Task, TaskData, mean_of
+from .base import Task, TaskData, mean_of
 
 ZERO, ONE, NOISE, SEP, EOS, BOS, PAD = range(7)
 TOKENS = ("0", "1", "2", "[SEP]", "[EOS]", "[BOS]", "[PAD]")

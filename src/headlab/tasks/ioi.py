@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import HeadlabError
-from . import Task, TaskData, mean_of
+from .base import Task, TaskData, mean_of
 
 log = logging.getLogger("headlab")
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
-from . import Task
+from .base import Task
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import HeadlabError, UsageError
-from . import Task, TaskData
+from .base import Task, TaskData
 
 PAD, BOS, IS, ARROW, SEP, QUERY, QUERY1 = range(7)
 SPECIAL = ("[PAD]", "[BOS]", "=", ">", ".", "?", "?1")  # ?1: a one-hop question, a training curriculum only

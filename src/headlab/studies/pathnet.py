@@ -1,4 +1,4 @@
-"""One run of model=pathnet on task=markov: theory, GP, posterior samples, gradient descent, pruning.
+"""model=pathnet on task=markov (Tiberi et al., arXiv 2405.15926), one run: theory, GP, posterior samples, gradient descent, pruning.
 
 Everything lands in one tidy table (results.py): test accuracy per method (theory = kernel regression
 with the order parameter U that minimises the action at this width; gp = U of the infinite-width limit,
@@ -20,18 +20,36 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from . import results
-from .analysis import paths as theory
-from .config import run_info
-from .errors import UsageError
-from .models.pathnet import PathNet
-from .progress import progress_bar
-from .tasks.markov import MarkovTask
-from .train.bayes import HMCStats, gradient_descent, hmc
+from .. import results
+from ..analysis import paths as theory
+from ..config import Config, option, run_info
+from ..errors import UsageError
+from ..models.pathnet import PathNet
+from ..progress import progress_bar
+from ..tasks.markov import MarkovTask
+from ..train.bayes import HMCStats, gradient_descent, hmc
+from .context import RunContext
 
 log = logging.getLogger("headlab")
 TEST_SEED_OFFSET = 20_000  # the test chains never overlap the training chains' random stream
 MAX_RANDOM_ORDERS = 120  # every pruning order up to 5 heads, else this many drawn at random
+NAME = "pathnet"
+
+
+def serves(cfg: Config) -> bool:
+    return option(cfg.model.kind) == "pathnet" or cfg.task.name == "markov"
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    """Theory, samples and gradient descent instead of an intervention sweep."""
+    cfg = ctx.cfg
+    if option(cfg.model.kind) != "pathnet":
+        raise UsageError(f"task=markov runs on model=pathnet, not model={cfg.model.name}")
+    with ctx.timed("total"):
+        df, extra = measure(cfg, ctx.show_progress)
+    ctx.timings.update(extra.pop("timings"))
+    ctx.meta.update(extra)
+    return df
 
 
 def build(cfg) -> tuple[PathNet, MarkovTask]:
@@ -54,7 +72,7 @@ def parse_paths(net: PathNet, spec: list[str]) -> list[int]:
     return [index[s] for s in spec]
 
 
-class Study:
+class PathNetRun:
     """The arrays of one run, and the table rows they become."""
 
     def __init__(self, cfg, show_progress: bool = False):
@@ -271,9 +289,9 @@ def _prior(params: list[Tensor], variances: list[float]) -> Tensor:
     return sum(torch.sum(p * p, dtype=torch.float64) / (2 * v) for p, v in zip(params, variances))
 
 
-def run(cfg, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
+def measure(cfg, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
     """The run's table and what to keep in meta.json (solver, sampler and training diagnostics)."""
-    study = Study(cfg, show_progress)
+    study = PathNetRun(cfg, show_progress)
     timings = {}
     for stage in ("theory", "samples", "gd"):
         start = time.perf_counter()

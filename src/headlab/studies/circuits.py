@@ -1,4 +1,4 @@
-"""One run of task=recall_reasoning: component ablations, neuron groups, patching, classes, knockouts.
+"""ablate=circuits, the recall vs reasoning study (arXiv 2510.03366): component ablations, neuron groups, patching, classes, knockouts.
 
 1. Ablate (ablate.method: zero | mean) every head, every layer's attention output and MLP output, and MLP
    neurons in groups: per layer, the neurons ranked by mean activation on recall prompts minus on
@@ -16,18 +16,35 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import results
-from .analysis.selectivity import drops, top_components
-from .config import option
-from .interventions import CLEAN, Intervention
-from .interventions.engine import execute, execute_joint
-from .tasks.recall_reasoning import other_kind
+from .. import results
+from ..analysis.selectivity import drops, top_components
+from ..config import Config, option, run_info
+from ..errors import UsageError
+from ..interventions import CLEAN, Intervention
+from ..interventions.engine import execute, execute_joint
+from ..tasks.recall_reasoning import other_kind
+from .context import RunContext
 
 NEURON_GROUP = 16  # neurons per group
 NEURON_GROUPS = 2  # groups per sign and layer
 KNOCKOUT_K = 10
 KNOCKOUT_DRAWS = 5
 OTHER_KIND = "other_kind"  # the group of the heads patched from the paired prompt of the other kind
+NAME = "circuits"
+
+
+def serves(cfg: Config) -> bool:
+    return option(cfg.ablate.sweep) == "circuits"
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    data = ctx.get_data()
+    if "kind" not in data.answers:
+        raise UsageError(f"ablate=circuits needs a task with recall and reasoning prompts, not task={ctx.cfg.task.name}")
+    with ctx.timed("circuits"):
+        df, extra = measure(ctx.cfg, ctx.get_model(), ctx.get_task(), data, run_info(ctx.cfg), ctx.show_progress)
+    ctx.meta.update({**extra, "n_prompts": data.n, "model_family": ctx.get_model().family})
+    return df
 
 
 def component_label(iv: Intervention) -> str:
@@ -73,7 +90,8 @@ def plan(model, data, method: str) -> tuple[list[Intervention], list[Interventio
     return ablations, [] if data.counterfactual is None else patch(None), patch(OTHER_KIND)
 
 
-def run(cfg, model, task, data, run_info: dict, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
+def measure(cfg, model, task, data, info: dict, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
+    """The study's table and its meta.json counts (classes per component kind)."""
     method = option(cfg.ablate.method)
     ablations, patches, crossed = plan(model, data, method)
     answers = data.answers_np()
@@ -85,7 +103,7 @@ def run(cfg, model, task, data, run_info: dict, show_progress: bool = False) -> 
         singles = [CLEAN, *ivs]
         quantities = execute(model, task, edited, singles, cfg.engine.chunk_mb, cfg.engine.naive,
                              show_progress=show_progress, seed=cfg.seed).cpu().numpy()  # fmt: skip
-        table = results.tidy(run_info, [iv.row() for iv in singles], quantities, task.quantities, answers,
+        table = results.tidy(info, [iv.row() for iv in singles], quantities, task.quantities, answers,
                              task.aggregates, n_boot=cfg.output.n_boot)  # fmt: skip
         names = [None] + [component_label(iv) for iv in ivs]
         table["component"] = pd.array(names * (len(table) // len(singles)), dtype="string")  # tidy is metric-major
@@ -95,14 +113,14 @@ def run(cfg, model, task, data, run_info: dict, show_progress: bool = False) -> 
                                  n_boot=cfg.output.n_boot, seed=cfg.seed))  # fmt: skip
     per_component, cross_drops = drop_tables
     knockouts = _knockouts(cfg, model, task, data, ablations, per_component, show_progress)
-    frames = [*tables, _drop_rows(pd.concat(drop_tables, ignore_index=True), run_info, data.n),
-              _knockout_rows(knockouts, run_info)]  # fmt: skip
+    frames = [*tables, _drop_rows(pd.concat(drop_tables, ignore_index=True), info, data.n),
+              _knockout_rows(knockouts, info)]  # fmt: skip
     df = results.conform(pd.concat(frames, ignore_index=True))
     return df, {"classes": per_component["class"].value_counts().to_dict(), "n_components": len(per_component),
                 "other_kind_patching_classes": cross_drops["class"].value_counts().to_dict()}  # fmt: skip
 
 
-def _drop_rows(per_component: pd.DataFrame, run_info: dict, n: int) -> pd.DataFrame:
+def _drop_rows(per_component: pd.DataFrame, info: dict, n: int) -> pd.DataFrame:
     rows = []
     keep = ["intervention", "method", "layer", "head", "group", "component"]
     for _, r in per_component.iterrows():
@@ -111,7 +129,7 @@ def _drop_rows(per_component: pd.DataFrame, run_info: dict, n: int) -> pd.DataFr
             rows.append({**base, "metric": f"drop_{kind}", "value": r[f"drop_{kind}"], "n": n,
                          "ci_low": r[f"drop_{kind}_low"], "ci_high": r[f"drop_{kind}_high"], "class": r["class"]})  # fmt: skip
         rows.append({**base, "metric": "selectivity", "value": r["selectivity"], "n": n, "class": r["class"]})
-    return pd.DataFrame(rows).assign(**run_info)
+    return pd.DataFrame(rows).assign(**info)
 
 
 def _knockouts(cfg, model, task, data, ablations, per_component, show_progress) -> list[dict]:
@@ -139,7 +157,7 @@ def _knockouts(cfg, model, task, data, ablations, per_component, show_progress) 
     return out
 
 
-def _knockout_rows(knockouts: list[dict], run_info: dict) -> pd.DataFrame:
+def _knockout_rows(knockouts: list[dict], info: dict) -> pd.DataFrame:
     df = pd.DataFrame(knockouts)
     rows = []
     for (method, k), g in df.groupby(["method", "k"]):
@@ -149,6 +167,6 @@ def _knockout_rows(knockouts: list[dict], run_info: dict) -> pd.DataFrame:
                          "value": float(values.mean()), "n": len(values),
                          "ci_low": float(values.min()) if len(values) > 1 else np.nan,
                          "ci_high": float(values.max()) if len(values) > 1 else np.nan})  # fmt: skip
-    out = pd.DataFrame(rows).assign(**run_info)
+    out = pd.DataFrame(rows).assign(**info)
     out["k"] = out["k"].astype("Int64")
     return out

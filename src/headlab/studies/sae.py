@@ -28,13 +28,13 @@ from .. import results
 from ..config import config_hash, option, run_info, to_plain
 from ..errors import UsageError
 from ..models.hooked import HookedModel
-from ..tasks import build_task
-from . import build_sae
-from .activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
-from .attribution import decoder_head_shares, direct_feature_attribution, head_polysemanticity, top_activations
-from .export import CFG, WEIGHTS, hook_name, load_sae, save_sae
-from .fit import fit
-from .metrics import ce_recovered, reconstruction_metrics
+from ..sae import build_sae
+from ..sae.activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
+from ..sae.attribution import decoder_head_shares, direct_feature_attribution, head_polysemanticity, top_activations
+from ..sae.export import CFG, WEIGHTS, hook_name, load_sae, save_sae
+from ..sae.fit import fit
+from ..sae.metrics import ce_recovered, reconstruction_metrics
+from .context import RunContext
 
 DONE = "headlab.json"
 EVAL_SEED = 77_777  # held-out prompts: apart from the training stream's passes
@@ -42,6 +42,7 @@ HELD_OUT = 10  # a text corpus keeps its last 1/10 of windows out of training
 DFA_FEATURES = 8  # features whose top context is split by head and source position
 # settings that do not change the fitted SAE (evaluation and display only)
 DISPLAY_KEYS = ("eval_sequences", "top_contexts", "context_window", "dominance")
+NAME = "sae"
 
 
 def sae_dir(cfg: Any) -> Path:
@@ -97,22 +98,20 @@ def token_text(model: HookedModel, task: Any) -> callable:
     return lambda i: names.get(int(i), str(int(i))) + " "
 
 
-def run(cfg: Any, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
-    from ..pipeline import apply_threads, obtain_model
-
-    apply_threads(cfg)
-    timings: dict[str, float] = {}
-    start = time.perf_counter()
-    task = build_task(cfg.task)
-    model = obtain_model(cfg, task, show_progress)
+def run(ctx: RunContext) -> pd.DataFrame:
+    cfg, show_progress = ctx.cfg, ctx.show_progress
+    if option(cfg.model.kind) == "pathnet":
+        raise UsageError("model=pathnet has no token inputs to fit an SAE on")
+    with ctx.timed("load"):
+        task, model = ctx.get_task(), ctx.get_model()
     sc = cfg.sae
     if not 0 <= sc.layer < model.n_layers:
         raise UsageError(f"sae.layer={sc.layer}: model {cfg.model.name} has layers 0..{model.n_layers - 1}")
-    passes, held_out = corpora(cfg, task, model)
-    timings["load"] = time.perf_counter() - start
     start = time.perf_counter()
-    sae, record = obtain_sae(cfg, model, passes, show_progress)
-    timings["fit"] = time.perf_counter() - start
+    passes, held_out = corpora(cfg, task, model)
+    ctx.timings["load"] += time.perf_counter() - start
+    with ctx.timed("fit"):
+        sae, record = obtain_sae(cfg, model, passes, show_progress)
     start = time.perf_counter()
     x = corpus_z(model, sc.layer, held_out, sc.model_batch)
     metrics = reconstruction_metrics(sae, x)
@@ -123,7 +122,7 @@ def run(cfg: Any, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     values, where, frequency = top_activations(sae, x, sc.top_contexts)
     heads = head_polysemanticity(shares, frequency, sc.dominance)
     metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in heads) / n_heads
-    timings["evaluate"] = time.perf_counter() - start
+    ctx.timings["evaluate"] = time.perf_counter() - start
     info = {**run_info(cfg), "intervention": "sae", "method": option(sc.architecture), "layer": sc.layer}
     tokens = int(x.shape[0])
     rows = [{**info, "metric": k, "value": v, "n": tokens} for k, v in metrics.items()]
@@ -142,14 +141,14 @@ def run(cfg: Any, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     dfa = dfa_rows(model, sc.layer, sae, held_out, locate, values, where, frequency, info)
     context_rows = contexts.rename(columns={"activation": "value"}).assign(**info, metric="top_context", n=1)
     df = results.conform(pd.concat([pd.DataFrame(rows), share_rows, dfa, context_rows], ignore_index=True))
-    export = Path(run_dir) / "sae"
-    export.mkdir(parents=True, exist_ok=True)
-    for name in (WEIGHTS, CFG):
-        shutil.copyfile(sae_dir(cfg) / name, export / name)
-    results.atomic_write_bytes(Path(run_dir) / "contexts.parquet", contexts.to_parquet(index=False))
-    results.atomic_write_bytes(Path(run_dir) / "contexts.csv", contexts.to_csv(index=False).encode())
-    extra = {"sae_dir": str(sae_dir(cfg)), "fit_seconds": record["seconds"], "fit_tokens": record["tokens"]}
-    results.write(df, run_dir, results.run_meta(config_hash(cfg), timings, extra))
+    ctx.meta.update({"sae_dir": str(sae_dir(cfg)), "fit_seconds": record["seconds"], "fit_tokens": record["tokens"]})
+    if ctx.run_dir is not None:
+        export = Path(ctx.run_dir) / "sae"
+        export.mkdir(parents=True, exist_ok=True)
+        for name in (WEIGHTS, CFG):
+            shutil.copyfile(sae_dir(cfg) / name, export / name)
+        results.atomic_write_bytes(Path(ctx.run_dir) / "contexts.parquet", contexts.to_parquet(index=False))
+        results.atomic_write_bytes(Path(ctx.run_dir) / "contexts.csv", contexts.to_csv(index=False).encode())
     return df
 
 

@@ -1,0 +1,168 @@
+"""headlab's Python API: the calls behind every CLI command, for notebooks and scripts.
+
+    import headlab
+    model = headlab.load_model("toy-attn-1l")          # trained here on first use, then reused
+    task = headlab.load_task("counting")
+    table = headlab.sweep(model, task, ablate="heads")  # tidy pandas table, nothing written
+
+Options are config keys (configs/ and config.py say which exist): a bare name is found in the config
+section it belongs to (`n_boot=100` is output.n_boot), a name two sections share is spelled with its
+section (`train__steps=300`). Bad input raises the same one-line HeadlabError the CLI prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+from .config import (
+    Config,
+    ModelConfig,
+    ModelKind,
+    compose_raw,
+    group_options,
+    option_overrides,
+    typed,
+    validate_overrides,
+)
+from .config import compose as compose_config
+from .errors import UsageError
+from .io import atomic_write_bytes
+from .models.hooked import HookedModel
+from .studies.context import RunContext, apply_threads
+from .studies.registry import study_for
+from .studies.runner import execute_run
+from .tasks import Task, build_task
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `headlab run` leaves: the tidy table, the run dir it was written to, whether an earlier run
+    of the same config was reused instead (`skipped`), and the config it ran."""
+
+    table: pd.DataFrame
+    run_dir: Path
+    skipped: bool
+    config: Config
+
+
+def compose(*overrides: str) -> Config:
+    """The typed, validated config of `headlab run <overrides>` (config.py's dataclasses).
+
+    >>> headlab.compose("model=toy-attn-2l", "ablate.method=mean").ablate.method.value
+    'mean'"""
+    return compose_config(overrides)
+
+
+def load_task(name: str, **options: Any) -> Task:
+    """A built-in task by name (`headlab list task`): counting, ioi, recall_reasoning, markov.
+
+    Options are the task's config keys, e.g. `load_task("ioi", n_prompts=200, templates="baba")`. The
+    task's config is `task.cfg`; `task.build(n, seed, model)` draws prompts (TaskData)."""
+    cfg = compose_config([f"task={name}", *option_overrides(options, prefer=("task",))])
+    return build_task(cfg.task)
+
+
+def load_model(
+    name_or_path: str, task: Union[str, Task, None] = None, show_progress: bool = False, **options: Any
+) -> HookedModel:
+    """A model ready for sweeps: a config name (`headlab list model`), a local directory or a hub id.
+
+    Models trained here (toy models, `gpt2-ioi`) are trained on `task` (default: the config's task,
+    counting for the toy models) exactly as `headlab run` trains them, into output.root/checkpoints,
+    and reused when trained before. Options are model, train and top-level config keys, e.g.
+    `load_model("toy-attn-2l", n_heads=8, train__steps=500, seed=1, root="outputs")`. The model's
+    config is `model.config`; `model.n_layers`, `model.n_heads`, `model.sites` (HeadSites) describe it."""
+    if name_or_path in group_options("model"):
+        chosen = [f"model={name_or_path}"]
+    else:
+        name = Path(name_or_path).name or name_or_path
+        chosen = ["model=hf", f"model.path={name_or_path}", f"model.name={name}"]
+    task_name = task.name if isinstance(task, Task) else task
+    overrides = [*chosen, *([f"task={task_name}"] if task_name else []),
+                 *option_overrides(options, prefer=("model", "train"))]  # fmt: skip
+    cfg = compose_config(overrides)
+    task_obj = task if isinstance(task, Task) else build_task(cfg.task)
+    if isinstance(task, Task):
+        cfg.task = task.cfg
+    apply_threads(cfg)
+    ctx = RunContext(cfg, show_progress=show_progress, task=task_obj)
+    model = ctx.get_model()
+    model.config = cfg.model
+    return model
+
+
+def sweep(
+    model: HookedModel,
+    task: Task,
+    ablate: str = "heads",
+    method: str = "zero",
+    patch: Union[str, Sequence[str], None] = None,
+    n_prompts: Optional[int] = None,
+    seed: int = 0,
+    show_progress: bool = False,
+    **options: Any,
+) -> pd.DataFrame:
+    """Run a sweep on `model` and `task` and return its tidy table; nothing is written to disk.
+
+    ablate: an ablate option (`headlab list ablate`: heads, layers, keep_heads, components, circuits,
+    none, ...); method: zero | mean | resample; patch: a patch option (activation, path, attribution) or
+    a list of patching kinds; n_prompts: prompts drawn (default: the task's n_prompts); seed: draws the
+    prompts and the bootstrap. Other options: config keys, e.g. `positions=["END"]`, `sites=["z","v"]`,
+    `n_boot=200`, `per_prompt=True`, `head_scores=True`, `device="cuda"`.
+
+    The table has one row per (intervention, metric): columns experiment, model, task, seed,
+    intervention, method, layer, head, position, metric, value, n, ci_low, ci_high (+ extras such as
+    site, token, prompt_id); the row with intervention "none" is the clean baseline. It equals the
+    table `headlab run` writes for the same config and seed."""
+    if patch is None or isinstance(patch, str):
+        patching = [f"patch={patch or 'none'}"]
+    else:
+        patching = ["patch=none", f"patch.kinds=[{','.join(patch)}]"]
+    overrides = [f"task={task.name}", f"ablate={ablate}", f"ablate.method={method}", f"seed={seed}", *patching,
+                 *option_overrides(options, prefer=("output", "engine", "ablate", "patch"))]  # fmt: skip
+    cfg = compose_config(overrides)
+    cfg.task = _task_config(task, n_prompts)
+    cfg.model = getattr(model, "config", None) or ModelConfig(name=model.name, kind=ModelKind.hf)
+    apply_threads(cfg)
+    ctx = RunContext(cfg, show_progress=show_progress, task=task, model=model)
+    return study_for("run", cfg).run(ctx)
+
+
+def _task_config(task: Task, n_prompts: Optional[int]) -> Any:
+    cfg = task.cfg
+    if n_prompts is None:
+        return cfg
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return dataclasses.replace(cfg, n_prompts=n_prompts)
+    if OmegaConf.is_config(cfg):
+        copy = cfg.copy()
+        copy.n_prompts = n_prompts
+        return copy
+    raise UsageError(f"task {task.name}: its config is neither a dataclass nor an OmegaConf config")
+
+
+def run(*overrides: str, command: str = "run", show_progress: bool = False) -> RunResult:
+    """Exactly what `headlab <command> <overrides>` does for one run (command: run | train | sae): the
+    config composed from configs/ and the overrides, the run dir Hydra would choose
+    (output.root/runs/<date>/<time>-<name>, or hydra.run.dir=...), the study run, results.parquet,
+    results.csv, meta.json and .hydra/config.yaml written there. A run dir that already holds this
+    config's complete result is reused (`skipped`)."""
+    validate_overrides(overrides)
+    raw = compose_raw(overrides, hydra_config=True)
+    run_dir = Path(str(raw.hydra.run.dir))
+    cfg = typed(raw)
+    table = execute_run(command, cfg, run_dir, show_progress)
+    skipped = bool(table.attrs.get("skipped"))
+    if not skipped:
+        saved = run_dir / ".hydra"
+        saved.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(saved / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())
+        atomic_write_bytes(saved / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))).encode())
+    return RunResult(table, run_dir, skipped, cfg)

@@ -1,0 +1,72 @@
+"""What a study runs in: the typed config, where its results go, and the model, task and prompts it
+uses, each built on first use (or handed in by the Python API)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..config import Config
+from ..models.hooked import HookedModel
+from ..tasks import Task, TaskData, build_task
+
+EVAL_SEED_OFFSET = 20_000  # sweep prompts are drawn apart from training batches and training evals
+
+
+@dataclass
+class RunContext:
+    cfg: Config
+    run_dir: Optional[Path] = None  # None: nothing is written (the Python API's sweep)
+    show_progress: bool = False
+    task: Optional[Task] = None
+    model: Optional[HookedModel] = None
+    timings: dict[str, float] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # what a study adds to meta.json
+    _data: Optional[TaskData] = None
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
+
+    def get_task(self) -> Task:
+        if self.task is None:
+            self.task = build_task(self.cfg.task)
+        return self.task
+
+    def get_model(self) -> HookedModel:
+        if self.model is None:
+            from ..train.obtain import obtain_model
+
+            task = self.get_task()
+            with self.timed("load_model"):
+                self.model = obtain_model(self.cfg, task, self.show_progress)
+        return self.model
+
+    def get_data(self) -> TaskData:
+        """The evaluation prompts (task.n_prompts, drawn from seed + EVAL_SEED_OFFSET) on cfg.device."""
+        if self._data is None:
+            model, task = self.get_model(), self.get_task()
+            with self.timed("build_task"):
+                data = task.build(self.cfg.task.n_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET, model=model)
+                self._data = data.to(self.cfg.device)
+                model.module.to(self.cfg.device)
+        return self._data
+
+
+def apply_threads(cfg: Config) -> None:
+    """torch's thread count: cfg.threads, else what the launcher allots a job that shares the machine."""
+    from ..sweeps import job_threads
+
+    threads = cfg.threads if cfg.threads and cfg.threads > 0 else job_threads()
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,73 @@
+"""One run, start to end: skip it if done, run its study, write its run dir, draw its figures.
+
+A run dir is complete when meta.json exists (results.write puts it last), and its config hash says
+which config it holds: a second run of the same config into the same dir returns the stored table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from .. import results
+from ..config import Config, config_hash
+from ..errors import UsageError
+from .context import RunContext, apply_threads
+from .registry import study_for
+
+log = logging.getLogger("headlab")
+
+
+def already_done(cfg: Config, run_dir: Path) -> bool:
+    """A complete result for the same config: the job is skipped (resume, idempotent sweeps)."""
+    if not results.is_complete(run_dir):
+        return False
+    try:
+        return json.loads((Path(run_dir) / results.META).read_text()).get("config_hash") == config_hash(cfg)
+    except json.JSONDecodeError:
+        return False
+
+
+def previous_result(cfg: Config, run_dir: Path) -> Optional[pd.DataFrame]:
+    """The table of a finished run of this same config (marked skipped), else None."""
+    if not already_done(cfg, run_dir):
+        return None
+    log.info("skipped: %s holds a complete result for this config", run_dir)
+    df = pd.read_parquet(Path(run_dir) / results.TABLE)
+    df.attrs["skipped"] = True
+    return df
+
+
+def execute_run(command: str, cfg: Config, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
+    """`headlab <command>` for one config into run_dir; returns the table (attrs["skipped"] if reused)."""
+    study = study_for(command, cfg)
+    previous = previous_result(cfg, run_dir)
+    if previous is not None:
+        return previous
+    check_figures(cfg)
+    apply_threads(cfg)
+    ctx = RunContext(cfg, Path(run_dir), show_progress)
+    df = study.run(ctx)
+    results.write(df, run_dir, results.run_meta(config_hash(cfg), ctx.timings, ctx.meta))
+    if cfg.output.figures:
+        draw_figures(cfg.output.figures, df, Path(run_dir))
+    return df
+
+
+def check_figures(cfg: Config) -> None:
+    from ..figures import FIGURES
+
+    if cfg.output.figures and cfg.output.figures not in FIGURES:
+        raise UsageError(f"unknown figure set '{cfg.output.figures}'; choose from: {', '.join(sorted(FIGURES))}")
+
+
+def draw_figures(name: str, table: pd.DataFrame, run_dir: Path) -> None:
+    """Figures from the run's table into <run_dir>/figures (+ numbers.json); the table stands without them."""
+    from ..figures import FIGURES
+
+    numbers = FIGURES[name](table, run_dir / "figures")
+    results.atomic_write_bytes(run_dir / "figures" / "numbers.json", json.dumps(numbers, indent=2).encode())

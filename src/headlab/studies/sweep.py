@@ -1,0 +1,66 @@
+"""The plain sweep: every intervention the config plans (ablations, patching), one tidy table.
+
+Optionally with each head's attention per token (attention_by_token) and head-class scores
+(head_scores) in the same table.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from .. import results
+from ..analysis.heads import attention_by_token, head_output_norms, uniform_scales
+from ..config import Config, option, run_info
+from ..errors import HeadlabError, UsageError
+from ..interventions import plan
+from ..interventions.engine import execute
+from ..models.hooked import HookedModel
+from ..tasks import Task, TaskData, mean_of
+from .context import RunContext
+
+NAME = "sweep"
+
+
+def serves(cfg: Config) -> bool:
+    return True
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    cfg = ctx.cfg
+    task, model, data = ctx.get_task(), ctx.get_model(), ctx.get_data()
+    scales = None
+    if option(cfg.ablate.sweep) == "uniform":
+        scales = uniform_scales(head_output_norms(model, data))
+    interventions = plan(cfg, model.n_layers, model.n_heads, scales)
+    unknown = sorted({iv.token for iv in interventions if iv.token} - set(data.token_positions or {}))
+    if unknown:
+        names = ", ".join(data.token_positions or {}) or "none"
+        raise UsageError(f"task {task.name} names no position {', '.join(unknown)}; it names: {names} (or all, or an index)")
+    with ctx.timed("sweep"):
+        quantities = execute(model, task, data, interventions, cfg.engine.chunk_mb, cfg.engine.naive,
+                             show_progress=ctx.show_progress, seed=cfg.seed)  # fmt: skip
+    with ctx.timed("tidy"):
+        info = run_info(cfg)
+        df = results.tidy(info, [iv.row() for iv in interventions], quantities.cpu().numpy(),
+                          task.quantities, data.answers_np(), task.aggregates,
+                          n_boot=cfg.output.n_boot, per_prompt=cfg.output.per_prompt)  # fmt: skip
+        if cfg.attention_by_token:
+            df = results.conform(pd.concat([df, attention_table(cfg, task, model, data, info)]))
+    if cfg.head_scores:
+        from ..analysis.scores import score_table
+
+        with ctx.timed("head_scores"):
+            scores = score_table(model, data, info, n_boot=cfg.output.n_boot, seed=cfg.seed)
+        df = results.conform(pd.concat([df, scores], ignore_index=True))
+    ctx.meta.update({"n_interventions": len(interventions), "n_prompts": data.n, "model_family": model.family})
+    return df
+
+
+def attention_table(cfg: Config, task: Task, model: HookedModel, data: TaskData, info: dict) -> pd.DataFrame:
+    """Each head's mean attention, from the first read position, to each token the task names."""
+    tokens = getattr(task, "token_names", None)
+    if not tokens:
+        raise HeadlabError(f"task {task.name} names no tokens to group attention by")
+    quantities, labels = attention_by_token(model, data, tokens)
+    metrics = {f"attn_to_{name}": mean_of(j) for j, name in enumerate(tokens.values())}
+    return results.tidy(info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)

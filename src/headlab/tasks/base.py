@@ -1,0 +1,86 @@
+"""The task contract: TaskData (prompts, positions, answers, counterfactuals) and Task (metrics).
+
+A task never looks inside a model: it gets logits at the positions it asked for and turns them into
+per-prompt quantities; aggregate metrics are functions of those quantities over a set of prompts, so the
+same function serves point estimates and bootstrap resamples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+Inputs = dict[str, Tensor]
+# (per-prompt quantities [..., n, Q], answers [n]-arrays indexed like the prompts) -> metric [...]
+Aggregate = Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]
+
+
+@dataclass
+class TaskData:
+    inputs: Inputs  # clean prompts, e.g. {"input_ids": [n, pos]}
+    positions: Tensor  # [n, P] positions whose logits the metrics read
+    answers: dict[str, Tensor]  # per-prompt ground truth, each [n]
+    counterfactual: Optional[Inputs] = None  # same shape as inputs, answer changed (patching source)
+    reference: Optional[Inputs] = None  # mean / resample ablation source, same shape as inputs
+    # per-prompt positions by role (e.g. IOI's IO, S1, S2, END), each [n]: interventions can target them
+    token_positions: Optional[dict[str, Tensor]] = None
+    # Group of each prompt and of each reference prompt (e.g. its template): mean ablation then
+    # replaces an activation with the mean over reference prompts of the same group.
+    groups: Optional[Tensor] = None
+    reference_groups: Optional[Tensor] = None
+    # The same roles' positions in the counterfactual prompts, where those are laid out otherwise (e.g.
+    # the other kind of prompt): patching a role then reads the source there and writes it here.
+    counterfactual_positions: Optional[dict[str, Tensor]] = None
+
+    @property
+    def n(self) -> int:
+        return self.positions.shape[0]
+
+    def to(self, device: str) -> "TaskData":
+        move = lambda d: d and {k: v.to(device) for k, v in d.items()}  # noqa: E731
+        opt = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TaskData(move(self.inputs), self.positions.to(device), move(self.answers),
+                        move(self.counterfactual), move(self.reference), move(self.token_positions),
+                        opt(self.groups), opt(self.reference_groups), move(self.counterfactual_positions))  # fmt: skip
+
+    def answers_np(self) -> dict[str, np.ndarray]:
+        return {k: v.cpu().numpy() for k, v in self.answers.items()}
+
+
+def mean_of(column: int) -> Aggregate:
+    return lambda q, _answers: q[..., column].mean(-1)
+
+
+class Task:
+    name: str
+    quantities: tuple[str, ...]  # per-prompt quantities, the last axis of per_prompt()
+    # the quantity attribution patching differentiates (a smooth one, e.g. a logit difference)
+    smooth_quantity: Optional[str] = None
+    aggregates: dict[str, Aggregate]  # metric name -> function of the quantities
+
+    def build(self, n: int, seed: int, model: Any = None) -> TaskData:
+        raise NotImplementedError
+
+    def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
+        """logits [..., n, P, vocab] at data.positions -> quantities [..., n, Q]."""
+        raise NotImplementedError
+
+    def evaluate_logits(self, logits: Tensor, data: TaskData) -> dict[str, float]:
+        """Aggregate metrics from full logits [n, pos, vocab] of the clean prompts."""
+        rows = torch.arange(data.n).unsqueeze(1)
+        quantities = self.per_prompt(logits[rows, data.positions], data).cpu().numpy()
+        answers = data.answers_np()
+        return {name: float(fn(quantities, answers)) for name, fn in self.aggregates.items()}
+
+    # Models trained from scratch on the task
+    vocab_size: int = 0
+    max_len: int = 0
+
+    def train_batch(self, generator: Any, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
+        """(input_ids [batch, pos], targets [batch, pos] with -100 where no loss is taken); `step` lets a
+        task schedule a curriculum."""
+        raise NotImplementedError(f"task {self.name} cannot train a model from scratch")

@@ -1,0 +1,30 @@
+"""The built-in tasks by name."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..errors import UsageError
+from .base import Task
+
+
+def registry() -> dict[str, Callable[[Any], Task]]:
+    """Task name -> its class, which takes the task's config (config.py: TaskConfig and subclasses)."""
+    from .counting import CountingTask
+    from .ioi import IOITask
+    from .markov import MarkovTask
+    from .recall_reasoning import RecallReasoningTask
+
+    return {"counting": CountingTask, "ioi": IOITask, "markov": MarkovTask, "recall_reasoning": RecallReasoningTask}
+
+
+def task_names() -> list[str]:
+    return sorted(registry())
+
+
+def build_task(cfg: Any) -> Task:
+    """The task a config names (cfg.name), built from that config."""
+    known = registry()
+    if cfg.name not in known:
+        raise UsageError(f"unknown task '{cfg.name}'; choose from: {', '.join(sorted(known))}")
+    return known[cfg.name](cfg)

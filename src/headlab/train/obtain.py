@@ -1,0 +1,54 @@
+"""The model a config names, ready to run: loaded from a path or hub, or trained here first (or reused).
+
+Toy models (model.kind=toy) and GPT-2-style models on a real tokenizer (model.kind=hf without a path)
+are trained on the configured task into a checkpoint directory named by everything that shapes the
+weights; a finished directory is reused, an unfinished one resumed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .. import models
+from ..config import config_hash, option, to_plain
+from ..errors import HeadlabError
+from ..models.hooked import HookedModel
+from ..tasks import Task
+
+CHECKPOINT_KEYS = ("model", "task", "train", "seed")
+# evaluation sizes do not change a trained model
+EVALUATION_KEYS = ("n_prompts", "n_reference")
+
+
+def checkpoint_dir(cfg: Any) -> Path:
+    """Where the model for this (model, task, train, seed) lives under output.root."""
+    plain = to_plain(cfg)
+    plain["task"] = {k: v for k, v in plain["task"].items() if k not in EVALUATION_KEYS}
+    digest = config_hash(plain, CHECKPOINT_KEYS)
+    return Path(cfg.output.root) / "checkpoints" / f"{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{digest}"
+
+
+def is_trained_here(cfg: Any) -> bool:
+    """A toy model, or an hf model without a path: its weights come from training on the task."""
+    return option(cfg.model.kind) in ("toy", "hf") and not cfg.model.path
+
+
+def obtain_model(cfg: Any, task: Task, show_progress: bool = True) -> HookedModel:
+    """The configured model; one trained here is trained now, resumed, or reused if finished."""
+    from . import load_or_train, train_toy
+
+    kind = option(cfg.model.kind)
+    if kind == "toy" and not cfg.model.path:
+        return load_or_train(cfg.model, task, cfg.train, cfg.seed, checkpoint_dir(cfg), show_progress)
+    if kind == "hf" and not cfg.model.path:
+        if not cfg.model.tokenizer:
+            raise HeadlabError(
+                f"model {cfg.model.name} is trained here (kind hf, no path) and needs model.tokenizer=<name or dir>"
+            )
+        from ..models.hf import load_hf
+
+        directory = checkpoint_dir(cfg)
+        train_toy(cfg.model, task, cfg.train, cfg.seed, directory, show_progress)  # returns at once when finished
+        return load_hf(str(directory), name=cfg.model.name, dtype=cfg.model.dtype)
+    return models.load(cfg.model, need_tokenizer=getattr(task, "needs_tokenizer", False))
