@@ -19,6 +19,10 @@ class Name(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(str(self.value), spec)
 
+    def __repr__(self) -> str:
+        # a dataclass holding members (an Intervention in an error message) reads as it did with plain strings
+        return repr(str(self.value))
+
 
 class Site(Name):
     """Where an edit lands. Head sites use TransformerLens's names and shapes (models/sites.py)."""

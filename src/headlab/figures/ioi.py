@@ -24,10 +24,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..vocabulary import HEAD_SITES  # noqa: E402
+
 METRICS = {"logit_diff": "logit diff (IO - S)", "io_prob": "P(IO)", "accuracy": "accuracy"}
 SCORES = ("prev_token_score", "duplicate_token_score", "induction_score", "attn_end_to_io", "attn_end_to_s1",
           "attn_end_to_s2", "copy_score", "negative_copy_score")  # fmt: skip
-SITES = ("z", "pattern", "q", "k", "v")
+SITES = HEAD_SITES
 WHERE = ("all", "END", "S2", "S1", "IO")
 TOP_K = 5
 

@@ -6,19 +6,22 @@ value a' then changes m by about (a' - a) . dm/da. Summed over the positions and
 touches, that is its estimate; the task's other quantities have no estimate (NaN). Rows keep
 method=attribution, so a table never passes these numbers off as exact.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from ..models.hooked import HookedModel
+from ..models.sites import Hook
 from ..tasks import Task, TaskData
-from . import Intervention
-from .engine import Sources, _heads, site_index
+from ..vocabulary import Site
+from .edits import Sources, edit_heads, site_index
+from .plan import Intervention
 
 PROMPTS_PER_PASS = 32  # prompts are independent: backward passes over slices bound the graph's memory
 
@@ -32,13 +35,13 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
         # the estimate pairs each clean activation with the counterfactual one at the same position
         raise ValueError("attribution patching needs counterfactual prompts laid out like the clean ones")
     col = task.quantities.index(task.smooth_quantity)
-    sites = sorted({iv.site or "z" for iv in interventions})
+    sites = sorted({iv.site or Site.z for iv in interventions})
     deltas: dict[tuple[str, int], list[Tensor]] = {}
     clean: list[Tensor] = []
     for start in range(0, data.n, PROMPTS_PER_PASS):
         part = _rows(data, slice(start, start + PROMPTS_PER_PASS))
         with torch.inference_mode():
-            patched = {site: model.record(part.counterfactual, site) for site in sites}
+            patched = {site: model.record(part.counterfactual, site) for site in sites}  # type: ignore[arg-type]
         store: dict[tuple[str, int], Tensor] = {}
         with torch.enable_grad(), ExitStack() as stack:
             for layer in range(model.n_layers):
@@ -58,8 +61,8 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
     rows = torch.arange(data.n)
     out = []
     for iv in interventions:
-        site = iv.site or "z"
-        heads = _heads(site, range(model.n_heads) if iv.head is None else [iv.head], sources)
+        site = iv.site or Site.z
+        heads = edit_heads(site, range(model.n_heads) if iv.head is None else [iv.head], sources)
         d = joined[(site, iv.layer)]  # type: ignore[index]
         change = d[site_index(site, rows.to(d.device), sources.position(iv), heads.to(d.device))].flatten(1).sum(1)
         q = torch.full_like(clean_q, float("nan"))
@@ -68,7 +71,7 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
     return out
 
 
-def _keep(store: dict, site: str, layer: int):
+def _keep(store: dict[tuple[str, int], Tensor], site: str, layer: int) -> Hook:
     def hook(t: Tensor) -> Tensor:
         if not t.requires_grad:  # a model with frozen weights: make the site a leaf of the graph
             t = t.detach().requires_grad_()

@@ -10,20 +10,22 @@ For senders at layer l (stacked, one copy per sender, like the exact sweep):
 A receiver at or before the sender's layer cannot hear it; a sender with no receiver after it changes
 nothing and reads the clean quantities.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Callable, Optional, Sequence
 
-import torch
 from torch import Tensor
 
 from ..models.hooked import HookedModel
+from ..models.sites import Hook
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
-from . import Intervention, receiver_heads
-from .engine import Sources, _edit_fns, _heads, chunk_size
+from ..vocabulary import Site, Source
+from .edits import Sources, chunk_size, edit_heads, edit_hooks
+from .plan import LOGITS, Intervention, receiver_heads
 
 
 def run_path(
@@ -37,9 +39,9 @@ def run_path(
 ) -> list[Tensor]:
     n = data.n
     trace = model.trace(data.inputs)
-    clean_z = sources.values[("clean", "z")]
+    clean_z = sources.values[(Source.clean, Site.z)]
     clean = task.per_prompt(model.readout(trace.resid_final, data.positions), data)
-    out: list[Optional[Tensor]] = [None] * len(senders)
+    out: list[Tensor | None] = [None] * len(senders)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, iv in enumerate(senders):
         groups[(iv.layer, iv.receivers, iv.site)].append(i)
@@ -50,7 +52,7 @@ def run_path(
         for done, ((layer, receivers, site), idx) in enumerate(chunks, 1):
             chunk = [senders[i] for i in idx]
             downstream = {l: hs for l, hs in receiver_heads(receivers).items() if l > layer}
-            if receivers != "logits" and not downstream:
+            if receivers != LOGITS and not downstream:
                 for i in idx:
                     out[i] = clean
                 continue
@@ -59,9 +61,9 @@ def run_path(
             last = max(downstream) if downstream else model.n_layers - 1
             recorded: dict[int, Tensor] = {}
             with ExitStack() as stack:
-                stack.enter_context(model.hooks(layer, **_edit_fns(chunk, sources, n, model.n_heads)))
+                stack.enter_context(model.hooks(layer, **edit_hooks(chunk, sources, n, model.n_heads)))
                 for l in range(layer + 1, last + 1):
-                    fns: dict[str, Callable] = {"z": _frozen(clean_z[l], g)}
+                    fns: dict[str, Hook] = {Site.z: _frozen(clean_z[l], g)}
                     if l in downstream:
                         fns[site] = _keep(recorded, l)
                     stack.enter_context(model.hooks(l, **fns))
@@ -74,7 +76,7 @@ def run_path(
                 first = min(downstream)
                 with ExitStack() as stack:
                     for l, heads in downstream.items():
-                        index = _heads(site, heads, sources)
+                        index = edit_heads(site, heads, sources)
                         stack.enter_context(model.hooks(l, **{site: _patched(recorded[l], index)}))
                     h = model.run_blocks(trace.resid_pre[first].repeat(g, 1, 1), first, trace, copies=g, read=read)
             quantities = task.per_prompt(model.readout(h, read).unflatten(0, (g, n)), data)
@@ -84,11 +86,11 @@ def run_path(
     return out  # type: ignore[return-value]
 
 
-def _frozen(clean: Tensor, copies: int) -> Callable[[Tensor], Tensor]:
+def _frozen(clean: Tensor, copies: int) -> Hook:
     return lambda z: clean.repeat(copies, *([1] * (clean.dim() - 1)))
 
 
-def _keep(store: dict[int, Tensor], layer: int) -> Callable[[Tensor], Tensor]:
+def _keep(store: dict[int, Tensor], layer: int) -> Hook:
     def hook(t: Tensor) -> Tensor:
         store[layer] = t.clone()
         return t
@@ -96,7 +98,7 @@ def _keep(store: dict[int, Tensor], layer: int) -> Callable[[Tensor], Tensor]:
     return hook
 
 
-def _patched(recorded: Tensor, heads: Tensor) -> Callable[[Tensor], Tensor]:
+def _patched(recorded: Tensor, heads: Tensor) -> Hook:
     def hook(t: Tensor) -> Tensor:
         t = t.clone()
         t[:, heads] = recorded[:, heads]

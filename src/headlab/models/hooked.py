@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from ..vocabulary import MLP_SITES, Site
 from .sites import HeadSites
 
 Inputs = dict[str, Tensor]
-MLP_SITES = ("mlp", "neurons")
 
 
 @dataclass
@@ -157,7 +157,7 @@ class HookedModel:
     def hooks(self, layer: int, **fns: Callable[[Tensor], Tensor]) -> Iterator[None]:
         """Hooks on one layer's head sites (see HeadSites.hooks), on "mlp", its MLP output, and on
         "neurons", the MLP's hidden units (fn may edit its tensor in place and return it)."""
-        mlp_fn, neurons_fn = fns.pop("mlp", None), fns.pop("neurons", None)
+        mlp_fn, neurons_fn = fns.pop(Site.mlp, None), fns.pop(Site.neurons, None)
         handles = []
         try:
             if mlp_fn is not None:

@@ -10,27 +10,29 @@ Hook signatures (TransformerLens naming and shapes):
   pattern:  [batch, head, query_pos, key_pos] -> same
   z:        [batch, pos, head, d_head]       -> same         (input of the output projection)
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
+from ..vocabulary import HEAD_SITES, Site
+
 Hook = Callable[[Tensor], Tensor]
-SITE_NAMES = ("q", "k", "v", "pattern", "z")
 
 
 @dataclass
 class LayerSlot:
     layer: int
-    q: Optional[Hook] = None
-    k: Optional[Hook] = None
-    v: Optional[Hook] = None
-    pattern: Optional[Hook] = None
-    z: Optional[Hook] = None
+    q: Hook | None = None
+    k: Hook | None = None
+    v: Hook | None = None
+    pattern: Hook | None = None
+    z: Hook | None = None
 
 
 def headlab_attention(
@@ -38,14 +40,14 @@ def headlab_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Optional[Tensor],
-    scaling: Optional[float] = None,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
     dropout: float = 0.0,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     **_: object,
 ) -> tuple[Tensor, Tensor]:
     """Eager attention with hook points; the signature of transformers' attention interface."""
-    slot: Optional[LayerSlot] = getattr(module, "headlab_slot", None)
+    slot: LayerSlot | None = getattr(module, "headlab_slot", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if slot is not None:
@@ -94,8 +96,9 @@ class HeadSites:
     def __post_init__(self) -> None:
         self.slots = []
         for layer, module in enumerate(self.attn_modules):
-            module.headlab_slot = LayerSlot(layer)
-            self.slots.append(module.headlab_slot)
+            slot = LayerSlot(layer)
+            module.headlab_slot = slot  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
+            self.slots.append(slot)
 
     @property
     def n_layers(self) -> int:
@@ -108,13 +111,13 @@ class HeadSites:
         return self.w_o(layer)
 
     @contextmanager
-    def hooks(self, layer: int, **fns: Optional[Hook]) -> Iterator[None]:
+    def hooks(self, layer: int, **fns: Hook | None) -> Iterator[None]:
         """Install hooks on one layer for the duration of the block; existing hooks run first."""
         slot = self.slots[layer]
         saved = {name: getattr(slot, name) for name in fns}
         for name, fn in fns.items():
-            if name not in SITE_NAMES:
-                raise ValueError(f"unknown head site {name!r}; sites: {', '.join(SITE_NAMES)}")
+            if name not in HEAD_SITES:
+                raise ValueError(f"unknown head site {name!r}; sites: {', '.join(HEAD_SITES)}")
             previous = saved[name]
             setattr(slot, name, fn if previous is None or fn is None else _chain(previous, fn))
         try:
@@ -124,7 +127,7 @@ class HeadSites:
                 setattr(slot, name, fn)
 
     @contextmanager
-    def record(self, sites: tuple[str, ...] = ("z",), layers: Optional[list[int]] = None) -> Iterator[dict]:
+    def record(self, sites: tuple[str, ...] = (Site.z,), layers: list[int] | None = None) -> Iterator[dict]:
         """Record activations: yields a dict (site, layer) -> tensor, filled by forward passes inside."""
         store: dict[tuple[str, int], Tensor] = {}
         layers = list(range(self.n_layers)) if layers is None else layers

@@ -1,0 +1,177 @@
+"""What an edit does to a site: replacement values, indexing, and hooks over stacked copies.
+
+The engine, path patching and attribution patching all run a batch that stacks g copies of the prompts
+([g*n, ...]), copy i edited as its interventions say. This module holds what they share:
+  Sources           replacement values per (source, site, layer), recorded once per sweep
+  site_index        the index of (prompts, positions, heads) in a site's layout
+  edit_heads        the heads an edit touches on a site (k and v: key/value heads)
+  apply_edit        one edit on one copy, in place
+  edit_hooks        per-site hooks that edit copy i of a stacked batch as chunk[i] says
+  copy_edit_hooks   the same with several interventions per copy
+  chunk_size        how many copies fit in a memory budget
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..models.hooked import HookedModel
+from ..models.sites import Hook
+from ..tasks import Inputs, TaskData
+from ..vocabulary import KV_SITES, Site, Source
+from .plan import Edit, Intervention
+
+Position = int | Tensor | None  # every position | one index | one per prompt [n]
+# sources that need no recorded value: the edit makes its replacement from the edited run itself
+UNRECORDED = (Source.zero, Source.head, Source.scale)
+
+
+class Sources:
+    """Replacement values per (source, site, layer), recorded once per sweep and only when needed.
+
+    A value is stored with as few rows as it needs (the reference set once, one mean per group) and
+    `rows[source]` ([n]) says which stored row stands in for each prompt."""
+
+    def __init__(self, model: HookedModel, data: TaskData, needed: Iterable[tuple[str, str]], seed: int = 0) -> None:
+        self.data = data
+        self.kv_head_of = model.sites.kv_head_of
+        self.values: dict[tuple[str, str], dict[int, Tensor]] = {}
+        self.rows: dict[str, Tensor] = {Source.counterfactual: torch.arange(data.n), Source.clean: torch.arange(data.n)}
+        wanted = {(src, site) for src, site in needed if src not in UNRECORDED}
+        if any(src in (Source.mean, Source.reference) for src, _ in wanted) and data.reference is None:
+            raise ValueError("this task provides no reference set for mean/resample ablation")
+        if any(src == Source.counterfactual for src, _ in wanted) and data.counterfactual is None:
+            raise ValueError("this task provides no counterfactual prompts for patching")
+        if data.reference is not None:
+            n_ref = next(iter(data.reference.values())).shape[0]
+            if n_ref == data.n:
+                self.rows[Source.reference] = torch.arange(data.n)  # the task matched reference i to prompt i
+            else:
+                self.rows[Source.reference] = torch.from_numpy(np.random.default_rng(seed).integers(0, n_ref, data.n))
+            if data.groups is not None and data.reference_groups is not None:
+                self.rows[Source.mean] = data.groups.cpu()
+            else:
+                self.rows[Source.mean] = torch.zeros(data.n, dtype=torch.long)
+        inputs: dict[str, Inputs | None] = {
+            Source.clean: data.inputs,
+            Source.counterfactual: data.counterfactual,
+            Source.reference: data.reference,
+        }
+        for src, site in sorted(wanted):
+            if src == Source.mean:
+                continue
+            # a wanted source's prompts exist: checked above
+            self.values[(src, site)] = model.record(inputs[src], site)  # type: ignore[arg-type]
+        for _, site in sorted(w for w in wanted if w[0] == Source.mean):
+            recorded = self.values.get((Source.reference, site)) or model.record(data.reference, site)  # type: ignore[arg-type]
+            self.values[(Source.mean, site)] = {layer: self._means(t) for layer, t in recorded.items()}
+
+    def _means(self, t: Tensor) -> Tensor:
+        """[groups, ...]: the mean over the reference prompts of each group (one group if none)."""
+        if self.data.groups is None or self.data.reference_groups is None:
+            return t.mean(0, keepdim=True)
+        groups = self.data.reference_groups.to(t.device)
+        size = int(max(groups.max(), self.data.groups.max())) + 1
+        sums = t.new_zeros(size, *t.shape[1:]).index_add_(0, groups, t)
+        counts = torch.bincount(groups, minlength=size).clamp_min(1).to(t.dtype)
+        return sums / counts.view(-1, *([1] * (t.dim() - 1)))
+
+    def value(self, source: str, site: str, layer: int) -> tuple[Tensor, Tensor]:
+        """(stored values [rows, ...], row of each prompt [n])."""
+        return self.values[(source, site)][layer], self.rows[source]
+
+    def position(self, iv: Intervention) -> Position:
+        if iv.token is None:
+            return iv.position
+        if not self.data.token_positions or iv.token not in self.data.token_positions:
+            names = ", ".join(self.data.token_positions or {}) or "none"
+            raise ValueError(f"this task names no position '{iv.token}' (it names: {names})")
+        return self.data.token_positions[iv.token]
+
+    def source_position(self, iv: Intervention, source: str) -> Position:
+        """Where the replacement value is read: the edited position, except for a role that the
+        counterfactual prompts hold elsewhere."""
+        moved = self.data.counterfactual_positions or {}
+        if source == Source.counterfactual and iv.token in moved:
+            return moved[iv.token]
+        return self.position(iv)
+
+
+def site_index(site: str, rows: Tensor, pos: Position, heads: Tensor | None) -> tuple:
+    """Index of (prompts `rows`, positions, heads) in a site's layout; the result's dims are
+    [n, head, ...] for head sites, [n, ...] for mlp and [n, neuron, ...] for neurons ([n, pos, d_mlp],
+    `heads` holding the neuron indices)."""
+    p = slice(None) if pos is None else pos[:, None] if isinstance(pos, Tensor) else pos
+    if site == Site.mlp:
+        return (rows, pos if isinstance(pos, Tensor) else p)
+    r = rows[:, None]
+    return (r, p, heads) if site in (Site.z, Site.neurons) else (r, heads, p)
+
+
+def edit_heads(site: str, heads: Sequence[int], sources: Sources) -> Tensor:
+    """k and v live on key/value heads: a query head's edit there touches its (shared) kv head.
+    Neuron indices (site neurons) are taken as they are."""
+    if site in KV_SITES:
+        heads = sorted({sources.kv_head_of(h) for h in heads})
+    return torch.tensor(list(heads), dtype=torch.long)
+
+
+def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources) -> None:
+    """Edit one copy [n, ...] in place, in the site's layout (see models/sites.py; mlp [n, pos, d],
+    neurons [n, pos, d_mlp])."""
+    pos = sources.position(iv)
+    rows = torch.arange(x.shape[0], device=x.device)
+    heads = None if site == Site.mlp else edit_heads(site, edit.heads, sources).to(x.device)
+    index = site_index(site, rows, pos, heads)
+    if edit.source == Source.head:
+        other = edit_heads(site, [edit.other_head], sources).to(x.device)  # type: ignore[list-item]
+        x[index] = x[site_index(site, rows, pos, other)].clone()
+    elif edit.source == Source.scale:
+        factors = torch.tensor(edit.scale, dtype=x.dtype, device=x.device)[heads]
+        selected = x[index]
+        x[index] = selected * factors.view(1, -1, *([1] * (selected.dim() - 2)))
+    elif edit.source == Source.zero:
+        x[index] = 0.0
+    else:
+        value, value_rows = sources.value(edit.source, site, iv.layer)  # type: ignore[arg-type]
+        x[index] = value[site_index(site, value_rows.to(x.device), sources.source_position(iv, edit.source), heads)]
+
+
+def edit_hooks(chunk: Sequence[Intervention], sources: Sources, n: int, n_heads: int) -> dict[str, Hook]:
+    """Hooks, per site, that edit copy i of a stacked batch [g*n, ...] as chunk[i] says."""
+    return copy_edit_hooks([[iv] for iv in chunk], sources, n, n_heads)
+
+
+def copy_edit_hooks(
+    copies: Sequence[Sequence[Intervention]], sources: Sources, n: int, n_heads: int
+) -> dict[str, Hook]:
+    """Hooks, per site, that edit copy i of a stacked batch [g*n, ...] with every intervention in
+    copies[i], in order (several interventions on one layer act together)."""
+    per_site: dict[str, list[tuple[int, Intervention, Edit]]] = defaultdict(list)
+    for i, ivs in enumerate(copies):
+        for iv in ivs:
+            for edit in iv.edits(n_heads):
+                per_site[edit.site].append((i, iv, edit))
+
+    def hook(site: str, items: list[tuple[int, Intervention, Edit]]) -> Hook:
+        def edit_site(t: Tensor) -> Tensor:
+            stacked = t.unflatten(0, (len(copies), n))
+            for i, iv, edit in items:
+                apply_edit(stacked[i], site, iv, edit, sources)
+            return t
+
+        return edit_site
+
+    return {site: hook(site, items) for site, items in per_site.items()}
+
+
+def chunk_size(model: HookedModel, data: TaskData, chunk_mb: float) -> int:
+    """How many stacked copies of the prompts fit in `chunk_mb` of the widest activation."""
+    n, seq_len = next(iter(data.inputs.values())).shape[:2]
+    bytes_per_copy = n * seq_len * model.width * next(model.module.parameters()).element_size()
+    return max(1, int(chunk_mb * 2**20 // bytes_per_copy))

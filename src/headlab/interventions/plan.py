@@ -1,0 +1,168 @@
+"""Intervention specs and the plan that a config expands to.
+
+An intervention is one row of the result table. What it does to the model is a list of edits at one
+layer, each on one site (z, pattern, q, k, v, mlp or neurons):
+  ablate_head / ablate_layer / keep_head   z of the named heads <- zero | mean | resample value
+  patch_head                               z of the head <- its value in the counterfactual run
+  pattern_from / values_from               head's pattern (values) <- other_head's, in the same run;
+                                           with method zero|mean the other heads are ablated as well
+                                           (the head alone, carrying another head's pattern or values)
+  scale_heads                              z of every head multiplied by its factor in `scale`
+  ablate_mlp                               the layer's MLP output <- zero | mean | resample value
+  ablate_neurons                           the MLP hidden units `neurons` <- zero | mean | resample value
+                                           (`group` labels the set in the table, e.g. recall_top8)
+  path_patch                               the head's z <- its reference-run value, seen only by the
+                                           receivers (interventions/path.py)
+An ablation or patch edits z unless `site` names another head site (pattern, q, k, v); it edits every
+position, or `position`, or per prompt the position of the role `token` (e.g. IOI's END).
+Interventions at several layers act together through engine.execute_joint (circuit knockouts).
+The names of sites, sources, kinds and methods are those of headlab.vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..config import option
+from ..errors import UsageError
+from ..vocabulary import HEAD_SITES, SOURCE_OF_METHOD, Kind, Method, Site, Source
+
+LOGITS = "logits"  # the receiver set of path patching that is the model's output itself
+RECEIVER_SITES = (Site.q, Site.k, Site.v)  # path patching enters a receiver head by one of its inputs
+
+
+@dataclass(frozen=True)
+class Edit:
+    site: Site
+    heads: tuple[int, ...]  # head indices; for site neurons, MLP hidden-unit indices
+    source: Source = Source.zero
+    other_head: int | None = None
+    scale: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Intervention:
+    intervention: str  # a Kind
+    method: str = Method.none  # a Method
+    layer: int | None = None
+    head: int | None = None
+    position: int | None = None  # None: every position (unless token is set)
+    token: str | None = None  # a role whose position the task gives per prompt, e.g. END
+    site: str | None = None  # head site edited by ablate_head / patch_head (None: z)
+    other_head: int | None = None
+    receivers: str | None = None  # path_patch: "logits" or "layer.head ..."
+    scale: tuple[float, ...] = ()
+    neurons: tuple[int, ...] = ()  # ablate_neurons: MLP hidden units (not tabular; `group` names the set)
+    group: str | None = None  # a label for the table, e.g. "recall_top8"
+
+    def edits(self, n_heads: int) -> list[Edit]:
+        everyone = tuple(range(n_heads))
+        others = tuple(h for h in everyone if h != self.head)
+        kind = self.intervention
+        if kind == Kind.none:
+            return []
+        if kind in (Kind.ablate_head, Kind.patch_head, Kind.path_patch):
+            site = Site(self.site) if kind != Kind.path_patch and self.site else Site.z
+            return [Edit(site, everyone if self.head is None else (self.head,), SOURCE_OF_METHOD[self.method])]
+        if kind == Kind.ablate_mlp:
+            return [Edit(Site.mlp, (), SOURCE_OF_METHOD[self.method])]
+        if kind == Kind.ablate_neurons:
+            if not self.neurons:
+                raise ValueError("ablate_neurons needs the neuron indices (neurons=(i, j, ...))")
+            return [Edit(Site.neurons, tuple(self.neurons), SOURCE_OF_METHOD[self.method])]
+        if kind == Kind.ablate_layer:
+            return [Edit(Site.z, everyone, SOURCE_OF_METHOD[self.method])]
+        if kind == Kind.keep_head:
+            return [Edit(Site.z, others, SOURCE_OF_METHOD[self.method])]
+        if kind in (Kind.pattern_from, Kind.values_from):
+            site = Site.pattern if kind == Kind.pattern_from else Site.v
+            swap = [Edit(site, (self.head,), Source.head, other_head=self.other_head)]  # type: ignore[arg-type]
+            ablate = [Edit(Site.z, others, SOURCE_OF_METHOD[self.method])] if self.method in SOURCE_OF_METHOD else []
+            return swap + ablate
+        if kind == Kind.scale_heads:
+            return [Edit(Site.z, everyone, Source.scale, scale=self.scale)]
+        raise ValueError(f"unknown intervention '{kind}'")
+
+    def row(self) -> dict[str, Any]:
+        """The table's columns for this intervention (the scale and neuron vectors are not tabular)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("scale", "neurons")}
+
+
+CLEAN = Intervention(Kind.none)
+
+
+def plan(cfg: Any, n_layers: int, n_heads: int, scales: dict[int, list[float]] | None = None) -> list[Intervention]:
+    """The clean baseline first, then the ablation sweep, then the patching sweep.
+
+    `scales` (layer -> per-head factors) is needed by the uniform sweep only."""
+    out = [CLEAN]
+    sweep, method = option(cfg.ablate.sweep), option(cfg.ablate.method)
+    cells = [(l, h) for l in range(n_layers) for h in range(n_heads)]
+    if sweep == "heads":
+        out += [Intervention(Kind.ablate_head, method, l, h) for l, h in cells]
+    elif sweep == "layers":
+        out += [Intervention(Kind.ablate_layer, method, l) for l in range(n_layers)]
+    elif sweep == "keep_heads":
+        out += [Intervention(Kind.keep_head, method, l, h) for l, h in cells]
+    elif sweep in ("pattern_swaps", "value_swaps"):
+        kind = Kind.pattern_from if sweep == "pattern_swaps" else Kind.values_from
+        out += [Intervention(Kind.keep_head, method, l, h) for l, h in cells]
+        out += [Intervention(kind, method, l, h, other_head=o) for l, h in cells for o in range(n_heads) if o != h]
+    elif sweep == "uniform":
+        if scales is None:
+            raise ValueError("the uniform sweep needs per-head scales")
+        out += [Intervention(Kind.scale_heads, Method.uniform, l, scale=tuple(scales[l])) for l in range(n_layers)]
+    elif sweep == "components":
+        out += [Intervention(Kind.ablate_head, method, l, h) for l, h in cells]
+        out += [Intervention(kind, method, l) for l in range(n_layers) for kind in (Kind.ablate_layer, Kind.ablate_mlp)]
+    kinds = [option(k) for k in cfg.patch.kinds]
+    for patching in (Method.activation, Method.attribution):
+        if patching in kinds:
+            out += [Intervention(Kind.patch_head, patching, l, h, site=site, **where)
+                    for site in _sites(cfg.patch.sites) for where in _positions(cfg.patch.positions)
+                    for l, h in cells]  # fmt: skip
+    if Method.path in kinds:
+        receivers, site = _receivers(cfg.patch.receivers, cfg.patch.receiver_site, n_layers, n_heads)
+        out += [Intervention(Kind.path_patch, Method.path, l, h, site=site, receivers=receivers) for l, h in cells]
+    return out
+
+
+def _sites(sites: Any) -> list[str]:
+    for s in sites:
+        if s not in HEAD_SITES:
+            raise UsageError(f"unknown head site '{s}'; choose from: {', '.join(HEAD_SITES)}")
+    return list(sites)
+
+
+def _positions(positions: Any) -> list[dict[str, Any]]:
+    """'all' -> every position; an integer -> that index; any other word -> a role the task names."""
+    out: list[dict[str, Any]] = []
+    for p in positions:
+        p = str(p)
+        out.append({} if p == "all" else {"position": int(p)} if p.lstrip("-").isdigit() else {"token": p})
+    return out
+
+
+def _receivers(receivers: Any, site: str, n_layers: int, n_heads: int) -> tuple[str, str | None]:
+    """The receiver set as the table spells it ("logits" or "9.6 9.9"), and the site it is entered by."""
+    names = [str(r) for r in receivers]
+    if names == [LOGITS]:
+        return LOGITS, None
+    if site not in RECEIVER_SITES:
+        raise UsageError(f"path patching enters receiver heads by q, k or v, not '{site}'")
+    for r in names:
+        layer, _, head = r.partition(".")
+        if not (layer.isdigit() and head.isdigit() and int(layer) < n_layers and int(head) < n_heads):
+            raise UsageError(f"receiver '{r}' is not 'logits' or a head 'layer.head' of this model")
+    return " ".join(names), site
+
+
+def receiver_heads(receivers: str) -> dict[int, list[int]]:
+    """layer -> heads of a path-patching receiver set ("logits" -> {})."""
+    out: dict[int, list[int]] = {}
+    if receivers != LOGITS:
+        for r in receivers.split():
+            layer, head = map(int, r.split("."))
+            out.setdefault(layer, []).append(head)
+    return out
