@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from headlab.analysis.scores import ioi_scores
-from headlab.cli import _compose
+from headlab import compose
 from headlab.interventions import CLEAN, Intervention
 from headlab.interventions.engine import execute
-from headlab.pipeline import EVAL_SEED_OFFSET, apply_threads, obtain_model
+from headlab.studies.context import EVAL_SEED_OFFSET, apply_threads
+from headlab.train.obtain import obtain_model
 from headlab.tasks import build_task
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=str(TOKENIZER))
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.steps=3000")
     args = ap.parse_args()
-    cfg = _compose(["experiment=ioi_trained", f"model.tokenizer={args.tokenizer}", f"output.root={args.root}",
+    cfg = compose(*["experiment=ioi_trained", f"model.tokenizer={args.tokenizer}", f"output.root={args.root}",
                     *args.overrides])  # fmt: skip
     apply_threads(cfg)
     task = build_task(cfg.task)

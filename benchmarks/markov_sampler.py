@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from headlab.analysis import paths as theory
 from headlab.config import config_dir
-from headlab.pathnet_study import Study
+from headlab.studies.pathnet import PathNetRun as Study
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -19,9 +19,9 @@ HELD_OUT_IO_PROB = 0.1  # by now the model copies a never-trained name from its 
 
 
 def _cfg(tmp_path, *overrides: str):
-    from headlab.cli import _compose
+    from headlab import compose
 
-    return _compose(["experiment=ioi_trained", f"model.tokenizer={GPT2_TOKENIZER}", f"output.root={tmp_path}",
+    return compose(*["experiment=ioi_trained", f"model.tokenizer={GPT2_TOKENIZER}", f"output.root={tmp_path}",
                      *overrides])  # fmt: skip
 
 
@@ -37,7 +37,7 @@ def trained_ioi(tmp_path_factory):
     """(in-memory model, task, checkpoint dir, curve) of model=gpt2-ioi trained for STEPS steps."""
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
-    from headlab.pipeline import checkpoint_dir
+    from headlab.train.obtain import checkpoint_dir
     from headlab.tasks import build_task
     from headlab.train import train_toy
 
@@ -76,16 +76,18 @@ def test_checkpoint_loads_like_a_hub_model_with_the_same_logits(trained_ioi):
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
 
 
-def test_headlab_train_through_the_pipeline_reuses_the_checkpoint(trained_ioi, tmp_path):
-    from headlab import pipeline
+def test_headlab_train_reuses_the_checkpoint(trained_ioi, tmp_path):
+    from headlab.studies import execute_run
+    from headlab.tasks import build_task
+    from headlab.train.obtain import obtain_model
 
     model, _, directory, _, cfg = trained_ioi
     stamp = (directory / "training.json").stat().st_mtime_ns
-    df = pipeline.train(cfg, tmp_path / "run", show_progress=False)  # finished: reused, not retrained
+    df = execute_run("train", cfg, tmp_path / "run", show_progress=False)  # finished: reused, not retrained
     assert (directory / "training.json").stat().st_mtime_ns == stamp
     assert {"accuracy", "logit_diff", "loss"} <= set(df["metric"]) and df["step"].max() == STEPS
-    task = pipeline.build_task(cfg.task)
-    hooked = pipeline.obtain_model(cfg, task, show_progress=False)
+    task = build_task(cfg.task)
+    hooked = obtain_model(cfg, task, show_progress=False)
     assert all(torch.equal(p, hooked.module.state_dict()[n]) for n, p in model.state_dict().items())
 
 
@@ -94,6 +96,7 @@ def test_resume_matches_uninterrupted_and_half_written_dirs_are_not_done(tmp_pat
         pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
     import headlab.train as train
     from headlab.tasks import build_task
+    from headlab.train import hf, loop
 
     cfg = _tiny(tmp_path)
     task = build_task(cfg.task)
@@ -103,8 +106,8 @@ def test_resume_matches_uninterrupted_and_half_written_dirs_are_not_done(tmp_pat
     # killed while writing the finished model: weights and config.json are there, the marker is not
     (tmp_path / "b" / "training.json").unlink()
     resumed = []
-    real = train._load_state
-    monkeypatch.setattr(train, "_load_state", lambda *args: resumed.append(1) or real(*args))
+    real = loop.load_state
+    monkeypatch.setattr(loop, "load_state", lambda *args, **kwargs: resumed.append(1) or real(*args, **kwargs))
     c, curve = train.train_toy(cfg.model, task, cfg.train, 0, tmp_path / "b", False)
     assert resumed and sorted({r["step"] for r in curve}) == [3, 6]
     other, _ = train.train_toy(cfg.model, task, cfg.train, 1, tmp_path / "c", False)
@@ -114,18 +117,20 @@ def test_resume_matches_uninterrupted_and_half_written_dirs_are_not_done(tmp_pat
     assert any(not torch.equal(p, other.state_dict()[n]) for n, p in a.state_dict().items())
     assert c.transformer.wte.weight.data_ptr() == c.lm_head.weight.data_ptr()  # tied, as in GPT-2
     # finished: reused as it is, whatever the schedule says now
-    monkeypatch.setattr(train, "_fit", lambda *a, **k: pytest.fail("a finished model was trained again"))
+    monkeypatch.setattr(hf, "fit_loop", lambda *a, **k: pytest.fail("a finished model was trained again"))
     longer = OmegaConf.merge(cfg.train, {"steps": 99999})
     again, _ = train.train_toy(cfg.model, task, longer, 0, tmp_path / "b", False)
     assert all(torch.equal(p, again.state_dict()[n]) for n, p in a.state_dict().items())
 
 
 def test_a_model_trained_here_needs_a_tokenizer(tmp_path):
-    from headlab import pipeline
+    from headlab.studies import execute_run
+    from headlab.tasks import build_task
+    from headlab.train.obtain import obtain_model
 
     cfg = _tiny(tmp_path, "model.tokenizer=null")
-    task = pipeline.build_task(cfg.task)
+    task = build_task(cfg.task)
     with pytest.raises(HeadlabError, match="model.tokenizer"):
-        pipeline.obtain_model(cfg, task, show_progress=False)
+        obtain_model(cfg, task, show_progress=False)
     with pytest.raises(HeadlabError, match="model.tokenizer"):
-        pipeline.train(cfg, tmp_path / "run", show_progress=False)
+        execute_run("train", cfg, tmp_path / "run", show_progress=False)

@@ -155,7 +155,7 @@ def test_circuits_run_writes_drops_classes_knockouts_and_figures(tmp_path):
 
 
 def test_circuits_on_a_pretrained_model_with_the_fact_table(tiny_hf_dir, gpt2_tokenizer):
-    from headlab import recall_reasoning_study
+    from headlab.studies import circuits
     from headlab.models.hf import load_hf
     from conftest import GPT2_TOKENIZER
 
@@ -164,7 +164,7 @@ def test_circuits_on_a_pretrained_model_with_the_fact_table(tiny_hf_dir, gpt2_to
     data = task.build(24, seed=0, model=model)
     cfg = OmegaConf.create({"ablate": {"method": "mean"}, "engine": {"chunk_mb": 32.0, "naive": False},
                             "output": {"n_boot": 20}, "seed": 0})  # fmt: skip
-    table, extra = recall_reasoning_study.run(cfg, model, task, data, {"experiment": "t", "model": "tiny", "task": task.name, "seed": 0})
+    table, extra = circuits.measure(cfg, model, task, data, {"experiment": "t", "model": "tiny", "task": task.name, "seed": 0})
     comps = table[table["metric"] == "drop_recall"]
     ablated = comps[comps["intervention"] != "patch_head"]
     assert len(ablated) == 3 * 4 + 3 * 2 + 3 * 4  # heads, attention + MLP, neuron groups

@@ -523,12 +523,12 @@ def test_fit_resamples_latents_that_never_fire(tmp_path):
 @pytest.fixture(scope="module")
 def resumed_study(tmp_path_factory):
     """obtain_sae interrupted by an error in the stream's third pass, then called again: what each call drew."""
-    from headlab.cli import _compose
-    from headlab.sae.study import DONE, corpora, obtain_sae, sae_dir
+    from headlab import compose
+    from headlab.studies.sae import DONE, corpora, obtain_sae, sae_dir
     from headlab.tasks.counting import CountingTask
 
     root = tmp_path_factory.mktemp("resume")
-    cfg = _compose(["task.n_prompts=8", "sae.steps=30", "sae.batch_size=16", "sae.buffer_tokens=64",
+    cfg = compose(*["task.n_prompts=8", "sae.steps=30", "sae.batch_size=16", "sae.buffer_tokens=64",
                     "sae.model_batch=4", "sae.checkpoint_every=5", "sae.expansion=1", f"output.root={root}"])  # fmt: skip
     task = CountingTask(cfg.task)
     torch.manual_seed(0)
@@ -586,12 +586,12 @@ class _CharTokenizer:
 
 
 def test_one_sae_directory_means_one_training_set(tmp_path):
-    from headlab.cli import _compose
-    from headlab.sae.study import corpora, sae_dir
+    from headlab import compose
+    from headlab.studies.sae import corpora, sae_dir
 
     (tmp_path / "doc.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     model = SimpleNamespace(tokenizer=_CharTokenizer(), name="toy-attn-1l")
-    cfgs = [_compose([f"sae.corpus={tmp_path / 'doc.txt'}", "sae.context_size=16", f"sae.eval_sequences={n}",
+    cfgs = [compose(*[f"sae.corpus={tmp_path / 'doc.txt'}", "sae.context_size=16", f"sae.eval_sequences={n}",
                       f"output.root={tmp_path}"]) for n in (4, 40)]  # fmt: skip
     (train_a, _), (train_b, _) = (corpora(cfg, None, model) for cfg in cfgs)
     if sae_dir(cfgs[0]) == sae_dir(cfgs[1]):
@@ -615,9 +615,9 @@ def _headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     from sae_lens import SAE
 
-    from headlab.cli import _compose
-    from headlab.pipeline import obtain_model
-    from headlab.sae.study import DONE, corpora, sae_dir
+    from headlab import compose
+    from headlab.train.obtain import obtain_model
+    from headlab.studies.sae import DONE, corpora, sae_dir
     from headlab.tasks import build_task
 
     args = [*FAST, f"output.root={tmp_path}"]
@@ -631,12 +631,12 @@ def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     assert {"l0", "explained_variance", "ce_loss_recovered", "ce_clean", "ce_with_sae"} <= set(metrics)
     fit_rows = df[df["method"] == "fit"]
     assert fit_rows["step"].max() == 30
-    fitted = sae_dir(_compose(args))
+    fitted = sae_dir(compose(*args))
     assert json.loads((fitted / DONE).read_text())["complete"] is True
 
     # the reported metrics, recomputed on the held-out tokens with the SAELens copy in <run>/sae
     theirs = SAE.load_from_disk(str(run_dir / "sae"))
-    cfg = _compose(args)
+    cfg = compose(*args)
     task = build_task(cfg.task)
     model = obtain_model(cfg, task, False)  # the checkpoint the command trained
     _, held_out = corpora(cfg, task, model)

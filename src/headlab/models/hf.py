@@ -79,6 +79,8 @@ def load_hf(
     # the hub client logs every retry as a warning; the failure is reported once, below
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     where = f"local directory {path}" if Path(path).exists() else f"hub model '{path}'"
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise HeadlabError(f"cannot load local directory {path}: it does not exist (and it is no hub id)")
     try:
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError, ValueError or hub errors depending on the cause

@@ -1,0 +1,88 @@
+"""The Python API: the same tables as the CLI, the same one-line errors, nothing written by a sweep."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pandas as pd
+import pytest
+
+import headlab
+from headlab import results
+
+FAST = {"train__steps": 300, "train__eval_every": 150}
+RUN_FAST = ["train.steps=300", "train.eval_every=150", "task.n_prompts=64", "output.n_boot=100"]
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    model = headlab.load_model("toy-attn-1l", root=str(root), **FAST)
+    return root, model, headlab.load_task("counting", n_prompts=64)
+
+
+def test_a_fresh_process_sweeps_the_same_table_headlab_run_writes(tmp_path):
+    script = textwrap.dedent(f"""
+        import headlab
+        m = headlab.load_model("toy-attn-1l", root={str(tmp_path)!r}, train__steps=300, train__eval_every=150)
+        t = headlab.sweep(m, headlab.load_task("counting", n_prompts=64), ablate="heads", n_boot=100)
+        t.to_parquet({str(tmp_path / "api.parquet")!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(tmp_path.glob("runs")), "a sweep writes nothing but the model it trained"
+    proc = subprocess.run([sys.executable, "-m", "headlab", "run", *RUN_FAST, f"output.root={tmp_path}"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    written = pd.read_parquet(next(tmp_path.glob("runs/*/*/results.parquet")))
+    swept = pd.read_parquet(tmp_path / "api.parquet")
+    assert list(swept.columns) == results.CORE_COLUMNS and len(swept) == (1 + 4) * 4
+    pd.testing.assert_frame_equal(swept, written)
+
+
+def test_run_writes_a_run_dir_and_reuses_it(toy, tmp_path):
+    root, _, _ = toy
+    overrides = [*RUN_FAST, f"output.root={root}", f"hydra.run.dir={tmp_path / 'run'}", "ablate=layers"]
+    first = headlab.run(*overrides)
+    assert not first.skipped and first.run_dir == tmp_path / "run"
+    assert results.is_complete(first.run_dir) and (first.run_dir / ".hydra" / "config.yaml").is_file()
+    assert set(first.table["intervention"]) == {"none", "ablate_layer"}
+    assert first.config.ablate.sweep.value == "layers"
+    again = headlab.run(*overrides)
+    assert again.skipped
+    pd.testing.assert_frame_equal(again.table, first.table, check_like=True)
+
+
+def test_sweep_options_reach_the_config(toy):
+    _, model, task = toy
+    table = headlab.sweep(model, task, ablate="none", patch="activation", n_prompts=32, n_boot=0, per_prompt=True)
+    patched = table[table["intervention"] == "patch_head"]
+    assert set(patched["method"]) == {"activation"} and patched["layer"].notna().all()
+    assert table["ci_low"].isna().all()  # n_boot=0: no bootstrap
+    assert table.loc[table["prompt_id"].notna(), "prompt_id"].max() == 31
+    mean = headlab.sweep(model, task, ablate="heads", method="mean", n_boot=10)
+    assert set(mean.loc[mean["intervention"] == "ablate_head", "method"]) == {"mean"}
+
+
+def test_the_api_raises_the_cli_errors(toy):
+    _, model, task = toy
+    with pytest.raises(headlab.UsageError, match=r"^unknown task 'nope'; choose from: counting, ioi"):
+        headlab.load_task("nope")
+    with pytest.raises(headlab.UsageError, match=r"^unknown model 'nope'; choose from:"):
+        headlab.compose("model=nope")
+    with pytest.raises(headlab.UsageError, match=r"^invalid configuration"):
+        headlab.sweep(model, task, method="median")
+    with pytest.raises(headlab.UsageError, match=r"^invalid configuration.*no_such_option"):
+        headlab.sweep(model, task, no_such_option=1)
+    with pytest.raises(headlab.UsageError, match=r"^option 'steps' is ambiguous; write one of: train__steps, sae__steps"):
+        headlab.sweep(model, task, steps=10)
+    with pytest.raises(headlab.HeadlabError, match=r"cannot load local directory"):
+        headlab.load_model("/no/such/model/dir")
+
+
+def test_compose_is_typed():
+    cfg = headlab.compose("model=toy-attn-2l", "task=ioi", "ablate.method=mean")
+    assert type(cfg).__name__ == "Config" and type(cfg.task).__name__ == "IOIConfig"
+    assert cfg.model.n_layers == 2 and cfg.ablate.method.value == "mean"

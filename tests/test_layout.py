@@ -1,0 +1,130 @@
+"""The package's shape: no import cycle (function-level imports included), no private name imported
+across modules, no logic in __init__.py."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "headlab"
+
+
+def _module_name(path: Path) -> str:
+    parts = ["headlab", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> list[tuple[str, list[str], int]]:
+    """(module imported, names taken from it, line) for every import in the module, at any depth."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("headlab")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("headlab"):
+                out.append((target, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the headlab modules it imports; `from pkg import sub` counts as importing pkg.sub."""
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name in MODULES:
+        for target, names, _ in _imports(name):
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            others = [n for n in names if f"{target}.{n}" not in MODULES]
+            graph[name].update(subs)
+            if (others or not names) and target in MODULES:
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_walker_sees_function_level_imports_and_finds_a_planted_cycle():
+    graph = _graph()
+    assert "headlab.studies.circuits" in graph["headlab.studies.registry"]  # imported inside a function
+    assert "headlab.api" in graph["headlab"]
+    planted = {k: set(v) for k, v in graph.items()}
+    planted["headlab.errors"].add("headlab.api")  # api -> config -> errors -> api
+    assert any("headlab.errors" in c and "headlab.api" in c for c in _cycles(planted))
+
+
+def test_no_import_cycle():
+    assert _cycles(_graph()) == []
+
+
+def test_no_private_name_imported_across_modules():
+    private = [
+        f"{name}:{line} imports {n} from {target}"
+        for name in MODULES
+        for target, names, line in _imports(name)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
+    assert private == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _is_package(n)))
+def test_init_files_hold_no_logic(name):
+    """A package's __init__.py: a docstring, imports (re-exports) and __version__ / __all__ only."""
+    tree = ast.parse(MODULES[name].read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id in ("__version__", "__all__")
+                                                for t in node.targets):  # fmt: skip
+            continue
+        pytest.fail(f"{MODULES[name]}:{node.lineno}: {type(node).__name__} in an __init__.py")
