@@ -1,37 +1,64 @@
 """`headlab reproduce NAME`: the runs behind a paper figure, then the figure from their tables.
 
-A reproduction is a list of `headlab run` override lists plus a drawing function. Runs go to
-<output.root>/reproduce/<name>/<run>/; a run dir that is complete with the same config hash is reused,
+Each reproduction is a file configs/reproduce/<name>.yaml:
+
+    paper: <citation>                  shown by `headlab reproduce --list`
+    command: run                       the headlab command behind each run: run | sae
+    figures: <set>                     the figure set (headlab.figures.FIGURES) drawn from the runs' table
+    runs:                              in this order, each item one run or a grid block:
+      - experiment=a model.width=30      one run: overrides as on the command line (split like a shell)
+      - grid: {h: [1, 2], seed: [0]}     a grid block: at each point of the cartesian product of these
+        runs:                            values (first variable outermost), these runs in order, with
+          - experiment=b model.n_heads={h}      {h} replaced by the point's value of h
+          - {run: experiment=c, unless: {h: 1}}     a run left out at the points where h is 1
+        append: seed={seed}              overrides that end each of the block's runs
+    quick:                             `--quick`: the runs above, except where these say (each optional)
+      runs: [...]                        these runs instead of the full ones
+      grid: {h: [1]}                     these values for the variables of these names, in every block
+      append: train.steps=100            overrides that end every run
+
+A run holding {var} goes in a block list (`- ...`) or in quotes: inside [...] YAML reads `{` as a mapping.
+
+Runs go to <output.root>/reproduce/<name>/<run>/; a run dir that is complete with the same config hash is reused,
 so an interrupted reproduction continues where it stopped and a finished one only redraws.
 """
+
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
-import pandas as pd
+from omegaconf import OmegaConf
 
 from . import results
-from .errors import UsageError
+from .config import compose, config_dir
+from .errors import HeadlabError, UsageError
+from .figures import FIGURES
+
+COMMANDS = ("run", "sae")  # the headlab commands a reproduction's runs can be
 
 
 @dataclass(frozen=True)
 class Reproduction:
     name: str
     paper: str
-    runs: Callable[[bool], list[list[str]]]  # quick -> override lists, one per run
-    draw: Callable[[pd.DataFrame, Path], dict]  # table, figure dir -> headline numbers
-    command: str = "run"  # the headlab command behind each run: run | sae
+    command: str  # one of COMMANDS
+    figures: str  # a key of FIGURES
+    full: list[list[str]]  # override lists, one per run
+    quick: list[list[str]]
+
+    def runs(self, quick: bool) -> list[list[str]]:
+        return self.quick if quick else self.full
 
 
 def registry() -> dict[str, Reproduction]:
-    from .figures import attn_sae, count01, markov, recall_reasoning
-
-    return {r.name: r for r in (count01.REPRODUCTION, markov.REPRODUCTION, recall_reasoning.REPRODUCTION,
-                                attn_sae.REPRODUCTION)}  # fmt: skip
+    return {r.name: r for r in map(load, sorted((config_dir() / "reproduce").glob("*.yaml")))}
 
 
 def get(name: str) -> Reproduction:
@@ -41,32 +68,143 @@ def get(name: str) -> Reproduction:
     return known[name]
 
 
+def load(path: Path) -> Reproduction:
+    """The reproduction a YAML file declares, both run lists expanded, so a mistake in it shows at once."""
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:  # the YAML parser's errors share no base class short of Exception
+        raise HeadlabError(f"{path}: not readable as YAML: {' '.join(str(e).split())}") from e
+    try:
+        spec = _mapping(raw, "the file")
+        required = frozenset({"paper", "command", "figures", "runs"})
+        _check_keys(spec, {*required, "quick"}, "the file", required)
+        if not isinstance(spec["paper"], str):
+            raise ValueError("paper: must be a string")
+        if spec["command"] not in COMMANDS:
+            raise ValueError(f"command: must be one of {', '.join(COMMANDS)}")
+        if spec["figures"] not in FIGURES:
+            raise ValueError(f"figures: must be one of {', '.join(sorted(FIGURES))}")
+        quick = spec.get("quick") or {}
+        _check_keys(quick, {"runs", "grid", "append"}, "quick")
+        full = expand(spec["runs"])
+        short = expand(quick.get("runs", spec["runs"]), quick.get("grid", {}), quick.get("append", ""))
+    except ValueError as e:
+        raise HeadlabError(f"{path}: {e}") from e
+    return Reproduction(path.stem, spec["paper"], spec["command"], spec["figures"], full, short)
+
+
+def expand(items: Any, values: Any = None, append: Any = "") -> list[list[str]]:
+    """The override lists a `runs:` list stands for; `values` replace the grid variables' values of those
+    names and `append` ends every run (as `quick:` asks). ValueError says what is malformed."""
+    values = _grid(values or {}, "quick: grid")
+    replaced: set[str] = set()
+    out = []
+    for item in _sequence(items, "runs"):
+        block = item if isinstance(item, dict) else {"runs": [item]}
+        _check_keys(block, {"grid", "runs", "append"}, "a grid block", frozenset({"runs"}))
+        grid = _grid(block.get("grid", {}), "grid")
+        replaced |= grid.keys() & values.keys()
+        grid |= {k: v for k, v in values.items() if k in grid}
+        for point in itertools.product(*grid.values()):
+            env = dict(zip(grid, point))
+            for run in _sequence(block["runs"], "a grid block's runs"):
+                run = run if isinstance(run, dict) else {"run": run}
+                _check_keys(run, {"run", "unless"}, "a run", frozenset({"run"}))
+                if _left_out(run.get("unless", {}), env):
+                    continue
+                line = [*_split(run["run"]), *_split(block.get("append", "")), *_split(append)]
+                out.append([_fill(token, env) for token in line])
+    if values.keys() - replaced:
+        raise ValueError(f"quick: grid names {', '.join(sorted(values.keys() - replaced))}, in no grid block")
+    if not out:
+        raise ValueError("runs: expands to no run")
+    return out
+
+
+def _mapping(spec: Any, what: str) -> dict:
+    if not isinstance(spec, dict):
+        raise ValueError(f"{what}: must be a mapping")
+    return spec
+
+
+def _check_keys(spec: Any, allowed: set[str], what: str, required: frozenset[str] = frozenset()) -> None:
+    unknown, missing = _mapping(spec, what).keys() - allowed, required - spec.keys()
+    if unknown:
+        raise ValueError(
+            f"{what}: unknown key {', '.join(sorted(map(str, unknown)))}; known: {', '.join(sorted(allowed))}"
+        )
+    if missing:
+        raise ValueError(f"{what}: missing {', '.join(sorted(missing))}")
+
+
+def _sequence(items: Any, what: str) -> list:
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{what}: must be a non-empty list")
+    return items
+
+
+def _grid(grid: Any, what: str) -> dict[str, list]:
+    for name, values in _mapping(grid, what).items():
+        if not re.fullmatch(r"\w+", str(name)):
+            raise ValueError(f"{what}: variable '{name}' must be a word")
+        if not isinstance(values, list) or not values or not all(_is_scalar(v) for v in values):
+            raise ValueError(f"{what}: {name} must be a non-empty list of scalars")
+    return dict(grid)
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _text(value: Any) -> str:
+    """A value as an override writes it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _left_out(unless: Any, env: dict[str, Any]) -> bool:
+    _check_keys(unless, set(env), "unless (grid variables only)")
+    return bool(unless) and all(_text(env[k]) == _text(v) for k, v in unless.items())
+
+
+def _split(line: Any) -> list[str]:
+    if not isinstance(line, str):
+        raise ValueError(f"{line!r}: a run must be a line of overrides")
+    return shlex.split(line)
+
+
+def _fill(token: str, env: dict[str, Any]) -> str:
+    def value(match: re.Match) -> str:
+        if match[1] not in env:
+            raise ValueError(f"{token}: {{{match[1]}}} is no grid variable here")
+        return _text(env[match[1]])
+
+    return re.sub(r"\{(\w+)\}", value, token)
+
+
 def _slug(overrides: list[str]) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", ",".join(o.split("/")[-1] for o in overrides))[:150]
 
 
-def run_all(name: str, root: Path, quick: bool = False, extra: tuple[str, ...] = (), log=print) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from . import pipeline
-    from .config import config_dir
+def run_all(
+    name: str, root: Path, quick: bool = False, extra: tuple[str, ...] = (), log: Callable[[str], object] = print
+) -> dict:
+    from .studies import already_done, execute_run
 
     repro = get(name)
     base = root / "reproduce" / (name + ("-quick" if quick else ""))
     runs = repro.runs(quick)
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        for i, overrides in enumerate(runs, 1):
-            cfg = compose("config", overrides=[*overrides, f"output.root={root}", *extra])
-            run_dir = base / _slug(overrides)
-            if pipeline.already_done(cfg, run_dir):
-                log(f"[{i}/{len(runs)}] skip (done): {run_dir.name}")
-                continue
-            log(f"[{i}/{len(runs)}] run: {' '.join(overrides)}")
-            {"run": pipeline.run, "sae": pipeline.sae}[repro.command](cfg, run_dir, show_progress=False)
+    for i, overrides in enumerate(runs, 1):
+        cfg = compose([*overrides, f"output.root={root}", *extra])
+        run_dir = base / _slug(overrides)
+        if already_done(cfg, run_dir):
+            log(f"[{i}/{len(runs)}] skip (done): {run_dir.name}")
+            continue
+        log(f"[{i}/{len(runs)}] run: {' '.join(overrides)}")
+        execute_run(repro.command, cfg, run_dir, show_progress=False)
     table = results.collect(base)
     figures = base / "figures"
     figures.mkdir(exist_ok=True)
-    numbers = repro.draw(table, figures)
+    numbers = FIGURES[repro.figures](table, figures)
     results.atomic_write_bytes(base / "numbers.json", json.dumps(numbers, indent=2).encode())
     results.atomic_write_bytes(base / "collected.parquet", table.to_parquet(index=False))
     return {"dir": str(base), "figures": sorted(str(p) for p in figures.glob("*.png")), "numbers": numbers}

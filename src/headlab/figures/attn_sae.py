@@ -7,6 +7,7 @@ recall and two-hop reasoning (experiment=attn_sae).
                             dominant head), per layer, relu_l1
   fig_top_features.png      for features each dominated by one head, their top-activating contexts
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,19 +19,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..reproduce import Reproduction  # noqa: E402
-
 SUMMARY = ("l0", "explained_variance", "ce_loss_recovered", "dead_fraction", "polysemantic_head_fraction")
 ARCH_COLOR = {"relu_l1": "tab:blue", "topk": "tab:orange"}
 FEATURES_PER_HEAD = 2
 CONTEXTS_SHOWN = 3
-
-
-def _runs(quick: bool) -> list[list[str]]:
-    base = ["experiment=attn_sae"]
-    if quick:
-        return [[*base, "sae.layer=1", "sae.steps=200", "train.steps=200", "train.target=null"]]
-    return [[*base, f"sae={arch}", f"sae.layer={layer}"] for layer in range(4) for arch in ("relu_l1", "topk")]
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
@@ -87,7 +79,8 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     numbers = {f"{r['method']}_L{int(r['layer'])}": {m: float(r[m]) for m in SUMMARY if m in r and pd.notna(r[m])}
                for _, r in summ.iterrows()}  # fmt: skip
     numbers[f"features_L{int(layers[-1])}_{method}"] = {
-        f"f{f['feature']}": {"head": f["head"], "share": round(f["share"], 4), "top_context": (f["contexts"] or [""])[0]}
+        f"f{f['feature']}": {"head": f["head"], "share": round(f["share"], 4),
+                             "top_context": (f["contexts"] or [""])[0]}
         for f in features}  # fmt: skip
     return numbers
 
@@ -104,12 +97,3 @@ def head_features(table: pd.DataFrame, method: str, layer: int) -> list[dict]:
             picked.append({"feature": int(feature), "head": int(head), "share": float(share),
                            "contexts": [f"{v:.2f}  {c}" for v, c in zip(rows["value"], rows["context"])]})  # fmt: skip
     return picked
-
-
-REPRODUCTION = Reproduction(
-    name="attn_sae",
-    paper="Kissane et al. 2024, Interpreting Attention Layer Outputs with Sparse Autoencoders (arXiv 2406.17759)",
-    runs=_runs,
-    draw=draw,
-    command="sae",
-)

@@ -1,11 +1,12 @@
-"""Count01 reproduction (arXiv 2502.06923): runs, figures and headline numbers, all from the table.
+"""Count01 reproduction (arXiv 2502.06923): figures and headline numbers, all from the table.
 
-Models: one-layer attention-only transformers with 1, 2, 4 and 8 heads, 3 seeds each.
+Models: one-layer attention-only transformers of several head counts and seeds (configs/reproduce/count01.yaml).
   fig_single_heads.png   each head alone (others zero-/mean-ablated): label and [EOS] accuracy
   fig_aggregation.png    learned vs uniform aggregation vs the best single head
   fig_swaps.png          head i alone with head j's pattern / values (label accuracy)
   fig_token_weights.png  attention from SEP to 0, 1 and 2 tokens vs the head's accuracy alone
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,25 +17,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-
-from ..reproduce import Reproduction  # noqa: E402
-
-HEADS, SEEDS = (1, 2, 4, 8), (0, 1, 2)
-
-
-def runs(quick: bool) -> list[list[str]]:
-    heads, seeds = ((1, 2, 4), (0,)) if quick else (HEADS, SEEDS)
-    fast = ["train.steps=400", "task.n_prompts=128", "output.n_boot=100"] if quick else []
-    out = []
-    for h in heads:
-        for s in seeds:
-            model = [f"model.n_heads={h}", f"model.name=toy-attn-1l-h{h}", f"seed={s}", *fast]
-            out += [["experiment=count01_heads", "ablate.method=zero", *model],
-                    ["experiment=count01_heads", "ablate.method=mean", *model],
-                    ["experiment=count01_aggregation", *model]]  # fmt: skip
-            if h > 1:
-                out += [["experiment=count01_pattern_swaps", *model], ["experiment=count01_value_swaps", *model]]
-    return out
 
 
 def _aggregates(table: pd.DataFrame) -> pd.DataFrame:
@@ -105,11 +87,14 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     plt.close(fig)
 
     agg = []
-    for (h, s), grp in df[(df["experiment"] == "count01_aggregation") & (df["n_heads"] > 1)].groupby(["n_heads", "seed"]):
-        val = lambda iv, m: float(grp[(grp["intervention"] == iv) & (grp["metric"] == m)]["value"].iloc[0])  # noqa: E731
+    for (h, s), grp in df[(df["experiment"] == "count01_aggregation") & (df["n_heads"] > 1)].groupby(
+        ["n_heads", "seed"]
+    ):
+        val = lambda iv, m, grp=grp: float(grp[(grp["intervention"] == iv) & (grp["metric"] == m)]["value"].iloc[0])
         heads = single[(single["n_heads"] == h) & (single["seed"] == s) & (single["method"] == "zero")]
         best = heads.loc[heads["label_acc"].idxmax()] if len(heads) else None
-        agg.append({"n_heads": h, "seed": s, "learned_label": val("none", "label_acc"), "learned_eos": val("none", "eos_acc"),
+        agg.append({"n_heads": h, "seed": s,
+                    "learned_label": val("none", "label_acc"), "learned_eos": val("none", "eos_acc"),
                     "uniform_label": val("scale_heads", "label_acc"), "uniform_eos": val("scale_heads", "eos_acc"),
                     "best_head_label": np.nan if best is None else best["label_acc"],
                     "best_head_eos": np.nan if best is None else best["eos_acc"]})  # fmt: skip
@@ -147,8 +132,12 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     for kind, (swapped, own, donor) in donors.items():
         numbers[f"{kind}_r_with_donor_alone"] = _r(swapped, donor)
         numbers[f"{kind}_r_with_receiver_alone"] = _r(swapped, own)
-        numbers[f"{kind}_mean_abs_diff_to_donor"] = float(np.mean(np.abs(np.subtract(swapped, donor)))) if swapped else float("nan")
-        numbers[f"{kind}_mean_abs_diff_to_receiver"] = float(np.mean(np.abs(np.subtract(swapped, own)))) if swapped else float("nan")
+        numbers[f"{kind}_mean_abs_diff_to_donor"] = (
+            float(np.mean(np.abs(np.subtract(swapped, donor)))) if swapped else float("nan")
+        )
+        numbers[f"{kind}_mean_abs_diff_to_receiver"] = (
+            float(np.mean(np.abs(np.subtract(swapped, own)))) if swapped else float("nan")
+        )
     if shown is not None:
         fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
         for ax, kind, title in zip(axes, ("pattern_from", "values_from"), ("pattern of head j", "values of head j")):
@@ -168,7 +157,9 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         numbers["r_label_acc_vs_attn_to_2"] = _r(w2, weights["label_acc"])
         numbers["r_label_acc_vs_imbalance_0_1"] = _r(weights["imbalance"], weights["label_acc"])
         fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
-        for ax, col, name in zip(axes, ("attn_to_2", "imbalance"), ("attention on noise token 2", "|w0 - w1| / (w0 + w1)")):
+        for ax, col, name in zip(
+            axes, ("attn_to_2", "imbalance"), ("attention on noise token 2", "|w0 - w1| / (w0 + w1)")
+        ):
             ax.scatter(weights[col], weights["label_acc"], c=np.log2(weights["n_heads"]), cmap="plasma", s=18)
             ax.set_xlabel(name)
         axes[0].set_ylabel("label accuracy of the head alone")
@@ -177,11 +168,3 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         fig.savefig(out / "fig_token_weights.png", dpi=120)
         plt.close(fig)
     return numbers
-
-
-REPRODUCTION = Reproduction(
-    name="count01",
-    paper='Zsámboki et al., "Do Attention Heads Compete or Cooperate during Counting?" (arXiv 2502.06923)',
-    runs=runs,
-    draw=draw,
-)

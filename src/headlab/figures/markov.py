@@ -1,14 +1,15 @@
-"""Tiberi et al. (arXiv 2405.15926) hidden Markov chain reproduction: runs, figures and numbers from tables.
+"""Tiberi et al. (arXiv 2405.15926) hidden Markov chain reproduction: figures and numbers from tables.
 
-  fig_accuracy.png        (a) test accuracy vs width: theory, posterior samples, gradient descent, GP lines
-                              for all paths / the good path / good + denoising paths (Fig. 2c top)
-  fig_order_parameter.png (b) U over path pairs for several widths, theory above samples (Fig. 2c bottom)
-  fig_alignment.png       (c) |cos| of the kernel's principal components with the labels, finite N vs GP (2d)
-  fig_two_paths.png       (d) the noisier two-path variant: accuracy vs width (Fig. 2e)
-  fig_pruning.png         (e) head score and accuracy drop per pruned head; accuracy vs heads pruned in
-                              score order and in random order (the idea of Fig. 3e-f, on this task), on
-                              two layers of four heads (experiment markov_pruning)
+fig_accuracy.png        (a) test accuracy vs width: theory, posterior samples, gradient descent, GP lines
+                            for all paths / the good path / good + denoising paths (Fig. 2c top)
+fig_order_parameter.png (b) U over path pairs for several widths, theory above samples (Fig. 2c bottom)
+fig_alignment.png       (c) |cos| of the kernel's principal components with the labels, finite N vs GP (2d)
+fig_two_paths.png       (d) the noisier two-path variant: accuracy vs width (Fig. 2e)
+fig_pruning.png         (e) head score and accuracy drop per pruned head; accuracy vs heads pruned in
+                            score order and in random order (the idea of Fig. 3e-f, on this task), on
+                            two layers of four heads (experiment markov_pruning)
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,12 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..reproduce import Reproduction  # noqa: E402
-
-WIDTHS = (10, 30, 100, 300, 1000)
-QUICK_WIDTHS = (10, 100)
 MAIN, TWO, PRUNE = "markov_paths", "markov_two_paths", "markov_pruning"
-PRUNE_WIDTH = 30
 METHOD_STYLE = {
     "theory": dict(color="tab:blue", marker="x", label="theory (finite N)"),
     "sample": dict(color="black", marker="o", label="posterior samples (HMC)"),
@@ -33,14 +29,6 @@ METHOD_STYLE = {
 }
 GP_STYLE = {"gp": ("-", "GP, all paths"), "gp_good": ("--", "GP, good path"),
             "gp_good_denoising": (":", "GP, good + denoising paths")}  # fmt: skip
-
-
-def runs(quick: bool) -> list[list[str]]:
-    widths = QUICK_WIDTHS if quick else WIDTHS
-    fast = ["model.samples=10", "model.warmup=20", "task.n_prompts=300", "train.steps=300",
-            "output.n_boot=50"] if quick else []  # fmt: skip
-    out = [[f"experiment={exp}", f"model.width={n}", *fast] for exp in (MAIN, TWO) for n in widths]
-    return out + [[f"experiment={PRUNE}", f"model.width={PRUNE_WIDTH}", *fast]]
 
 
 def _accuracy(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
@@ -134,14 +122,22 @@ def _plot_pruning(table: pd.DataFrame, out: Path) -> dict:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for method in methods:
         s = single[single["method"] == method]
-        axes[0].scatter(s["score"], s["drop"], label=method, **{k: METHOD_STYLE[method][k] for k in ("color", "marker")})
+        axes[0].scatter(
+            s["score"], s["drop"], label=method, **{k: METHOD_STYLE[method][k] for k in ("color", "marker")}
+        )
         for _, r in s.iterrows():
             axes[0].annotate(f"L{r['layer']}H{r['head']} {r['head_kind']}", (r["score"], r["drop"]), fontsize=6)
         o = ordered[ordered["method"] == method]
         rnd = random[random["method"] == method]
-        axes[1].plot(o["n_pruned"], o["value"], color=METHOD_STYLE[method]["color"], marker="o", label=f"{method}: by score")
-        axes[1].plot(rnd["n_pruned"], rnd["value"], color=METHOD_STYLE[method]["color"], ls="--", label=f"{method}: random")
-    axes[0].set(xlabel="head score (from U)", ylabel="accuracy drop when pruned", title=f"{experiment}: single heads, N={width}")
+        axes[1].plot(
+            o["n_pruned"], o["value"], color=METHOD_STYLE[method]["color"], marker="o", label=f"{method}: by score"
+        )
+        axes[1].plot(
+            rnd["n_pruned"], rnd["value"], color=METHOD_STYLE[method]["color"], ls="--", label=f"{method}: random"
+        )
+    axes[0].set(
+        xlabel="head score (from U)", ylabel="accuracy drop when pruned", title=f"{experiment}: single heads, N={width}"
+    )
     axes[1].set(xlabel="heads pruned", ylabel="test accuracy", title="pruning in score order vs random order")
     for ax in axes:
         ax.legend(fontsize=7)
@@ -164,7 +160,10 @@ def _plot_pruning(table: pd.DataFrame, out: Path) -> dict:
 def draw(table: pd.DataFrame, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     numbers: dict = {}
-    panels = ((MAIN, "four paths (Fig. 2c)", "fig_accuracy.png"), (TWO, "two paths, noisier data (Fig. 2e)", "fig_two_paths.png"))
+    panels = (
+        (MAIN, "four paths (Fig. 2c)", "fig_accuracy.png"),
+        (TWO, "two paths, noisier data (Fig. 2e)", "fig_two_paths.png"),
+    )
     for experiment, title, filename in panels:
         acc = _accuracy(table, experiment)
         if acc.empty:
@@ -189,12 +188,3 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     numbers["alignment"] = _plot_alignment(table, out)
     numbers["pruning"] = _plot_pruning(table, out)
     return numbers
-
-
-REPRODUCTION = Reproduction(
-    name="markov",
-    paper='Tiberi et al., "Dissecting the Interplay of Attention Paths in a Statistical Mechanics Theory of '
-    'Transformers" (NeurIPS 2024, arXiv 2405.15926)',
-    runs=runs,
-    draw=draw,
-)

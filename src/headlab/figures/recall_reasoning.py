@@ -1,11 +1,12 @@
 """Recall vs reasoning (arXiv 2510.03366): figures and headline numbers from a circuits run's table.
 
-  fig_component_effects.png  recall drop vs reasoning drop per head, attention layer, MLP and neuron group
-                             ablated; beside it, per head patched from the paired prompt of the other kind
-  fig_knockouts.png          recall and reasoning accuracy with the top-k recall / reasoning components
-                             ablated together, against k random components (min-max band over draws)
-  fig_layer_profile.png      recall and reasoning drop per layer, attention vs MLP
+fig_component_effects.png  recall drop vs reasoning drop per head, attention layer, MLP and neuron group
+                           ablated; beside it, per head patched from the paired prompt of the other kind
+fig_knockouts.png          recall and reasoning accuracy with the top-k recall / reasoning components
+                           ablated together, against k random components (min-max band over draws)
+fig_layer_profile.png      recall and reasoning drop per layer, attention vs MLP
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,16 +15,17 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-
-from ..reproduce import Reproduction  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 CLASS_COLOR = {"recall": "tab:blue", "reasoning": "tab:red", "shared": "tab:purple", "none": "lightgray"}
 KIND_MARKER = {"ablate_head": "o", "ablate_layer": "s", "ablate_mlp": "^", "ablate_neurons": "x"}
-KNOCKOUT_STYLE = {"recall_top": ("tab:blue", "top recall components"),
-                  "reasoning_top": ("tab:red", "top reasoning components"), "random": ("gray", "random components")}  # fmt: skip
+KNOCKOUT_STYLE = {
+    "recall_top": ("tab:blue", "top recall components"),
+    "reasoning_top": ("tab:red", "top reasoning components"),
+    "random": ("gray", "random components"),
+}
 
 
 def component_drops(table: pd.DataFrame) -> pd.DataFrame:
@@ -80,7 +82,9 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     layered["layer"] = layered["component"].str.extract(r"L(\d+)", expand=False).astype(int)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     width = 0.2
-    for j, (kind, metric) in enumerate([(k, m) for k in ("ablate_layer", "ablate_mlp") for m in ("drop_recall", "drop_reasoning")]):
+    for j, (kind, metric) in enumerate(
+        [(k, m) for k in ("ablate_layer", "ablate_mlp") for m in ("drop_recall", "drop_reasoning")]
+    ):
         r = layered[layered["intervention"] == kind].sort_values("layer")
         ax.bar(r["layer"] + (j - 1.5) * width, r[metric], width,
                label=f"{'attention' if kind == 'ablate_layer' else 'MLP'}: {metric.replace('drop_', '')}")  # fmt: skip
@@ -110,29 +114,18 @@ def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
                        ("patch_head", "heads_patched_from_other_kind")):  # fmt: skip
         c = comps[comps["intervention"] == kind]
         if len(c):
+            drops = c[["drop_recall", "drop_reasoning"]].to_numpy()
             out[name] = {"max_recall_drop": round(float(c["drop_recall"].max()), 4),
                          "max_reasoning_drop": round(float(c["drop_reasoning"].max()), 4),
-                         "mean_abs_drop": round(float(np.abs(c[["drop_recall", "drop_reasoning"]]).to_numpy().mean()), 4)}  # fmt: skip
+                         "mean_abs_drop": round(float(np.abs(drops).mean()), 4)}  # fmt: skip
     patched = comps[comps["intervention"] == "patch_head"].set_index("component")
     if len(patched):
-        out["heads_patched_from_other_kind"]["classes"] = {k: int(v) for k, v in patched["class"].value_counts().items()}
+        out["heads_patched_from_other_kind"]["classes"] = {
+            k: int(v) for k, v in patched["class"].value_counts().items()
+        }
         heads = comps[comps["intervention"] == "ablate_head"].set_index("component").loc[patched.index]
         # do the heads that matter when ablated also matter when they carry the other kind's activation?
         out["heads_patched_from_other_kind"]["pearson_r_with_head_ablation"] = {
             kind: round(float(np.corrcoef(heads[f"drop_{kind}"], patched[f"drop_{kind}"])[0, 1]), 4)
             for kind in ("recall", "reasoning")}  # fmt: skip
     return out
-
-
-def runs(quick: bool) -> list[list[str]]:
-    fast = ["train.steps=300", "task.n_entities=12", "task.n_prompts=120", "output.n_boot=50"] if quick else []
-    return [["experiment=recall_reasoning", *fast]]
-
-
-REPRODUCTION = Reproduction(
-    name="recall_reasoning",
-    paper='"Disentangling Recall and Reasoning in Transformer Models through Layer-wise Attention and '
-    'Activation Analysis" (arXiv 2510.03366)',
-    runs=runs,
-    draw=draw,
-)

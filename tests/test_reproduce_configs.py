@@ -1,0 +1,113 @@
+"""configs/reproduce/*.yaml expand to the run grids the reproductions were written with in Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from headlab import reproduce
+from headlab.errors import HeadlabError, UsageError
+from headlab.figures import FIGURES
+
+# The run grids as Python functions wrote them before they became YAML: the reference the files must match,
+# run for run and override for override (the order names the run dirs and the order they run in).
+
+
+def count01_runs(quick: bool) -> list[list[str]]:
+    heads, seeds = ((1, 2, 4), (0,)) if quick else ((1, 2, 4, 8), (0, 1, 2))
+    fast = ["train.steps=400", "task.n_prompts=128", "output.n_boot=100"] if quick else []
+    out = []
+    for h in heads:
+        for s in seeds:
+            model = [f"model.n_heads={h}", f"model.name=toy-attn-1l-h{h}", f"seed={s}", *fast]
+            out += [["experiment=count01_heads", "ablate.method=zero", *model],
+                    ["experiment=count01_heads", "ablate.method=mean", *model],
+                    ["experiment=count01_aggregation", *model]]  # fmt: skip
+            if h > 1:
+                out += [["experiment=count01_pattern_swaps", *model], ["experiment=count01_value_swaps", *model]]
+    return out
+
+
+def markov_runs(quick: bool) -> list[list[str]]:
+    widths = (10, 100) if quick else (10, 30, 100, 300, 1000)
+    fast = ["model.samples=10", "model.warmup=20", "task.n_prompts=300", "train.steps=300",
+            "output.n_boot=50"] if quick else []  # fmt: skip
+    out = [
+        [f"experiment={exp}", f"model.width={n}", *fast] for exp in ("markov_paths", "markov_two_paths") for n in widths
+    ]
+    return out + [["experiment=markov_pruning", "model.width=30", *fast]]
+
+
+def recall_reasoning_runs(quick: bool) -> list[list[str]]:
+    fast = ["train.steps=300", "task.n_entities=12", "task.n_prompts=120", "output.n_boot=50"] if quick else []
+    return [["experiment=recall_reasoning", *fast]]
+
+
+def attn_sae_runs(quick: bool) -> list[list[str]]:
+    base = ["experiment=attn_sae"]
+    if quick:
+        return [[*base, "sae.layer=1", "sae.steps=200", "train.steps=200", "train.target=null"]]
+    return [[*base, f"sae={arch}", f"sae.layer={layer}"] for layer in range(4) for arch in ("relu_l1", "topk")]
+
+
+REFERENCE = {"count01": (count01_runs, "run"), "markov": (markov_runs, "run"),
+             "recall_reasoning": (recall_reasoning_runs, "run"), "attn_sae": (attn_sae_runs, "sae")}  # fmt: skip
+
+
+def test_every_reproduction_is_declared():
+    assert set(reproduce.registry()) == set(REFERENCE)
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_declared_grid_expands_to_the_python_grid(name, quick):
+    runs, command = REFERENCE[name]
+    repro = reproduce.get(name)
+    assert repro.runs(quick) == runs(quick)
+    assert repro.command == command and repro.figures == name and repro.figures in FIGURES
+
+
+def test_unknown_reproduction_names_the_known_ones():
+    with pytest.raises(UsageError, match="unknown reproduction 'nope'; choose from: attn_sae, count01"):
+        reproduce.get("nope")
+
+
+def test_grid_block_templating_unless_and_quick():
+    runs = [{"grid": {"a": [1, 2], "b": ["x", "y"]}, "runs": ["k={a}", {"run": "j={b}", "unless": {"a": 1}}],
+             "append": "tail=t{a}"}, "one=run 'q=two words'"]  # fmt: skip
+    assert reproduce.expand(runs) == [
+        ["k=1", "tail=t1"], ["k=1", "tail=t1"], ["k=2", "tail=t2"], ["j=x", "tail=t2"],
+        ["k=2", "tail=t2"], ["j=y", "tail=t2"], ["one=run", "q=two words"],
+    ]  # fmt: skip
+    assert reproduce.expand(runs, {"a": [2], "b": [True]}, "z=1") == [
+        ["k=2", "tail=t2", "z=1"], ["j=true", "tail=t2", "z=1"], ["one=run", "q=two words", "z=1"],
+    ]  # fmt: skip
+
+
+GOOD = "paper: P\ncommand: run\nfigures: ioi\n"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("paper: [unclosed\n", "not readable as YAML"),
+    ("- a\n- b\n", "the file: must be a mapping"),
+    ("paper: P\ncommand: run\nruns: [a=1]\n", "missing figures"),
+    (GOOD + "runs: [a=1]\nextra: 1\n", "unknown key extra"),
+    ("paper: P\ncommand: train\nfigures: ioi\nruns: [a=1]\n", "command: must be one of run, sae"),
+    ("paper: P\ncommand: run\nfigures: nope\nruns: [a=1]\n", "figures: must be one of"),
+    (GOOD + "runs: []\n", "runs: must be a non-empty list"),
+    (GOOD + "runs:\n  - grid: {a: []}\n    runs: [x=1]\n", "a must be a non-empty list of scalars"),
+    (GOOD + "runs:\n  - grid: {a: [1]}\n    runs: ['x={b}']\n", "{b} is no grid variable here"),
+    (GOOD + "runs:\n  - grid: {a: [1]}\n    runs: [{run: x=1, unless: {b: 1}}]\n", "unless"),
+    (GOOD + "runs: [x=1]\nquick: {grid: {a: [1]}}\n", "quick: grid names a, in no grid block"),
+    (GOOD + "runs: [x=1]\nquick: {steps: 1}\n", "quick: unknown key steps"),
+    (GOOD + "runs: [\"x='1\"]\n", "quotation"),
+    (GOOD + "runs: [[x=1, y=2]]\n", "a run must be a line of overrides"),
+])  # fmt: skip
+def test_a_malformed_file_fails_in_one_line_that_names_it(tmp_path: Path, text: str, needle: str):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(HeadlabError) as info:
+        reproduce.load(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(str(path)) and needle in message, message
