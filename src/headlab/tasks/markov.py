@@ -42,8 +42,8 @@ class MarkovTask(Task):
         if cfg.n_features % 2 or cfg.n_features < 2:
             raise UsageError(f"task.n_features must be even and positive, not {cfg.n_features}")
         for key in ("p_stay_plus", "p_stay_minus"):
-            if not 0.0 <= cfg[key] <= 1.0:
-                raise UsageError(f"task.{key} must lie in [0, 1], not {cfg[key]}")
+            if not 0.0 <= getattr(cfg, key) <= 1.0:
+                raise UsageError(f"task.{key} must lie in [0, 1], not {getattr(cfg, key)}")
         self.n_tokens = cfg.n_steps + 1
         self.dims = cfg.n_features + self.n_tokens
 
