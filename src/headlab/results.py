@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -17,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import HeadlabError
+from .io import atomic_write_bytes
 
 CORE_COLUMNS = [
     "experiment", "model", "task", "seed", "intervention", "method",
@@ -97,21 +97,6 @@ def conform(df: pd.DataFrame) -> pd.DataFrame:
     extra = [c for c in df.columns if c not in CORE_COLUMNS]
     df = df[CORE_COLUMNS + extra]
     return df.astype({c: t for c, t in DTYPES.items() if c in df.columns})
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide results from the user's group
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write(df: pd.DataFrame, run_dir: Path, meta: dict[str, Any]) -> None:

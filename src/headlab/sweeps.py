@@ -32,7 +32,7 @@ class SweepStatus(Callback):
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
-        from .results import atomic_write_bytes
+        from .io import atomic_write_bytes
 
         run_dir = Path(config.hydra.runtime.output_dir)
         if job_return.status == JobStatus.COMPLETED:

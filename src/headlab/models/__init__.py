@@ -1,30 +1,9 @@
 """Models: HF causal LMs by name or path, toy transformers, and the HeadSites they expose."""
+
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
-from ..config import option
-from ..errors import HeadlabError
 from .hooked import HookedModel, Trace
+from .loading import load
 from .sites import HeadSites, headlab_attention
 
 __all__ = ["HookedModel", "HeadSites", "Trace", "headlab_attention", "load"]
-
-
-def load(cfg: Any, need_tokenizer: bool = False) -> HookedModel:
-    """A model from its config: HF by hub name or local path, or a trained toy checkpoint directory."""
-    kind = option(cfg.kind)
-    if kind == "hf":
-        from .hf import load_hf
-
-        return load_hf(cfg.path, name=cfg.name, tokenizer=cfg.tokenizer, revision=cfg.revision,
-                       trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype, need_tokenizer=need_tokenizer)  # fmt: skip
-    if kind == "toy":
-        from .toy import hooked_toy, load_toy
-
-        if not cfg.path:
-            raise HeadlabError("a toy model needs a checkpoint directory (model.path) or training first")
-        model, _ = load_toy(Path(cfg.path))
-        return hooked_toy(model, cfg.name)
-    raise HeadlabError(f"model kind '{kind}' is not available yet")

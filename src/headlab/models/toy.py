@@ -159,7 +159,7 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
 
 
 def save_toy(model: ToyTransformer, directory: Path, extra: dict | None = None) -> None:
-    from ..results import atomic_write_bytes
+    from ..io import atomic_write_bytes
 
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (WEIGHTS + ".tmp")

@@ -1,25 +1,14 @@
 """Sparse autoencoders on attention-layer outputs (Kissane et al., arXiv 2406.17759).
 
-One file per architecture behind one interface (base.py): relu_l1.py, topk.py. Around them:
-activations.py (corpus, streaming z from HeadSites), fit.py (the fitting loop), metrics.py (L0, MSE,
-explained variance, dead latents, CE loss recovered), attribution.py (features to heads and source
-positions, top contexts), export.py (SAELens's file layout), study.py (`headlab sae`, one run).
+One file per architecture behind one interface (base.py): relu_l1.py, topk.py; registry.py maps
+sae.architecture to its class and builds one. Around them: activations.py (corpus, streaming z from
+HeadSites), fit.py (the fitting loop), metrics.py (L0, MSE, explained variance, dead latents, CE loss
+recovered), attribution.py (features to heads and source positions, top contexts), export.py (SAELens's
+file layout). `headlab sae` runs one study with them: headlab.studies.sae.
 """
+
 from __future__ import annotations
 
-from typing import Any
+from .registry import ARCHITECTURES, build_sae
 
-from ..config import option
-from .base import SparseAutoencoder
-from .relu_l1 import ReluL1SAE
-from .topk import TopKSAE
-
-ARCHITECTURES: dict[str, type[SparseAutoencoder]] = {"relu_l1": ReluL1SAE, "topk": TopKSAE}
-
-
-def build_sae(sc: Any, d_in: int, seed: int = 0) -> SparseAutoencoder:
-    arch = option(sc.architecture)
-    d_sae = sc.expansion * d_in
-    if arch == "relu_l1":
-        return ReluL1SAE(d_in, d_sae, seed, l1_coeff=sc.l1_coeff, l1_warmup_steps=sc.l1_warmup_steps)
-    return TopKSAE(d_in, d_sae, seed, k=sc.k)
+__all__ = ["ARCHITECTURES", "build_sae"]

@@ -17,8 +17,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import HeadlabError
-from ..results import atomic_write_bytes
+from ..io import atomic_write_bytes
 from .base import SparseAutoencoder
+from .registry import ARCHITECTURES
 
 CFG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
@@ -59,8 +60,6 @@ def save_sae(sae: SparseAutoencoder, directory: Path, metadata: dict[str, Any]) 
 
 def load_sae(directory: Path) -> tuple[SparseAutoencoder, dict[str, Any]]:
     """An SAE saved by save_sae (or any SAELens standard / topk SAE directory) and its cfg."""
-    from . import ARCHITECTURES
-
     try:
         cfg = json.loads((directory / CFG).read_text())
         weights = load_file(str(directory / WEIGHTS))

@@ -13,23 +13,23 @@ Checkpoint directory (one per model, layer and SAE config):
   state/                               the last periodic checkpoint: weights, Adam moments, dead-latent
                                        clock and step, for resume
 """
+
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from ..errors import HeadlabError
+from ..io import has_state, load_state, optimizer_tensors, reading_state, restore_optimizer, save_state
 from ..progress import progress_bar
-from ..results import atomic_write_bytes
 from .base import SparseAutoencoder
 
 STATE = "state"
+STATE_LABEL = "SAE training state"
 LOG_POINTS = 20  # training-curve rows per fit
 
 
@@ -48,9 +48,10 @@ def fit(
     """Fit until sc.steps, resuming from directory/state; batches(step) streams from that step on.
     Returns {"steps", "tokens", "seconds", "curve", "dead_window_fraction"}."""
     opt = torch.optim.Adam(sae.parameters(), lr=sc.lr, betas=(sc.beta1, sc.beta2))
-    step, tokens, elapsed, curve = 0, 0, 0.0, []
+    step, tokens, elapsed = 0, 0, 0.0
+    curve: list[dict] = []
     last_fired = torch.zeros(sae.d_sae, dtype=torch.long)
-    if (directory / STATE / "state.json").is_file():
+    if has_state(directory / STATE):
         step, tokens, elapsed, curve, last_fired = _load_state(directory / STATE, sae, opt)
     log_every = max(1, sc.steps // LOG_POINTS)
     source = batches(step)
@@ -72,14 +73,22 @@ def fit(
             step += 1
             tokens += x.shape[0]
             last_fired[fires > 0] = tokens
-            dead = (tokens - last_fired >= sc.dead_window) if tokens >= sc.dead_window else torch.zeros_like(fires, dtype=torch.bool)
+            dead = (
+                (tokens - last_fired >= sc.dead_window)
+                if tokens >= sc.dead_window
+                else torch.zeros_like(fires, dtype=torch.bool)
+            )
             if (sae.architecture == "relu_l1" and sc.resample_every > 0 and step % sc.resample_every == 0
                     and step <= sc.steps - sc.resample_every and dead.any()):  # fmt: skip
                 resample(sae, opt, x, dead)
                 last_fired[dead] = tokens  # a fresh latent gets a full window to prove itself
             if step % log_every == 0 or step == sc.steps:
-                row = {"loss": loss.item(), **{k: v.item() for k, v in parts.items()},
-                       "l0": fires.sum().item() / x.shape[0], "dead_window_fraction": dead.float().mean().item()}  # fmt: skip
+                row = {
+                    "loss": loss.item(),
+                    **{k: v.item() for k, v in parts.items()},
+                    "l0": fires.sum().item() / x.shape[0],
+                    "dead_window_fraction": dead.float().mean().item(),
+                }
                 curve += [{"step": step, "metric": k, "value": v} for k, v in row.items()]
                 bar.update(step, f"mse={row['mse']:.4g} l0={row['l0']:.1f} dead={row['dead_window_fraction']:.2f}")
             else:
@@ -113,32 +122,33 @@ def resample(sae: SparseAutoencoder, opt: torch.optim.Optimizer, x: Tensor, dead
                 state[key][rows] = 0.0
 
 
-def _save_state(where: Path, sae, opt, step: int, tokens: int, elapsed: float, curve: list, last_fired: Tensor) -> None:
-    where.mkdir(parents=True, exist_ok=True)
+def _adam_names(sae: SparseAutoencoder) -> dict[Tensor, str]:
+    return {p: f"adam.{n}" for n, p in sae.named_parameters()}
+
+
+def _save_state(
+    where: Path,
+    sae: SparseAutoencoder,
+    opt: torch.optim.Optimizer,
+    step: int,
+    tokens: int,
+    elapsed: float,
+    curve: list,
+    last_fired: Tensor,
+) -> None:
     tensors = {f"sae.{k}": v.detach().contiguous() for k, v in sae.state_dict().items()}
     tensors["last_fired"] = last_fired
-    names = dict(sae.named_parameters())
-    index = {id(p): n for n, p in names.items()}
-    for param, state in opt.state.items():
-        for key, value in state.items():
-            tensors[f"adam.{index[id(param)]}.{key}"] = torch.as_tensor(value).contiguous()
-    tmp = where / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(where / "state.safetensors")
+    tensors.update(optimizer_tensors(opt, _adam_names(sae)))
     payload = {"step": step, "tokens": tokens, "elapsed": elapsed, "curve": curve}
-    atomic_write_bytes(where / "state.json", json.dumps(payload).encode())  # last: marks the state whole
+    save_state(where, {"state": tensors}, payload)
 
 
-def _load_state(where: Path, sae, opt) -> tuple[int, int, float, list, Tensor]:
-    try:
-        payload = json.loads((where / "state.json").read_text())
-        flat = load_file(str(where / "state.safetensors"))
+def _load_state(
+    where: Path, sae: SparseAutoencoder, opt: torch.optim.Optimizer
+) -> tuple[int, int, float, list, Tensor]:
+    tensors, payload = load_state(where, STATE_LABEL, files=["state"])
+    flat = tensors["state"]
+    with reading_state(where, STATE_LABEL):
         sae.load_state_dict({k[4:]: v for k, v in flat.items() if k.startswith("sae.")})
-    except Exception as e:
-        raise HeadlabError(f"corrupt SAE training state in {where}: {str(e).splitlines()[0]}") from e
-    names = dict(sae.named_parameters())
-    for key, value in flat.items():
-        if key.startswith("adam."):
-            _, name, moment = key.split(".", 2)
-            opt.state[names[name]][moment] = value
+    restore_optimizer(opt, flat, _adam_names(sae))
     return payload["step"], payload["tokens"], payload["elapsed"], payload["curve"], flat["last_fired"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ def _grad(potential: Potential, params: list[Tensor]) -> tuple[Tensor, list[Tens
 
 
 def _kinetic(momenta: list[Tensor]) -> Tensor:
-    return sum(torch.sum(m * m, dtype=torch.float64) for m in momenta) / 2
+    return cast(Tensor, sum(torch.sum(m * m, dtype=torch.float64) for m in momenta)) / 2
 
 
 def _drift(params, momenta, eps: float, omegas: Optional[list[float]]):
@@ -53,7 +53,8 @@ def _drift(params, momenta, eps: float, omegas: Optional[list[float]]):
 def _prior_energy(params, omegas: Optional[list[float]]) -> Tensor:
     if omegas is None:
         return torch.zeros((), dtype=torch.float64)
-    return sum(w * w * torch.sum(p.detach() * p.detach(), dtype=torch.float64) for p, w in zip(params, omegas)) / 2
+    energies = (w * w * torch.sum(p.detach() * p.detach(), dtype=torch.float64) for p, w in zip(params, omegas))
+    return cast(Tensor, sum(energies)) / 2
 
 
 def _leapfrog(potential, params, momenta, grads, eps: float, n: int, omegas=None):
