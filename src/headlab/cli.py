@@ -6,16 +6,16 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from omegaconf import DictConfig
-
 import pandas as pd
 import typer
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from .config import GROUPS, config_dir, group_options, typed, validate_overrides
 from .errors import HeadlabError, UsageError
+from .io import atomic_write_bytes
 
 app = typer.Typer(add_completion=False, help="headlab: experiment runner for attention-head studies.")
 out = Console(width=None if sys.stdout.isatty() else 120)
@@ -235,8 +235,8 @@ def collect(
     df = results.collect(directory)
     target = output or directory / "collected.parquet"
     target.parent.mkdir(parents=True, exist_ok=True)
-    results.atomic_write_bytes(target, df.to_parquet(index=False))
-    results.atomic_write_bytes(target.with_suffix(".csv"), df.to_csv(index=False).encode())
+    atomic_write_bytes(target, df.to_parquet(index=False))
+    atomic_write_bytes(target.with_suffix(".csv"), df.to_csv(index=False).encode())
     out.print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> {target}", highlight=False, soft_wrap=True)
 
 

@@ -13,6 +13,7 @@ import pandas as pd
 
 from . import results
 from .errors import HeadlabError
+from .io import atomic_write_bytes
 from .sweeps import STATUS
 
 STYLE = """
@@ -88,5 +89,5 @@ def build(directory: Path) -> str:
 
 def write(directory: Path) -> Path:
     target = Path(directory) / "report.html"
-    results.atomic_write_bytes(target, build(directory).encode())
+    atomic_write_bytes(target, build(directory).encode())
     return target

@@ -40,6 +40,7 @@ from . import results
 from .config import compose, config_dir
 from .errors import HeadlabError, UsageError
 from .figures import FIGURES
+from .io import atomic_write_bytes
 
 COMMANDS = ("run", "sae")  # the headlab commands a reproduction's runs can be
 
@@ -205,6 +206,6 @@ def run_all(
     figures = base / "figures"
     figures.mkdir(exist_ok=True)
     numbers = FIGURES[repro.figures](table, figures)
-    results.atomic_write_bytes(base / "numbers.json", json.dumps(numbers, indent=2).encode())
-    results.atomic_write_bytes(base / "collected.parquet", table.to_parquet(index=False))
+    atomic_write_bytes(base / "numbers.json", json.dumps(numbers, indent=2).encode())
+    atomic_write_bytes(base / "collected.parquet", table.to_parquet(index=False))
     return {"dir": str(base), "figures": sorted(str(p) for p in figures.glob("*.png")), "numbers": numbers}

@@ -16,6 +16,7 @@ import pandas as pd
 from .. import results
 from ..config import Config, config_hash
 from ..errors import UsageError
+from ..io import atomic_write_bytes
 from .context import RunContext, apply_threads
 from .registry import study_for
 
@@ -70,4 +71,4 @@ def draw_figures(name: str, table: pd.DataFrame, run_dir: Path) -> None:
     from ..figures import FIGURES
 
     numbers = FIGURES[name](table, run_dir / "figures")
-    results.atomic_write_bytes(run_dir / "figures" / "numbers.json", json.dumps(numbers, indent=2).encode())
+    atomic_write_bytes(run_dir / "figures" / "numbers.json", json.dumps(numbers, indent=2).encode())

@@ -27,6 +27,7 @@ import torch
 from .. import results
 from ..config import config_hash, option, run_info, to_plain
 from ..errors import UsageError
+from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
 from ..sae import build_sae
 from ..sae.activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
@@ -84,7 +85,7 @@ def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
             "dataset_path": sc.corpus or f"task:{cfg.task.name}", "n_heads": model.sites.n_heads,
             "d_head": model.sites.d_head, "l1_coeff": sc.l1_coeff}  # fmt: skip
     save_sae(sae, directory, meta)
-    results.atomic_write_bytes(directory / DONE, json.dumps({"complete": True, **record}).encode())  # last
+    atomic_write_bytes(directory / DONE, json.dumps({"complete": True, **record}).encode())  # last
     return sae.eval(), record
 
 
@@ -147,8 +148,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
         export.mkdir(parents=True, exist_ok=True)
         for name in (WEIGHTS, CFG):
             shutil.copyfile(sae_dir(cfg) / name, export / name)
-        results.atomic_write_bytes(Path(ctx.run_dir) / "contexts.parquet", contexts.to_parquet(index=False))
-        results.atomic_write_bytes(Path(ctx.run_dir) / "contexts.csv", contexts.to_csv(index=False).encode())
+        atomic_write_bytes(Path(ctx.run_dir) / "contexts.parquet", contexts.to_parquet(index=False))
+        atomic_write_bytes(Path(ctx.run_dir) / "contexts.csv", contexts.to_csv(index=False).encode())
     return df
 
 
