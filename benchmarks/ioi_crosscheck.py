@@ -42,6 +42,7 @@ non-zero if it is above 1e-4 (or if TL's clean logits differ from the HF model's
 
 Run from the repo root: .venv/bin/python benchmarks/ioi_crosscheck.py [--n 16] [--heads all] ...
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -108,7 +109,7 @@ class TLSide:
     def prepare(self, sites: set[str], need_means: bool) -> None:
         """Cache the clean residual stream, the per-template means of z over the ABC prompts and the
         S2-flipped run's z / v / pattern."""
-        names = lambda suffix: (lambda name: name.endswith(suffix))  # noqa: E731
+        names = lambda suffix: lambda name: name.endswith(suffix)  # noqa: E731
         _, clean = self.tl.run_with_cache(self.tokens, names_filter=names("hook_resid_pre"))
         self.resid_pre = {l: clean[f"blocks.{l}.hook_resid_pre"] for l in range(N_LAYERS)}
         if need_means:
@@ -129,8 +130,7 @@ class TLSide:
                 for l in range(N_LAYERS):
                     self.flipped[(site, l)] = cf[f"blocks.{l}.{hook_names[site]}"]
 
-    def hook(self, kind: str, layer: int, head: int, site: str = "z", role: Optional[str] = None,
-             wrong: bool = False):
+    def hook(self, kind: str, layer: int, head: int, site: str = "z", role: str | None = None, wrong: bool = False):
         """(hook name, fn) for one intervention. `wrong`: a near miss, to show the comparison would see
         one: the mean over all ABC prompts (not per template); the role position one token early; with
         every position patched, the neighbouring head's flipped value."""
@@ -169,8 +169,9 @@ class TLSide:
 
     def run(self, layer: int, hook: tuple[str, Callable]) -> Tensor:
         """Start at `layer` from the cached clean residual stream; unembed at END only."""
-        resid = self.tl.run_with_hooks(self.resid_pre[layer], start_at_layer=layer, stop_at_layer=N_LAYERS,
-                                       fwd_hooks=[hook])  # fmt: skip
+        resid = self.tl.run_with_hooks(
+            self.resid_pre[layer], start_at_layer=layer, stop_at_layer=N_LAYERS, fwd_hooks=[hook]
+        )
         at_end = resid[self.rows, self.end].unsqueeze(1)  # [n, 1, d_model]
         logits = self.tl.unembed(self.tl.ln_final(at_end))[:, 0]
         return ioi_quantities(logits, self.io, self.s)
@@ -210,13 +211,19 @@ def ioi_data(task: IOITask, n: int, n_templates: int, seed: int, model) -> TaskD
         if len(members) < per:
             raise SystemExit(f"template {t}: only {len(members)} prompts in the pool, need {per}")
         keep += members[:per]
-    keep = torch.tensor(sorted(keep[: n] if len(keep) > n else keep))
+    keep = torch.tensor(sorted(keep[:n] if len(keep) > n else keep))
     width = int(pool.positions[keep].max()) + 1
     cut = lambda d: {k: v[keep, :width] if v.dim() == 2 else v[keep] for k, v in d.items()}  # noqa: E731
-    return TaskData(inputs=cut(pool.inputs), positions=pool.positions[keep], answers=cut(pool.answers),
-                    counterfactual=cut(pool.counterfactual), reference=cut(pool.reference),
-                    token_positions=cut(pool.token_positions), groups=pool.groups[keep],
-                    reference_groups=pool.reference_groups[keep])  # fmt: skip
+    return TaskData(
+        inputs=cut(pool.inputs),
+        positions=pool.positions[keep],
+        answers=cut(pool.answers),
+        counterfactual=cut(pool.counterfactual),
+        reference=cut(pool.reference),
+        token_positions=cut(pool.token_positions),
+        groups=pool.groups[keep],
+        reference_groups=pool.reference_groups[keep],
+    )
 
 
 def grid_name(iv: Intervention) -> str:
@@ -229,25 +236,47 @@ def grid_name(iv: Intervention) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=24, help="IOI prompts (default 24)")
-    parser.add_argument("--templates", type=int, default=6,
-                        help="draw the prompts from this many of the 30 IOI templates, evenly spread over BABA "
-                             "and ABBA (default 6, i.e. 4 prompts per template); 0: task.build(n) as is")
+    parser.add_argument(
+        "--templates",
+        type=int,
+        default=6,
+        help="draw the prompts from this many of the 30 IOI templates, evenly spread over BABA "
+        "and ABBA (default 6, i.e. 4 prompts per template); 0: task.build(n) as is",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed")
     parser.add_argument("--sites", default="z,v,pattern", help="patched head sites, comma-separated (z,v,pattern)")
-    parser.add_argument("--positions", default="all,END,S2",
-                        help="patched positions: all and/or IOI roles (IO,S1,S2,END), comma-separated")
-    parser.add_argument("--heads", default="spread:12",
-                        help="heads of the patching grids: 'all' (144) or 'spread:K', the heads with "
-                             "(head - layer) %% K == 0 (default spread:12: one per layer, the diagonal)")
+    parser.add_argument(
+        "--positions",
+        default="all,END,S2",
+        help="patched positions: all and/or IOI roles (IO,S1,S2,END), comma-separated",
+    )
+    parser.add_argument(
+        "--heads",
+        default="spread:12",
+        help="heads of the patching grids: 'all' (144) or 'spread:K', the heads with "
+        "(head - layer) %% K == 0 (default spread:12: one per layer, the diagonal)",
+    )
     parser.add_argument("--mean-heads", default="all", help="heads of the mean-ablation grid (default all)")
     parser.add_argument("--no-mean", action="store_true", help="skip the mean-ablation grid")
-    parser.add_argument("--init-range", type=float, default=0.02,
-                        help="GPT2Config.initializer_range of the random weights (GPT-2's own: 0.02)")
-    parser.add_argument("--full-checks", type=int, default=1,
-                        help="cells per grid that TL also runs as a plain full forward pass (default 1)")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or 1),
-                        help="torch threads (default $OMP_NUM_THREADS, else 1: on 2 cores shared with other "
-                             "jobs, 2 threads ran 10-20x slower than 1)")
+    parser.add_argument(
+        "--init-range",
+        type=float,
+        default=0.02,
+        help="GPT2Config.initializer_range of the random weights (GPT-2's own: 0.02)",
+    )
+    parser.add_argument(
+        "--full-checks",
+        type=int,
+        default=1,
+        help="cells per grid that TL also runs as a plain full forward pass (default 1)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("OMP_NUM_THREADS") or 1),
+        help="torch threads (default $OMP_NUM_THREADS, else 1: on 2 cores shared with other "
+        "jobs, 2 threads ran 10-20x slower than 1)",
+    )
     parser.add_argument("--chunk-mb", type=float, default=32.0, help="passed to headlab's execute()")
     parser.add_argument("--default-malloc", action="store_true", help="leave glibc's allocator untuned")
     args = parser.parse_args()
@@ -278,11 +307,14 @@ def main() -> int:
     data = ioi_data(task, args.n, args.templates, args.seed, hm)
 
     # headlab's interventions, from a config as a run would make them
-    cfg = OmegaConf.create({
-        "ablate": {"sweep": "none" if args.no_mean else "heads", "method": "mean"},
-        "patch": OmegaConf.structured(PatchConfig(kinds=["activation"] if sites and positions else [],
-                                                  sites=sites, positions=positions)),
-    })  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "ablate": {"sweep": "none" if args.no_mean else "heads", "method": "mean"},
+            "patch": OmegaConf.structured(
+                PatchConfig(kinds=["activation"] if sites and positions else [], sites=sites, positions=positions)
+            ),
+        }
+    )
     mean_cells, patch_cells = set(head_cells(args.mean_heads)), set(head_cells(args.heads))
     grids: dict[str, list[Intervention]] = {}
     for iv in plan(cfg, N_LAYERS, N_HEADS):
@@ -314,10 +346,20 @@ def main() -> int:
             hl_s = time.perf_counter() - start
 
             start = time.perf_counter()
-            side.prepare({iv.site or "z" for iv in ivs if iv.intervention == "patch_head"},
-                         need_means=any(iv.intervention == "ablate_head" for iv in ivs))
-            hooks = [side.hook("mean" if iv.intervention == "ablate_head" else "patch", iv.layer, iv.head,
-                               site=iv.site or "z", role=iv.token) for iv in ivs]  # fmt: skip
+            side.prepare(
+                {iv.site or "z" for iv in ivs if iv.intervention == "patch_head"},
+                need_means=any(iv.intervention == "ablate_head" for iv in ivs),
+            )
+            hooks = [
+                side.hook(
+                    "mean" if iv.intervention == "ablate_head" else "patch",
+                    iv.layer,
+                    iv.head,
+                    site=iv.site or "z",
+                    role=iv.token,
+                )
+                for iv in ivs
+            ]
             tl_values = torch.stack([side.run(iv.layer, hook) for iv, hook in zip(ivs, hooks)])
             tl_s = time.perf_counter() - start
 
@@ -326,8 +368,14 @@ def main() -> int:
             for i in torch.randperm(len(ivs), generator=gen)[: args.full_checks].tolist():
                 full_diff = max(full_diff, (side.run_full(hooks[i]) - tl_values[i]).abs().max().item())
                 iv = ivs[i]
-                wrong = side.hook("mean" if iv.intervention == "ablate_head" else "patch", iv.layer, iv.head,
-                                  site=iv.site or "z", role=iv.token, wrong=True)  # fmt: skip
+                wrong = side.hook(
+                    "mean" if iv.intervention == "ablate_head" else "patch",
+                    iv.layer,
+                    iv.head,
+                    site=iv.site or "z",
+                    role=iv.token,
+                    wrong=True,
+                )
                 near_miss = max(near_miss, (side.run(iv.layer, wrong)[:, 0] - hl_values[i, :, 0]).abs().max().item())
             results[name] = {
                 "cells": len(ivs),
@@ -340,42 +388,61 @@ def main() -> int:
                 "near_miss": near_miss,
             }
             r = results[name]
-            print(f"  {name}: {len(ivs)} heads, headlab {hl_s:.1f}s, TL {tl_s:.1f}s, "
-                  f"max diff {r['diff'][0].item():.2e}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  {name}: {len(ivs)} heads, headlab {hl_s:.1f}s, TL {tl_s:.1f}s, max diff {r['diff'][0].item():.2e}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     clean_q = tl_clean
     headlab_total = sum(r["headlab_s"] for r in results.values())
     tl_total = sum(r["tl_s"] for r in results.values())
     worst = max([r["diff"].max().item() for r in results.values()] + [r["clean_diff"] for r in results.values()])
 
-    print(f"model: gpt2-small-shape, random weights (seed {args.seed}, initializer_range {args.init_range:g}), "
-          f"{N_LAYERS}x{N_HEADS} heads, d_model 768, vocab 50257; loaded by headlab via load_hf(<save_pretrained dir>)")  # fmt: skip
+    print(
+        f"model: gpt2-small-shape, random weights (seed {args.seed}, initializer_range {args.init_range:g}), "
+        f"{N_LAYERS}x{N_HEADS} heads, d_model 768, vocab 50257; loaded by headlab via load_hf(<save_pretrained dir>)"
+    )
     print(f"tokenizer: {TOKENIZER}")
     sizes = torch.bincount(data.groups)[data.groups.unique()].tolist()
-    print(f"prompts: {data.n} IOI (BABA+ABBA) from templates {data.groups.unique().tolist()}, prompts (= ABC "
-          f"prompts averaged by a mean) per template {sizes}, {data.inputs['input_ids'].shape[1]} tokens padded")  # fmt: skip
+    print(
+        f"prompts: {data.n} IOI (BABA+ABBA) from templates {data.groups.unique().tolist()}, prompts (= ABC "
+        f"prompts averaged by a mean) per template {sizes}, {data.inputs['input_ids'].shape[1]} tokens padded"
+    )
     print(f"torch_threads: {torch.get_num_threads()}   allocator_tuned: {tuned}")
-    print(f"transformerlens: {_version('transformer-lens')} HookedTransformer, raw weights; "
-          f"each intervention = run_with_hooks from cached hook_resid_pre, logits at END only")  # fmt: skip
+    print(
+        f"transformerlens: {_version('transformer-lens')} HookedTransformer, raw weights; "
+        f"each intervention = run_with_hooks from cached hook_resid_pre, logits at END only"
+    )
     print(f"hf_vs_tl_clean_logits_max_abs_diff: {hf_vs_tl:.3g} (max |logit| {logit_scale:.3g})")
     print(f"tl_shortcut_vs_full_forward_max_abs_diff: {full_diff:.3g} ({args.full_checks} cell(s) per grid)")
-    print(f"clean logit_diff: mean {clean_q[:, 0].mean().item():+.4f}, mean |.| {clean_q[:, 0].abs().mean().item():.4f};"
-          f" io_prob mean {clean_q[:, 1].mean().item():.3g}")  # fmt: skip
+    print(
+        f"clean logit_diff: mean {clean_q[:, 0].mean().item():+.4f}, mean |.| {clean_q[:, 0].abs().mean().item():.4f};"
+        f" io_prob mean {clean_q[:, 1].mean().item():.3g}"
+    )
     print()
-    header = (f"{'grid':<18}{'heads':>6}{'headlab_s':>11}{'tl_s':>9}{'diff logit_diff':>17}{'diff io_prob':>14}"
-              f"{'mean|effect| ld':>17}{'max|effect| ld':>16}{'mean|effect| p':>16}{'near miss ld':>14}")  # fmt: skip
+    header = (
+        f"{'grid':<18}{'heads':>6}{'headlab_s':>11}{'tl_s':>9}{'diff logit_diff':>17}{'diff io_prob':>14}"
+        f"{'mean|effect| ld':>17}{'max|effect| ld':>16}{'mean|effect| p':>16}{'near miss ld':>14}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in results.items():
-        print(f"{name:<18}{r['cells']:>6}{r['headlab_s']:>11.1f}{r['tl_s']:>9.1f}{r['diff'][0].item():>17.2e}"
-              f"{r['diff'][1].item():>14.2e}{r['effect'][0].item():>17.3e}{r['effect_max'][0].item():>16.3e}"
-              f"{r['effect'][1].item():>16.3e}{r['near_miss']:>14.2e}")  # fmt: skip
+        print(
+            f"{name:<18}{r['cells']:>6}{r['headlab_s']:>11.1f}{r['tl_s']:>9.1f}{r['diff'][0].item():>17.2e}"
+            f"{r['diff'][1].item():>14.2e}{r['effect'][0].item():>17.3e}{r['effect_max'][0].item():>16.3e}"
+            f"{r['effect'][1].item():>16.3e}{r['near_miss']:>14.2e}"
+        )
     print()
-    print("(diff: max over heads and prompts of |headlab - TL|; effect: |intervened - clean| per prompt, "
-          "ld = logit_diff, p = io_prob;")
-    print(f" near miss: max |headlab - TL variant| on the {args.full_checks} checked cell(s), the variant being "
-          "wrong on purpose: mean over all ABC prompts instead of the template's, role position - 1, "
-          "or the neighbouring head's value at every position)")  # fmt: skip
+    print(
+        "(diff: max over heads and prompts of |headlab - TL|; effect: |intervened - clean| per prompt, "
+        "ld = logit_diff, p = io_prob;"
+    )
+    print(
+        f" near miss: max |headlab - TL variant| on the {args.full_checks} checked cell(s), the variant being "
+        "wrong on purpose: mean over all ABC prompts instead of the template's, role position - 1, "
+        "or the neighbouring head's value at every position)"
+    )
     print(f"clean_max_abs_diff (headlab vs TL, per prompt): {max(r['clean_diff'] for r in results.values()):.3g}")
     print(f"headlab_seconds: {headlab_total:.1f}")
     print(f"transformerlens_seconds: {tl_total:.1f}")

@@ -1,6 +1,7 @@
 """IOI on a model that has the behaviour: a small GPT-2 trained here on IOI text (real GPT-2 tokenizer).
 
-Trains model=gpt2-ioi with train=ioi (experiment=ioi_trained; or reuses its checkpoint), then on prompts whose names were never trained on:
+Trains model=gpt2-ioi with train=ioi (experiment=ioi_trained; or reuses its checkpoint), then on prompts
+whose names were never trained on:
   - clean IO accuracy and logit difference;
   - mean ablation (ABC, per template) of every head: the heads whose ablation drops the logit
     difference most, with their END attention to IO / S1 / S2 (head scores);
@@ -9,6 +10,7 @@ Prints `pearson_r: ...` last.
 
     .venv/bin/python benchmarks/ioi_trained.py [--prompts 200] [--root outputs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headlab.analysis.scores import ioi_scores
 from headlab import compose
+from headlab.analysis.scores import ioi_scores
 from headlab.interventions import CLEAN, Intervention
 from headlab.interventions.engine import execute
 from headlab.studies.context import EVAL_SEED_OFFSET, apply_threads
-from headlab.train.obtain import obtain_model
 from headlab.tasks import build_task
+from headlab.train.obtain import obtain_model
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
 
@@ -36,22 +38,27 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=str(TOKENIZER))
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.steps=3000")
     args = ap.parse_args()
-    cfg = compose(*["experiment=ioi_trained", f"model.tokenizer={args.tokenizer}", f"output.root={args.root}",
-                    *args.overrides])  # fmt: skip
+    cfg = compose(
+        *["experiment=ioi_trained", f"model.tokenizer={args.tokenizer}", f"output.root={args.root}", *args.overrides]
+    )
     apply_threads(cfg)
     task = build_task(cfg.task)
     started = time.perf_counter()
     model = obtain_model(cfg, task)
-    print(f"model: {cfg.model.name} ({model.n_layers} layers x {model.n_heads} heads), ready in "
-          f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+    print(
+        f"model: {cfg.model.name} ({model.n_layers} layers x {model.n_heads} heads), ready in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     data = task.build(args.prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model)
     L, H = model.n_layers, model.n_heads
     cells = [(l, h) for l in range(L) for h in range(H)]
 
     clean = execute(model, task, data, [CLEAN])[0]
     print(f"held-out names: {len(task.names('held_out'))}; prompts: {data.n}")
-    print(f"clean: accuracy {clean[:, 2].mean():.3f}  logit_diff {clean[:, 0].mean():.3f}  "
-          f"io_prob {clean[:, 1].mean():.3f}")  # fmt: skip
+    print(
+        f"clean: accuracy {clean[:, 2].mean():.3f}  logit_diff {clean[:, 0].mean():.3f}  "
+        f"io_prob {clean[:, 1].mean():.3f}"
+    )
 
     ablated = execute(model, task, data, [Intervention("ablate_head", "mean", l, h) for l, h in cells])
     drop = (ablated[:, :, 0].mean(1) - clean[:, 0].mean()).view(L, H)
@@ -66,8 +73,10 @@ def main() -> None:
     movers = [(l, h) for l, h in cells if scores[l, h, 0] > scores[l, h, 1] + scores[l, h, 2]]
     print("heads whose END attention goes to IO (more than to S1 + S2), with their ablation rank:")
     for l, h in movers:
-        print(f"  {l}.{h}: END->IO {scores[l, h, 0]:.3f}, d_logit_diff {float(drop[l, h]):+.3f}, "
-              f"rank {rank[l * H + h]} of {L * H}")  # fmt: skip
+        print(
+            f"  {l}.{h}: END->IO {scores[l, h, 0]:.3f}, d_logit_diff {float(drop[l, h]):+.3f}, "
+            f"rank {rank[l * H + h]} of {L * H}"
+        )
     rows = []
     for position in ({}, {"token": "END"}):
         exact_ivs = [Intervention("patch_head", "activation", l, h, site="z", **position) for l, h in cells]
@@ -82,9 +91,11 @@ def main() -> None:
         r = float(np.corrcoef(e, a)[0, 1])
         where = position.get("token", "all")
         rows.append(r)
-        print(f"patching z at {where}: exact {t1 - t0:.2f} s, attribution {t2 - t1:.2f} s "
-              f"(speed ratio {(t1 - t0) / (t2 - t1):.1f}x), Pearson r {r:.3f}, "
-              f"largest exact effect {e[np.abs(e).argmax()]:+.3f}")  # fmt: skip
+        print(
+            f"patching z at {where}: exact {t1 - t0:.2f} s, attribution {t2 - t1:.2f} s "
+            f"(speed ratio {(t1 - t0) / (t2 - t1):.1f}x), Pearson r {r:.3f}, "
+            f"largest exact effect {e[np.abs(e).argmax()]:+.3f}"
+        )
     torch.set_printoptions(precision=3)
     print(f"pearson_r: {rows[0]:.3f}")
 

@@ -7,6 +7,7 @@ and from the other sampler's.
 
     python benchmarks/markov_sampler.py [--widths 10 30] [--samples 300]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,15 @@ def main() -> None:
     for width in args.widths:
         runs = {}
         for collapsed in (True, False):
-            overrides = ["experiment=markov_paths", f"model.width={width}", f"model.samples={args.samples}",
-                         f"model.warmup={args.warmup}", f"model.collapse_input={collapsed}",
-                         "model.sample_dtype=float64", "train.steps=0"]  # fmt: skip
+            overrides = [
+                "experiment=markov_paths",
+                f"model.width={width}",
+                f"model.samples={args.samples}",
+                f"model.warmup={args.warmup}",
+                f"model.collapse_input={collapsed}",
+                "model.sample_dtype=float64",
+                "train.steps=0",
+            ]
             with initialize_config_dir(str(config_dir()), version_base="1.3"):
                 cfg = compose("config", overrides=overrides)
             study = Study(cfg)
@@ -45,13 +52,18 @@ def main() -> None:
             study.run_samples()
             runs[collapsed] = (study, time.perf_counter() - start)
         theory_u = runs[True][0].u["theory"]
-        print(f"width {width}: theory accuracy {theory.accuracy(runs[True][0].predictions('theory'), runs[True][0].y_test):.3f}")
+        print(
+            f"width {width}: theory accuracy "
+            f"{theory.accuracy(runs[True][0].predictions('theory'), runs[True][0].y_test):.3f}"
+        )
         for collapsed, (study, seconds) in runs.items():
             info = study.info["sample"]
             name = "collapsed (V0 integrated)" if collapsed else "all weights"
-            print(f"  {name:26s} {seconds:7.1f} s  step {info['step_size']:.4f}  accept {info['accept_rate']:.2f}  "
-                  f"accuracy {theory.accuracy(study.predictions('sample'), study.y_test):.3f}  "
-                  f"|U - U_theory|/|U_theory| {rel(study.u['sample'], theory_u):.3f}")  # fmt: skip
+            print(
+                f"  {name:26s} {seconds:7.1f} s  step {info['step_size']:.4f}  accept {info['accept_rate']:.2f}  "
+                f"accuracy {theory.accuracy(study.predictions('sample'), study.y_test):.3f}  "
+                f"|U - U_theory|/|U_theory| {rel(study.u['sample'], theory_u):.3f}"
+            )
         print(f"  |U_collapsed - U_all|/|U_all| {rel(runs[True][0].u['sample'], runs[False][0].u['sample']):.3f}")
 
 

@@ -26,7 +26,8 @@ What runs:
                norm at 1, so the same coefficient lands at different sparsity. Resampling is off
                (SAELens's standard trainer has none).
   Each fitter keeps its own defaults where the libraries differ: headlab starts with unit-norm decoder
-  rows (ReLU: encoder W_dec^T x 2 d_in / d_sae) and b_dec at the first batch's mean, keeps rows at unit norm; SAELens (TopK) starts with rows at
+  rows (ReLU: encoder W_dec^T x 2 d_in / d_sae) and b_dec at the first batch's mean, keeps rows at unit
+  norm; SAELens (TopK) starts with rows at
   norm 0.1, b_dec 0, selects the top k of pre-activation x ||W_dec row|| (rescale_acts_by_decoder_norm)
   and clips gradients. Neither side's dead-latent machinery acts within these steps (SAELens's TopK
   auxiliary loss needs latents dead for 1000 steps).
@@ -55,6 +56,7 @@ Run from the repo root: .venv/bin/python benchmarks/sae_speed.py [--quick] [--st
 The last line is `throughput_ratio_vs_saelens: X.XX` (TopK pair, headlab tokens/s / SAELens tokens/s;
 goal >= 1.0 at equal or better explained variance).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,9 +105,17 @@ def collect_activations(n_sequences: int, seed: int, where: Path, init_range: fl
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=N_LAYERS, n_head=N_HEADS, n_embd=D_MODEL, vocab_size=len(tok), initializer_range=init_range,
-                        n_positions=max(CONTEXT, 128), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                        attn_implementation="eager")  # fmt: skip
+    config = GPT2Config(
+        n_layer=N_LAYERS,
+        n_head=N_HEADS,
+        n_embd=D_MODEL,
+        vocab_size=len(tok),
+        initializer_range=init_range,
+        n_positions=max(CONTEXT, 128),
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        attn_implementation="eager",
+    )
     model_dir = where / "gpt2-random"
     hf_model = GPT2LMHeadModel(config).eval()
     hf_model.save_pretrained(model_dir)
@@ -116,8 +126,10 @@ def collect_activations(n_sequences: int, seed: int, where: Path, init_range: fl
     weights = 1.0 / (torch.arange(len(tok), dtype=torch.float64) + 50.0)
     ids = torch.multinomial(weights, n_sequences * CONTEXT, replacement=True, generator=gen).view(n_sequences, CONTEXT)
     pattern = hf_model(ids[:MODEL_BATCH], output_attentions=True).attentions[LAYER][:, :, -1]  # [b, head, key]
-    stats = {"attention_entropy_nats": float(-(pattern * pattern.clamp_min(1e-12).log()).sum(-1).mean()),
-             "attention_max_weight": float(pattern.max(-1).values.mean())}  # fmt: skip
+    stats = {
+        "attention_entropy_nats": float(-(pattern * pattern.clamp_min(1e-12).log()).sum(-1).mean()),
+        "attention_max_weight": float(pattern.max(-1).values.mean()),
+    }
     del hf_model
     parts = [layer_z(hm, LAYER, ids[i : i + MODEL_BATCH]).reshape(-1, D_IN) for i in range(0, n_sequences, MODEL_BATCH)]
     z = torch.cat(parts).float().contiguous()
@@ -178,8 +190,16 @@ def timed(run, feed: Feed, warm: int) -> Timing:
 
 
 def fit_headlab(sae, feed: Feed, args, workdir: Path, warm: int) -> Timing:
-    sc = SimpleNamespace(steps=feed.steps, lr=args.lr, warmup_steps=args.lr_warmup, beta1=0.9, beta2=0.999,
-                         dead_window=100_000, resample_every=0, checkpoint_every=10**9)  # fmt: skip
+    sc = SimpleNamespace(
+        steps=feed.steps,
+        lr=args.lr,
+        warmup_steps=args.lr_warmup,
+        beta1=0.9,
+        beta2=0.999,
+        dead_window=100_000,
+        resample_every=0,
+        checkpoint_every=10**9,
+    )
     directory = Path(tempfile.mkdtemp(dir=workdir, prefix=f"headlab-{sae.architecture}-"))
     return timed(lambda: fit(sae, lambda step: feed, sc, directory, show_progress=False), feed, warm)
 
@@ -188,11 +208,21 @@ def saelens_trainer_config(feed: Feed, args):
     from sae_lens.config import LoggingConfig, SAETrainerConfig
 
     return SAETrainerConfig(
-        total_training_samples=feed.steps * feed.batch, train_batch_size_samples=feed.batch, lr=args.lr,
-        lr_end=args.lr / 10, lr_scheduler_name="constant", lr_warm_up_steps=args.lr_warmup, adam_beta1=0.9,
-        adam_beta2=0.999, device="cpu", autocast=False, n_checkpoints=0, checkpoint_path=None,
-        save_final_checkpoint=False, logger=LoggingConfig(log_to_wandb=False),
-    )  # fmt: skip
+        total_training_samples=feed.steps * feed.batch,
+        train_batch_size_samples=feed.batch,
+        lr=args.lr,
+        lr_end=args.lr / 10,
+        lr_scheduler_name="constant",
+        lr_warm_up_steps=args.lr_warmup,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        device="cpu",
+        autocast=False,
+        n_checkpoints=0,
+        checkpoint_path=None,
+        save_final_checkpoint=False,
+        logger=LoggingConfig(log_to_wandb=False),
+    )
 
 
 def fit_saelens(sae, feed: Feed, args, warm: int) -> Timing:
@@ -206,15 +236,23 @@ def saelens_topk(args):
     from sae_lens.saes.topk_sae import TopKTrainingSAE, TopKTrainingSAEConfig
 
     torch.manual_seed(args.seed)
-    return TopKTrainingSAE(TopKTrainingSAEConfig(d_in=D_IN, d_sae=EXPANSION * D_IN, k=args.k, dtype="float32", device="cpu"))
+    return TopKTrainingSAE(
+        TopKTrainingSAEConfig(d_in=D_IN, d_sae=EXPANSION * D_IN, k=args.k, dtype="float32", device="cpu")
+    )
 
 
 def saelens_standard(args):
     from sae_lens.saes.standard_sae import StandardTrainingSAE, StandardTrainingSAEConfig
 
     torch.manual_seed(args.seed)
-    cfg = StandardTrainingSAEConfig(d_in=D_IN, d_sae=EXPANSION * D_IN, l1_coefficient=args.l1_coeff, l1_warm_up_steps=0,
-                                    dtype="float32", device="cpu")  # fmt: skip
+    cfg = StandardTrainingSAEConfig(
+        d_in=D_IN,
+        d_sae=EXPANSION * D_IN,
+        l1_coefficient=args.l1_coeff,
+        l1_warm_up_steps=0,
+        dtype="float32",
+        device="cpu",
+    )
     return StandardTrainingSAE(cfg)
 
 
@@ -249,10 +287,16 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=32, help="TopK: active latents per token")
     parser.add_argument("--l1-coeff", type=float, default=0.5, help="ReLU-L1 pair: l1 coefficient (both sides)")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--lr-warmup", type=int, default=None, help="linear LR warm-up steps, both sides (default steps/10)")
+    parser.add_argument(
+        "--lr-warmup", type=int, default=None, help="linear LR warm-up steps, both sides (default steps/10)"
+    )
     parser.add_argument("--warmup-timing", type=int, default=2, help="first steps of every fit not timed")
-    parser.add_argument("--eval-sequences", type=int, default=None, help="held-out sequences of 64 tokens (default 256; quick 32)")
-    parser.add_argument("--init-range", type=float, default=0.1, help="std of the random GPT-2 weights (GPT-2's own init: 0.02)")
+    parser.add_argument(
+        "--eval-sequences", type=int, default=None, help="held-out sequences of 64 tokens (default 256; quick 32)"
+    )
+    parser.add_argument(
+        "--init-range", type=float, default=0.1, help="std of the random GPT-2 weights (GPT-2's own init: 0.02)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both fitters")
     parser.add_argument("--relu", action="store_true", help="also the ReLU-L1 pair (L0 not matched)")
     parser.add_argument("--seed", type=int, default=0)
@@ -295,32 +339,55 @@ def main() -> int:
         d_sae = EXPANSION * D_IN
         run_pair("topk", TopKSAE(D_IN, d_sae, seed=args.seed, k=args.k), saelens_topk(args), TopKSAE, k=args.k)
         if args.relu:
-            run_pair("relu_l1", ReluL1SAE(D_IN, d_sae, seed=args.seed, l1_coeff=args.l1_coeff, l1_warmup_steps=0),
-                     saelens_standard(args), ReluL1SAE)  # fmt: skip
+            run_pair(
+                "relu_l1",
+                ReluL1SAE(D_IN, d_sae, seed=args.seed, l1_coeff=args.l1_coeff, l1_warmup_steps=0),
+                saelens_standard(args),
+                ReluL1SAE,
+            )
 
-    print(f"model: gpt2-small-shape RANDOM weights N(0, {args.init_range:g}^2) ({N_LAYERS} layers x {N_HEADS} heads, "
-          f"d_model {D_MODEL}), z of layer {LAYER} (hook_z, {N_HEADS} x {D_IN // N_HEADS})")  # fmt: skip
-    print(f"layer-{LAYER} attention at the last position: entropy {data_stats['attention_entropy_nats']:.2f} nats "
-          f"(uniform: {math.log(CONTEXT):.2f}), largest weight {data_stats['attention_max_weight']:.3f} on average; "
-          f"z variance in its top 200 directions: {data_stats['variance_in_top_200_directions']:.3f}")  # fmt: skip
-    print(f"stored_tokens: {z.shape[0]} ({args.sequences} x {CONTEXT}); fed {train.shape[0]}, "
-          f"held-out {held_out.shape[0]} ({args.eval_sequences} sequences)")  # fmt: skip
+    print(
+        f"model: gpt2-small-shape RANDOM weights N(0, {args.init_range:g}^2) ({N_LAYERS} layers x {N_HEADS} heads, "
+        f"d_model {D_MODEL}), z of layer {LAYER} (hook_z, {N_HEADS} x {D_IN // N_HEADS})"
+    )
+    print(
+        f"layer-{LAYER} attention at the last position: entropy {data_stats['attention_entropy_nats']:.2f} nats "
+        f"(uniform: {math.log(CONTEXT):.2f}), largest weight {data_stats['attention_max_weight']:.3f} on average; "
+        f"z variance in its top 200 directions: {data_stats['variance_in_top_200_directions']:.3f}"
+    )
+    print(
+        f"stored_tokens: {z.shape[0]} ({args.sequences} x {CONTEXT}); fed {train.shape[0]}, "
+        f"held-out {held_out.shape[0]} ({args.eval_sequences} sequences)"
+    )
     print(f"collect_seconds: {collect_s:.1f}")
-    print(f"d_in: {D_IN}  d_sae: {EXPANSION * D_IN}  batch: {args.batch}  steps: {args.steps} (first {warm} not timed)  "
-          f"lr: {args.lr:g}  lr_warmup: {args.lr_warmup}  k: {args.k}  l1_coeff: {args.l1_coeff:g}")  # fmt: skip
-    print(f"torch_threads: {torch.get_num_threads()}  torch: {torch.__version__}  sae_lens: {_version('sae-lens')}  "
-          f"load_avg_1min: {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"d_in: {D_IN}  d_sae: {EXPANSION * D_IN}  batch: {args.batch}  steps: {args.steps} (first {warm} not timed)  "
+        f"lr: {args.lr:g}  lr_warmup: {args.lr_warmup}  k: {args.k}  l1_coeff: {args.l1_coeff:g}"
+    )
+    print(
+        f"torch_threads: {torch.get_num_threads()}  torch: {torch.__version__}  sae_lens: {_version('sae-lens')}  "
+        f"load_avg_1min: {os.getloadavg()[0]:.2f}"
+    )
     print()
     print("held-out metrics: headlab's reconstruction_metrics for both (SAELens weights in a headlab SAE)")
-    print(f"{'pair':<8} {'fitter':<8} {'tokens/s':>9} {'med_tok/s':>9} {'fit_s':>7} {'L0':>8} {'EV':>8} {'MSE':>9} {'dead':>6}")
+    print(
+        f"{'pair':<8} {'fitter':<8} {'tokens/s':>9} {'med_tok/s':>9} {'fit_s':>7} {'L0':>8} {'EV':>8} "
+        f"{'MSE':>9} {'dead':>6}"
+    )
     for (pair, who), (t, m) in rows.items():
-        print(f"{pair:<8} {who:<8} {t.tokens_per_s:>9.0f} {t.median_tokens_per_s(args.batch):>9.0f} {t.seconds:>7.2f} "
-              f"{m['l0']:>8.2f} {m['explained_variance']:>8.4f} {m['mse']:>9.4g} {m['dead_fraction']:>6.3f}")  # fmt: skip
-    print("(tokens/s: timed steps / their total time; med_tok/s: batch / median step time; dead: latents that fire "
-          "on no held-out token)")  # fmt: skip
+        print(
+            f"{pair:<8} {who:<8} {t.tokens_per_s:>9.0f} {t.median_tokens_per_s(args.batch):>9.0f} {t.seconds:>7.2f} "
+            f"{m['l0']:>8.2f} {m['explained_variance']:>8.4f} {m['mse']:>9.4g} {m['dead_fraction']:>6.3f}"
+        )
+    print(
+        "(tokens/s: timed steps / their total time; med_tok/s: batch / median step time; dead: latents that fire "
+        "on no held-out token)"
+    )
     print()
     for pair, (biggest, share) in diffs.items():
-        print(f"{pair}_saelens_forward_vs_headlab_copy_max_abs_diff: {biggest:.3g} (tokens differing > 1e-4: {share:.4f})")
+        print(
+            f"{pair}_saelens_forward_vs_headlab_copy_max_abs_diff: {biggest:.3g} (tokens differing > 1e-4: {share:.4f})"
+        )
     for pair in ("relu_l1", "topk"):
         if (pair, "headlab") not in rows:
             continue
@@ -331,7 +398,10 @@ def main() -> int:
         print(f"{pair}_l0_headlab: {mh['l0']:.2f}  {pair}_l0_saelens: {ms['l0']:.2f}  ({note})")
         print(f"{pair}_explained_variance_headlab: {mh['explained_variance']:.4f}")
         print(f"{pair}_explained_variance_saelens: {ms['explained_variance']:.4f}")
-        print(f"{pair}_throughput_ratio_median_step: {th.median_tokens_per_s(args.batch) / ts.median_tokens_per_s(args.batch):.2f}")
+        print(
+            f"{pair}_throughput_ratio_median_step: "
+            f"{th.median_tokens_per_s(args.batch) / ts.median_tokens_per_s(args.batch):.2f}"
+        )
     print(f"peak_rss_mb: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
     print(f"wall_seconds: {time.perf_counter() - wall:.1f}")
     (th, _), (ts, _) = rows[("topk", "headlab")], rows[("topk", "saelens")]

@@ -12,6 +12,7 @@ Checks that both give the same 144 values; exits non-zero if they differ by more
 
 Run from the repo root: .venv/bin/python benchmarks/sweep_speed.py [--batch-tokens N] [--repeats R]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,13 +64,26 @@ def build_hooked_transformer(hf: GPT2LMHeadModel):
 
     c = hf.config
     cfg = HookedTransformerConfig(
-        n_layers=c.n_layer, d_model=c.n_embd, d_head=c.n_embd // c.n_head, n_heads=c.n_head,
-        d_mlp=4 * c.n_embd, d_vocab=c.vocab_size, n_ctx=c.n_positions, act_fn="gelu_new",
-        normalization_type="LN", eps=c.layer_norm_epsilon, default_prepend_bos=False,
-    )  # fmt: skip
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size,
+        n_ctx=c.n_positions,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        eps=c.layer_norm_epsilon,
+        default_prepend_bos=False,
+    )
     model = HookedTransformer(cfg)
-    model.load_and_process_state_dict(convert_gpt2_weights(hf, cfg), fold_ln=False, center_writing_weights=False,
-                                      center_unembed=False, fold_value_biases=False)  # fmt: skip
+    model.load_and_process_state_dict(
+        convert_gpt2_weights(hf, cfg),
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+    )
     return model.eval()
 
 
@@ -106,8 +120,7 @@ def main() -> int:
         return hook
 
     def tl_sweep() -> list[float]:
-        return [metric(tl.run_with_hooks(ids, fwd_hooks=[(f"blocks.{l}.attn.hook_z", zero_head(h))]))
-                for l, h in heads]  # fmt: skip
+        return [metric(tl.run_with_hooks(ids, fwd_hooks=[(f"blocks.{l}.attn.hook_z", zero_head(h))])) for l, h in heads]
 
     def headlab_sweep() -> torch.Tensor:
         return execute(hm, task, data, interventions, chunk_mb=args.chunk_mb, naive=False)

@@ -59,15 +59,38 @@ def counting_cfg(**kw):
 
 
 def toy_model_cfg(**kw):
-    base = dict(name="toy", kind="toy", n_ctx=64, n_layers=1, n_heads=4, d_model=64, d_head=16, d_mlp=0,
-                pos_emb="learned", layer_norm=True)  # fmt: skip
+    base = dict(
+        name="toy",
+        kind="toy",
+        n_ctx=64,
+        n_layers=1,
+        n_heads=4,
+        d_model=64,
+        d_head=16,
+        d_mlp=0,
+        pos_emb="learned",
+        layer_norm=True,
+    )
     return OmegaConf.create({**base, **kw})
 
 
 def train_cfg(**kw):
-    base = dict(steps=2000, batch_size=128, lr=3e-3, min_lr_frac=0.05, warmup_steps=100, weight_decay=0.01,
-                beta1=0.9, beta2=0.98, grad_clip=1.0, eval_every=250, eval_prompts=512, checkpoint_every=500,
-                target=None, target_value=1.0)  # fmt: skip
+    base = dict(
+        steps=2000,
+        batch_size=128,
+        lr=3e-3,
+        min_lr_frac=0.05,
+        warmup_steps=100,
+        weight_decay=0.01,
+        beta1=0.9,
+        beta2=0.98,
+        grad_clip=1.0,
+        eval_every=250,
+        eval_prompts=512,
+        checkpoint_every=500,
+        target=None,
+        target_value=1.0,
+    )
     return OmegaConf.create({**base, **kw})
 
 

@@ -33,8 +33,12 @@ def test_a_fresh_process_sweeps_the_same_table_headlab_run_writes(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert not list(tmp_path.glob("runs")), "a sweep writes nothing but the model it trained"
-    proc = subprocess.run([sys.executable, "-m", "headlab", "run", *RUN_FAST, f"output.root={tmp_path}"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "headlab", "run", *RUN_FAST, f"output.root={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     written = pd.read_parquet(next(tmp_path.glob("runs/*/*/results.parquet")))
     swept = pd.read_parquet(tmp_path / "api.parquet")
@@ -76,7 +80,9 @@ def test_the_api_raises_the_cli_errors(toy):
         headlab.sweep(model, task, method="median")
     with pytest.raises(headlab.UsageError, match=r"^invalid configuration.*no_such_option"):
         headlab.sweep(model, task, no_such_option=1)
-    with pytest.raises(headlab.UsageError, match=r"^option 'steps' is ambiguous; write one of: train__steps, sae__steps"):
+    with pytest.raises(
+        headlab.UsageError, match=r"^option 'steps' is ambiguous; write one of: train__steps, sae__steps"
+    ):
         headlab.sweep(model, task, steps=10)
     with pytest.raises(headlab.HeadlabError, match=r"cannot load local directory"):
         headlab.load_model("/no/such/model/dir")

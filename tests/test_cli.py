@@ -1,4 +1,5 @@
 """The command line: bad input gives one line and its exit code; runs write complete run dirs."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ FAST = ["train.steps=300", "train.eval_every=150", "task.n_prompts=64", "output.
 
 def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "COLUMNS": "120"}
-    return subprocess.run([sys.executable, "-m", "headlab", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "headlab", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def _error_line(proc: subprocess.CompletedProcess) -> str:
@@ -32,7 +34,10 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
     [
         (["model=nope"], "unknown model 'nope'; choose from: gpt2, gpt2-ioi, hf,"),
         (["task=nope"], "unknown task 'nope'; choose from: counting"),
-        (["ablate=everything"], "unknown ablate 'everything'; choose from: circuits, components, heads, keep_heads, layers, none,"),
+        (
+            ["ablate=everything"],
+            "unknown ablate 'everything'; choose from: circuits, components, heads, keep_heads, layers, none,",
+        ),
         (["ablate.method=median"], "invalid configuration"),
         (["model.n_layerz=3"], "n_layerz"),
         (["seed=abc"], "invalid configuration"),
@@ -86,8 +91,15 @@ def test_run_trains_sweeps_writes_then_reuses_the_checkpoint(tmp_path):
     checkpoints = list(tmp_path.glob("checkpoints/*/model.safetensors"))
     assert len(checkpoints) == 1
     stamp = checkpoints[0].stat().st_mtime_ns
-    proc = headlab("run", *FAST, "task.n_prompts=32", "ablate=layers", "ablate.method=mean",
-                   f"output.root={tmp_path}", cwd=tmp_path)  # fmt: skip
+    proc = headlab(
+        "run",
+        *FAST,
+        "task.n_prompts=32",
+        "ablate=layers",
+        "ablate.method=mean",
+        f"output.root={tmp_path}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert checkpoints[0].stat().st_mtime_ns == stamp  # same model config: reused, not retrained
 

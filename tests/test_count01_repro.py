@@ -1,4 +1,5 @@
 """Count01 reproduction mechanics: swaps, keep-one-head, uniform scaling, token weights, end to end."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,16 @@ def test_pattern_swap_between_identical_heads_changes_nothing(setup):
             proj.weight[_rows(0)] = proj.weight[_rows(1)]
             proj.bias[_rows(0)] = proj.bias[_rows(1)]
     hooked = hooked_toy(model, "toy")
-    got = execute(hooked, task, data, [CLEAN, Intervention("pattern_from", "swap", 0, 0, other_head=1),
-                                       Intervention("pattern_from", "swap", 0, 2, other_head=1)])  # fmt: skip
+    got = execute(
+        hooked,
+        task,
+        data,
+        [
+            CLEAN,
+            Intervention("pattern_from", "swap", 0, 0, other_head=1),
+            Intervention("pattern_from", "swap", 0, 2, other_head=1),
+        ],
+    )
     torch.testing.assert_close(got[1], got[0], atol=1e-5, rtol=0)
     assert (got[2] - got[0]).abs().max() > 1e-3
 
@@ -82,16 +91,31 @@ def test_scaling_heads(setup):
     task, data = setup
     hooked = hooked_toy(_toy(), "toy")
     one_hot = tuple(float(h == 1) for h in range(H))
-    got = execute(hooked, task, data, [CLEAN, Intervention("scale_heads", "uniform", 0, scale=(1.0,) * H),
-                                       Intervention("scale_heads", "uniform", 0, scale=one_hot),
-                                       Intervention("keep_head", "zero", 0, 1)])  # fmt: skip
+    got = execute(
+        hooked,
+        task,
+        data,
+        [
+            CLEAN,
+            Intervention("scale_heads", "uniform", 0, scale=(1.0,) * H),
+            Intervention("scale_heads", "uniform", 0, scale=one_hot),
+            Intervention("keep_head", "zero", 0, 1),
+        ],
+    )
     torch.testing.assert_close(got[1], got[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(got[2], got[3], atol=1e-6, rtol=0)
     # at one position only: scaling every head by 0 there is ablating the layer there
     sep = int(data.positions[0, 0])
     same_len = data.positions[:, 0] == sep
-    at_pos = execute(hooked, task, data, [Intervention("scale_heads", "uniform", 0, position=sep, scale=(0.0,) * H),
-                                          Intervention("ablate_layer", "zero", 0, position=sep)])  # fmt: skip
+    at_pos = execute(
+        hooked,
+        task,
+        data,
+        [
+            Intervention("scale_heads", "uniform", 0, position=sep, scale=(0.0,) * H),
+            Intervention("ablate_layer", "zero", 0, position=sep),
+        ],
+    )
     torch.testing.assert_close(at_pos[0], at_pos[1], atol=1e-6, rtol=0)
     assert (at_pos[0, same_len] - got[0, same_len]).abs().max() > 1e-3
     norms = head_output_norms(hooked, data)[0]

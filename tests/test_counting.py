@@ -1,4 +1,5 @@
 """Count01: the generator's guarantees, the trained model's accuracy, deterministic resumable training."""
+
 from __future__ import annotations
 
 import json

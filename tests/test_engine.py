@@ -1,4 +1,5 @@
 """The batched, cached sweep equals the naive loop and an independent hand computation."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import counting_cfg, toy_model_cfg
+from conftest import counting_cfg
 from headlab.config import PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
@@ -19,8 +20,19 @@ from headlab.tasks.counting import CountingTask
 
 def _toy(n_layers=2, d_mlp=32, seed=0, pos_emb="learned", layer_norm=True):
     torch.manual_seed(seed)
-    model = ToyTransformer(ToyConfig(vocab_size=7, n_ctx=32, n_layers=n_layers, n_heads=3, d_model=24,
-                                     d_head=8, d_mlp=d_mlp, pos_emb=pos_emb, layer_norm=layer_norm))  # fmt: skip
+    model = ToyTransformer(
+        ToyConfig(
+            vocab_size=7,
+            n_ctx=32,
+            n_layers=n_layers,
+            n_heads=3,
+            d_model=24,
+            d_head=8,
+            d_mlp=d_mlp,
+            pos_emb=pos_emb,
+            layer_norm=layer_norm,
+        )
+    )
     for p in model.parameters():  # larger weights than the init, so every head moves the logits
         p.data.normal_(0, 0.3)
     return hooked_toy(model.eval(), "toy")
@@ -69,8 +81,13 @@ def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
     model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
     gen = torch.Generator().manual_seed(0)
     ids = lambda: torch.randint(0, 50257, (12, 10), generator=gen)  # noqa: E731
-    data = TaskData(inputs={"input_ids": ids()}, positions=torch.full((12, 1), 9), answers={},
-                    counterfactual={"input_ids": ids()}, reference={"input_ids": ids()})  # fmt: skip
+    data = TaskData(
+        inputs={"input_ids": ids()},
+        positions=torch.full((12, 1), 9),
+        answers={},
+        counterfactual={"input_ids": ids()},
+        reference={"input_ids": ids()},
+    )
     ivs = _sweep(model.n_layers, model.n_heads)
     fast = execute(model, _LastTokenTask(), data, ivs, chunk_mb=12 * 10 * 128 * 4 * 3 / 2**20)
     slow = execute(model, _LastTokenTask(), data, ivs, naive=True)
@@ -144,13 +161,19 @@ def test_patching_a_role_from_a_counterfactual_laid_out_otherwise_reads_the_sour
     n, t = 10, 12
     ids, cf_ids = torch.randint(0, 7, (n, t), generator=gen), torch.randint(0, 7, (n, t), generator=gen)
     role, cf_role = torch.randint(2, 9, (n,), generator=gen), torch.randint(0, 11, (n,), generator=gen)
-    data = TaskData(inputs={"input_ids": ids}, positions=torch.full((n, 1), t - 1), answers={},
-                    counterfactual={"input_ids": cf_ids}, token_positions={"R": role},
-                    counterfactual_positions={"R": cf_role})  # fmt: skip
+    data = TaskData(
+        inputs={"input_ids": ids},
+        positions=torch.full((n, 1), t - 1),
+        answers={},
+        counterfactual={"input_ids": cf_ids},
+        token_positions={"R": role},
+        counterfactual_positions={"R": cf_role},
+    )
     task = _LastTokenTask(good=3, bad=1)
     layer, head = 0, 2
-    got = execute(model, task, data, [CLEAN, Intervention("patch_head", "activation", layer, head, token="R")],
-                  naive=naive)  # fmt: skip
+    got = execute(
+        model, task, data, [CLEAN, Intervention("patch_head", "activation", layer, head, token="R")], naive=naive
+    )
     with torch.inference_mode():
         source = model.capture({"input_ids": cf_ids}, layer, "z")  # [n, pos, head, d_head]
         rows = torch.arange(n)
@@ -163,6 +186,10 @@ def test_patching_a_role_from_a_counterfactual_laid_out_otherwise_reads_the_sour
             logits = model.forward({"input_ids": ids})
     expected = task.per_prompt(logits[:, -1:], data)
     torch.testing.assert_close(got[1], expected, atol=1e-5, rtol=0)
-    aligned = execute(model, task, replace(data, counterfactual_positions=None),
-                      [Intervention("patch_head", "activation", layer, head, token="R")])  # fmt: skip
+    aligned = execute(
+        model,
+        task,
+        replace(data, counterfactual_positions=None),
+        [Intervention("patch_head", "activation", layer, head, token="R")],
+    )
     assert (aligned[0] - got[1]).abs().max() > 1e-3  # the source position matters

@@ -7,8 +7,8 @@ import pytest
 from headlab.tasks.facts import (
     FACTS,
     NAMES,
-    RECALL_TEMPLATES,
     REASONING_KINDS,
+    RECALL_TEMPLATES,
     Fact,
     check_single_tokens,
     facts_of,
@@ -122,8 +122,7 @@ def test_reasoning_answer_is_stated_in_context_and_logically_correct(gpt2_tokeni
         assert all(c in subjects for c in candidates)
 
 
-@pytest.mark.parametrize("kind,chosen", [("transitive", ["France", "Peru", "Japan"]),
-                                         ("two_hop", ["France", "Peru"])])
+@pytest.mark.parametrize("kind,chosen", [("transitive", ["France", "Peru", "Japan"]), ("two_hop", ["France", "Peru"])])
 def test_reasoning_answer_is_not_a_function_of_the_subjects(kind, chosen):
     answers = Counter()
     for seed in range(60):

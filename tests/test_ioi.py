@@ -3,6 +3,7 @@
 The independent computations here never go through HeadSites: they hook the Hugging Face modules
 themselves (GPT-2's c_attn / c_proj, Llama's v_proj) on the tiny random-weight models of conftest.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -91,8 +92,9 @@ def test_multi_token_names_are_refused_by_name(gpt2_tokenizer):
 
 
 def _ioi_cfg(**patch):
-    return OmegaConf.create({"ablate": {"sweep": "components", "method": "mean"},
-                             "patch": OmegaConf.structured(PatchConfig(**patch))})  # fmt: skip
+    return OmegaConf.create(
+        {"ablate": {"sweep": "components", "method": "mean"}, "patch": OmegaConf.structured(PatchConfig(**patch))}
+    )
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -101,8 +103,11 @@ def test_ioi_sweeps_equal_the_naive_loop(family, tiny_hf_dir, gpt2_tokenizer):
     model.tokenizer = gpt2_tokenizer
     task = ioi_task()
     data = task.build(12, seed=2, model=model)
-    ivs = plan(_ioi_cfg(kinds=["activation"], sites=["z", "pattern", "v", "k"], positions=["all", "S2", "END"]),
-               model.n_layers, model.n_heads)  # fmt: skip
+    ivs = plan(
+        _ioi_cfg(kinds=["activation"], sites=["z", "pattern", "v", "k"], positions=["all", "S2", "END"]),
+        model.n_layers,
+        model.n_heads,
+    )
     ivs = [iv for iv in ivs if iv.layer in (None, 1)]
     fast = execute(model, task, data, ivs, chunk_mb=1)
     slow = execute(model, task, data, ivs, naive=True)
@@ -228,7 +233,9 @@ def _path_reference(model, data, sender, receivers, site):
 
         return hook
 
-    handles = [model.module.transformer.h[l].attn.c_attn.register_forward_hook(replace(l)) for l in {l for l, _ in receivers}]
+    handles = [
+        model.module.transformer.h[l].attn.c_attn.register_forward_hook(replace(l)) for l in {l for l, _ in receivers}
+    ]
     pass_b = _logit_diff(model, data.inputs, data)
     for h in handles:
         h.remove()
@@ -252,8 +259,15 @@ def test_path_patching_equals_a_hand_built_two_pass_run(gpt2, ioi_data, receiver
 def test_path_patching_to_the_logits_from_the_last_layer_is_activation_patching_from_abc(gpt2, ioi_data):
     task, data = ioi_data
     last = gpt2.n_layers - 1
-    got = execute(gpt2, task, data, [Intervention("path_patch", "path", last, 1, receivers="logits"),
-                                     Intervention("ablate_head", "resample", last, 1)])  # fmt: skip
+    got = execute(
+        gpt2,
+        task,
+        data,
+        [
+            Intervention("path_patch", "path", last, 1, receivers="logits"),
+            Intervention("ablate_head", "resample", last, 1),
+        ],
+    )
     torch.testing.assert_close(got[0], got[1], atol=1e-5, rtol=0)
 
 
@@ -263,20 +277,25 @@ def test_attribution_is_the_directional_derivative_of_the_logit_difference(tiny_
     task = ioi_task()
     data = task.build(10, seed=4, model=model)
     layer, head = 1, 3
-    ivs = [CLEAN, Intervention("patch_head", "attribution", layer, head, site="z"),
-           Intervention("patch_head", "attribution", layer, head, site="z", token="END")]  # fmt: skip
+    ivs = [
+        CLEAN,
+        Intervention("patch_head", "attribution", layer, head, site="z"),
+        Intervention("patch_head", "attribution", layer, head, site="z", token="END"),
+    ]
     got = execute(model, task, data, ivs)
     assert torch.isnan(got[1:, :, 1:]).all()  # only the logit difference has an estimate
     clean, cf = _merged_z(model, data.inputs)[layer], _merged_z(model, data.counterfactual)[layer]
     rows, end = torch.arange(data.n), data.positions[:, 0]
     for i, only_end in ((1, False), (2, True)):
-        def at(eps):
+
+        def at(eps, only_end=only_end):
             def edit(z):
                 mix = clean[:, :, head] + eps * (cf[:, :, head] - clean[:, :, head])
                 if only_end:
                     z[rows, end, head] = mix[rows, end]
                 else:
                     z[:, :, head] = mix
+
             handle = _c_proj_prehook(model, layer, edit)
             value = _logit_diff(model, data.inputs, data)
             handle.remove()
@@ -293,8 +312,9 @@ def test_cli_runs_ioi_on_a_local_model_and_refuses_bad_input_with_one_line(tiny_
 
     model = ["model=hf", f"model.path={tiny_hf_dir('gpt2')}", f"model.tokenizer={GPT2_TOKENIZER}"]
     small = ["task=ioi", "task.n_prompts=16", "output.n_boot=20", f"output.root={tmp_path}"]
-    proc = headlab("run", *model, *small, "ablate.method=mean", "patch=activation", "patch.positions=[END,S2]",
-                   cwd=tmp_path)  # fmt: skip
+    proc = headlab(
+        "run", *model, *small, "ablate.method=mean", "patch=activation", "patch.positions=[END,S2]", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     df = pd.read_parquet(next(tmp_path.glob("runs/*/*/results.parquet")))
     patched = df[(df.intervention == "patch_head") & (df.metric == "logit_diff")]

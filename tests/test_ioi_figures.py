@@ -1,4 +1,5 @@
 """IOI figures from a synthetic table with known effects (3 layers x 4 heads, two seeds)."""
+
 from __future__ import annotations
 
 import json
@@ -11,20 +12,36 @@ from headlab.figures import ioi
 from headlab.results import conform
 
 L, H = 3, 4
-CLEAN = {0: {"logit_diff": 3.0, "io_prob": 0.5, "accuracy": 0.9}, 1: {"logit_diff": 3.5, "io_prob": 0.6, "accuracy": 1.0}}
+CLEAN = {
+    0: {"logit_diff": 3.0, "io_prob": 0.5, "accuracy": 0.9},
+    1: {"logit_diff": 3.5, "io_prob": 0.6, "accuracy": 1.0},
+}
 
 
 def _row(seed, intervention, method, metric, value, **extra) -> dict:
-    return {"experiment": "ioi_circuit", "model": "gpt2", "task": "ioi", "seed": seed, "intervention": intervention,
-            "method": method, "metric": metric, "value": value, "n": 64, **extra}  # fmt: skip
+    return {
+        "experiment": "ioi_circuit",
+        "model": "gpt2",
+        "task": "ioi",
+        "seed": seed,
+        "intervention": intervention,
+        "method": method,
+        "metric": metric,
+        "value": value,
+        "n": 64,
+        **extra,
+    }
 
 
 def _effects() -> dict:
     rng = np.random.default_rng(0)
     ablation = rng.uniform(-0.3, 0.3, (L, H))
     ablation[2, 1], ablation[1, 3], ablation[0, 2] = -2.0, 1.0, -0.8  # name mover, negative name mover, ...
-    exact = {("z", None): rng.normal(0, 1, (L, H)), ("z", "END"): rng.normal(0, 1, (L, H)),
-             ("v", "S2"): rng.normal(0, 1, (L, H))}  # fmt: skip
+    exact = {
+        ("z", None): rng.normal(0, 1, (L, H)),
+        ("z", "END"): rng.normal(0, 1, (L, H)),
+        ("v", "S2"): rng.normal(0, 1, (L, H)),
+    }
     noise = {(key, seed): rng.normal(0, 0.05, (L, H)) for key in exact for seed in CLEAN}
     path = rng.uniform(-0.2, 0.2, (L, H))
     path[2, 1] = -1.5
@@ -38,22 +55,60 @@ def _table(e: dict) -> pd.DataFrame:
         rows += [_row(seed, "none", "none", m, v) for m, v in clean.items()]
         for l, h in cells:
             for m, v in clean.items():  # io_prob and accuracy: half the logit-diff effect, not drawn
-                rows.append(_row(seed, "ablate_head", "mean", m, v + e["ablation"][l, h] * (1 if m == "logit_diff" else 0.01),
-                                 layer=l, head=h))  # fmt: skip
+                rows.append(
+                    _row(
+                        seed,
+                        "ablate_head",
+                        "mean",
+                        m,
+                        v + e["ablation"][l, h] * (1 if m == "logit_diff" else 0.01),
+                        layer=l,
+                        head=h,
+                    )
+                )
             for (site, token), exact in e["exact"].items():
                 where = dict(layer=l, head=h, site=site, token=token)
-                rows.append(_row(seed, "patch_head", "activation", "logit_diff", clean["logit_diff"] + exact[l, h], **where))
+                rows.append(
+                    _row(seed, "patch_head", "activation", "logit_diff", clean["logit_diff"] + exact[l, h], **where)
+                )
                 est = clean["logit_diff"] + 0.5 * exact[l, h] + e["noise"][(site, token), seed][l, h]
                 rows.append(_row(seed, "patch_head", "attribution", "logit_diff", est, **where))
                 rows.append(_row(seed, "patch_head", "attribution", "io_prob", np.nan, **where))
-            rows.append(_row(seed, "path_patch", "path", "logit_diff", clean["logit_diff"] + e["path"][l, h],
-                             layer=l, head=h, receivers="logits"))  # fmt: skip
-            rows.append(_row(seed, "path_patch", "path", "logit_diff", clean["logit_diff"] - 0.1,
-                             layer=l, head=h, receivers="2.1 2.2", site="q"))  # fmt: skip
+            rows.append(
+                _row(
+                    seed,
+                    "path_patch",
+                    "path",
+                    "logit_diff",
+                    clean["logit_diff"] + e["path"][l, h],
+                    layer=l,
+                    head=h,
+                    receivers="logits",
+                )
+            )
+            rows.append(
+                _row(
+                    seed,
+                    "path_patch",
+                    "path",
+                    "logit_diff",
+                    clean["logit_diff"] - 0.1,
+                    layer=l,
+                    head=h,
+                    receivers="2.1 2.2",
+                    site="q",
+                )
+            )
             for k, name in enumerate(("induction_score", "copy_score", "attn_end_to_io")):
-                rows.append(_row(seed, "none", "score", name, 0.1 * k + (0.9 if (l, h) == (1, 2) else 0.01 * h), layer=l, head=h))
+                rows.append(
+                    _row(
+                        seed, "none", "score", name, 0.1 * k + (0.9 if (l, h) == (1, 2) else 0.01 * h), layer=l, head=h
+                    )
+                )
         for l in range(L):
-            rows.append(_row(seed, "ablate_layer", "mean", "logit_diff", clean["logit_diff"] + e["layer"][0, l], layer=l))
+            rows.append(
+                _row(seed, "ablate_layer", "mean", "logit_diff", clean["logit_diff"] + e["layer"][0, l], layer=l)
+            )
             rows.append(_row(seed, "ablate_mlp", "mean", "logit_diff", clean["logit_diff"] + e["layer"][1, l], layer=l))
     # per-prompt rows must be ignored: give them absurd values
     rows += [_row(0, "ablate_head", "mean", "logit_diff", 1e6, layer=0, head=0, prompt_id=p, n=1) for p in range(3)]
@@ -72,8 +127,14 @@ def test_draw_full_table(tmp_path):
     numbers = ioi.draw(_table(e), out)
     _pngs(out, numbers)
     assert set(numbers["figures"]) == {
-        "ioi_ablation_mean.png", "ioi_layers.png", "ioi_patch_activation.png", "ioi_patch_attribution.png",
-        "ioi_attribution_vs_activation.png", "ioi_path_patching.png", "ioi_head_scores.png"}  # fmt: skip
+        "ioi_ablation_mean.png",
+        "ioi_layers.png",
+        "ioi_patch_activation.png",
+        "ioi_patch_attribution.png",
+        "ioi_attribution_vs_activation.png",
+        "ioi_path_patching.png",
+        "ioi_head_scores.png",
+    }
     json.dumps(numbers, allow_nan=False)  # storable as strict JSON
 
     assert (numbers["n_layers"], numbers["n_heads"]) == (L, H)

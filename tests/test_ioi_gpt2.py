@@ -3,12 +3,12 @@
 Numbers from Wang et al. 2022: mean logit difference 3.56 over the IOI distribution, and the name
 movers 9.9, 9.6 and 10.0 as the heads whose direct path to the logits carries the answer.
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from headlab.config import IOIConfig

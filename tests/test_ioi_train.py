@@ -2,6 +2,7 @@
 
 The session fixture trains experiment=ioi_trained's model (shortened) once; the tests share it.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,26 @@ HELD_OUT_IO_PROB = 0.1  # by now the model copies a never-trained name from its 
 def _cfg(tmp_path, *overrides: str):
     from headlab import compose
 
-    return compose(*["experiment=ioi_trained", f"model.tokenizer={GPT2_TOKENIZER}", f"output.root={tmp_path}",
-                     *overrides])  # fmt: skip
+    return compose(
+        *["experiment=ioi_trained", f"model.tokenizer={GPT2_TOKENIZER}", f"output.root={tmp_path}", *overrides]
+    )
 
 
 def _tiny(tmp_path, *overrides: str):
     """A model too small to learn anything, trained for a few steps: for the checkpoint mechanics only."""
-    return _cfg(tmp_path, "model.n_layers=1", "model.n_heads=2", "model.d_model=32", "model.d_mlp=64",
-                "train.steps=6", "train.eval_every=3", "train.checkpoint_every=3", "train.eval_prompts=16",
-                "train.target=null", *overrides)  # fmt: skip
+    return _cfg(
+        tmp_path,
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "model.d_model=32",
+        "model.d_mlp=64",
+        "train.steps=6",
+        "train.eval_every=3",
+        "train.checkpoint_every=3",
+        "train.eval_prompts=16",
+        "train.target=null",
+        *overrides,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -37,12 +49,17 @@ def trained_ioi(tmp_path_factory):
     """(in-memory model, task, checkpoint dir, curve) of model=gpt2-ioi trained for STEPS steps."""
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
-    from headlab.train.obtain import checkpoint_dir
     from headlab.tasks import build_task
     from headlab.train import train_toy
+    from headlab.train.obtain import checkpoint_dir
 
-    cfg = _cfg(tmp_path_factory.mktemp("ioi"), f"train.steps={STEPS}", "train.target=null", "train.eval_every=150",
-               "train.eval_prompts=64")
+    cfg = _cfg(
+        tmp_path_factory.mktemp("ioi"),
+        f"train.steps={STEPS}",
+        "train.target=null",
+        "train.eval_every=150",
+        "train.eval_prompts=64",
+    )
     task = build_task(cfg.task)
     directory = checkpoint_dir(cfg)
     model, curve = train_toy(cfg.model, task, cfg.train, cfg.seed, directory, show_progress=False)

@@ -124,7 +124,8 @@ def test_init_files_hold_no_logic(name):
             continue
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             continue
-        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id in ("__version__", "__all__")
-                                                for t in node.targets):  # fmt: skip
+        if isinstance(node, ast.Assign) and all(
+            isinstance(t, ast.Name) and t.id in ("__version__", "__all__") for t in node.targets
+        ):
             continue
         pytest.fail(f"{MODULES[name]}:{node.lineno}: {type(node).__name__} in an __init__.py")

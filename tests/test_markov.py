@@ -1,4 +1,5 @@
 """Hidden Markov chain task and attention-path theory (Tiberi et al., arXiv 2405.15926): exact mechanics."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,19 @@ HEADS = [["same_token", "random"], ["uniform", "random"]]
 
 
 def markov_cfg(**kw):
-    base = dict(name="markov", n_prompts=100, n_reference=0, n_train=40, n_steps=30, n_features=200,
-                p_stay_plus=0.7, p_stay_minus=0.3, noise_label=1.0, noise_common=1.0, noise_orthogonal=1.0)  # fmt: skip
+    base = dict(
+        name="markov",
+        n_prompts=100,
+        n_reference=0,
+        n_train=40,
+        n_steps=30,
+        n_features=200,
+        p_stay_plus=0.7,
+        p_stay_minus=0.3,
+        noise_label=1.0,
+        noise_common=1.0,
+        noise_orthogonal=1.0,
+    )
     return OmegaConf.create({**base, **kw})
 
 
@@ -72,11 +84,16 @@ def test_same_token_head_attends_to_the_previous_token_in_the_same_state_else_to
 def test_forward_along_paths_equals_the_layer_by_layer_network():
     task = MarkovTask(markov_cfg())
     data = task.sample(12, seed=4)
-    for heads in (HEADS, [["same_token", "uniform", "random"]], [["random"], ["same_token", "uniform"], ["random", "uniform"]]):
+    for heads in (
+        HEADS,
+        [["same_token", "uniform", "random"]],
+        [["random"], ["same_token", "uniform"], ["random", "uniform"]],
+    ):
         net = _net(heads=heads)
         weights = net.init_weights(torch.Generator().manual_seed(0))
-        torch.testing.assert_close(net.forward_paths(weights, net.path_inputs(data.x)), net.forward(weights, data.x),
-                                   rtol=1e-10, atol=1e-12)  # fmt: skip
+        torch.testing.assert_close(
+            net.forward_paths(weights, net.path_inputs(data.x)), net.forward(weights, data.x), rtol=1e-10, atol=1e-12
+        )
 
 
 def test_pruning_a_head_removes_exactly_its_paths_from_the_network():
@@ -133,8 +150,13 @@ def test_gp_predictor_equals_closed_form_ridge_regression_in_feature_space():
     xa, xb = net.path_inputs(train.x), net.path_inputs(test.x)
     u = theory.gp_order(net.n_paths, net.variances)
     temperature = 0.05
-    mean, var = theory.predict(theory.kernel(theory.path_kernels(xa, xa), u), theory.kernel(theory.path_kernels(xa, xb), u),
-                               train.y, temperature, k_test_diag=theory.kernel(theory.path_kernels(xb, xb), u).diagonal())  # fmt: skip
+    mean, var = theory.predict(
+        theory.kernel(theory.path_kernels(xa, xa), u),
+        theory.kernel(theory.path_kernels(xa, xb), u),
+        train.y,
+        temperature,
+        k_test_diag=theory.kernel(theory.path_kernels(xb, xb), u).diagonal(),
+    )
     # primal form: features phi = x_pi / sqrt(D H), concatenated over paths; posterior of w ~ N(0, I)
     scale = math.sqrt(xa.shape[-1] * net.n_paths)
     phi, phi_test = xa.flatten(1).numpy() / scale, xb.flatten(1).numpy() / scale
@@ -143,7 +165,9 @@ def test_gp_predictor_equals_closed_form_ridge_regression_in_feature_space():
     w_cov = temperature * np.linalg.inv(a)
     np.testing.assert_allclose(mean.numpy(), phi_test @ w_mean, rtol=1e-7, atol=1e-9)
     np.testing.assert_allclose(var.numpy(), np.einsum("ni,ij,nj->n", phi_test, w_cov, phi_test), rtol=1e-6, atol=1e-9)
-    per_path = theory.path_predictions(theory.path_kernels(xa, xa), theory.path_kernels(xa, xb), u, train.y, temperature)
+    per_path = theory.path_predictions(
+        theory.path_kernels(xa, xa), theory.path_kernels(xa, xb), u, train.y, temperature
+    )
     np.testing.assert_allclose(per_path.sum(0).numpy(), phi_test @ w_mean, rtol=1e-7, atol=1e-9)
     # a path's share is its own features' part of the ridge solution
     d = xa.shape[-1]
@@ -185,9 +209,15 @@ def test_hmc_draws_from_a_correlated_gaussian():
     precision = torch.linalg.inv(cov)
     mean = torch.tensor([1.0, -2.0], dtype=torch.float64)
     draws = []
-    stats = hmc(lambda p: 0.5 * (p[0] - mean) @ precision @ (p[0] - mean), [torch.zeros(2, dtype=torch.float64)],
-                n_warmup=300, n_samples=3000, gen=torch.Generator().manual_seed(0), trajectory=0.3,
-                on_sample=lambda p: draws.append(p[0].clone()))  # fmt: skip
+    stats = hmc(
+        lambda p: 0.5 * (p[0] - mean) @ precision @ (p[0] - mean),
+        [torch.zeros(2, dtype=torch.float64)],
+        n_warmup=300,
+        n_samples=3000,
+        gen=torch.Generator().manual_seed(0),
+        trajectory=0.3,
+        on_sample=lambda p: draws.append(p[0].clone()),
+    )
     x = torch.stack(draws)
     assert 0.6 < stats.accept_rate < 0.95
     torch.testing.assert_close(x.mean(0), mean, atol=0.02, rtol=0)
@@ -204,16 +234,32 @@ def test_split_hmc_with_an_exact_prior_flow_draws_the_gaussian_posterior():
     mean = cov @ a @ m
     draws = []
     params = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
-    hmc(lambda p: 0.5 * (torch.stack(p) - m) @ a @ (torch.stack(p) - m), params, n_warmup=300, n_samples=15000,
-        gen=torch.Generator().manual_seed(1), prior_variances=prior_var.tolist(), trajectory=1.0,
-        on_sample=lambda p: draws.append(torch.stack(p).clone()))  # fmt: skip
+    hmc(
+        lambda p: 0.5 * (torch.stack(p) - m) @ a @ (torch.stack(p) - m),
+        params,
+        n_warmup=300,
+        n_samples=15000,
+        gen=torch.Generator().manual_seed(1),
+        prior_variances=prior_var.tolist(),
+        trajectory=1.0,
+        on_sample=lambda p: draws.append(torch.stack(p).clone()),
+    )
     x = torch.stack(draws)
     torch.testing.assert_close(x.mean(0), mean, atol=0.015, rtol=0)
     torch.testing.assert_close(torch.cov(x.T), cov, atol=0.01, rtol=0)  # posterior variances 0.32 and 0.18
 
 
-FAST = ["experiment=markov_paths", "model.width=10", "model.samples=8", "model.warmup=12", "task.n_train=40",
-        "task.n_prompts=200", "train.steps=200", "output.n_boot=20", "model.theory_steps=500"]  # fmt: skip
+FAST = [
+    "experiment=markov_paths",
+    "model.width=10",
+    "model.samples=8",
+    "model.warmup=12",
+    "task.n_train=40",
+    "task.n_prompts=200",
+    "train.steps=200",
+    "output.n_boot=20",
+    "model.theory_steps=500",
+]
 
 
 def test_run_writes_every_method_and_pruning(tmp_path):
@@ -232,12 +278,15 @@ def test_run_writes_every_method_and_pruning(tmp_path):
     assert meta["pathnet"]["theory"]["grad_max"] < 1e-7
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["task=markov"], "task=markov runs on model=pathnet"),
-    (["model=pathnet", "task=counting"], "model=pathnet runs task=markov only"),
-    (["experiment=markov_paths", "model.heads=[[same_token,banana],[uniform]]"], "unknown pathnet head 'banana'"),
-    (["experiment=markov_paths", "model.reference_paths={good:[7-7]}"], "unknown path 7-7"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["task=markov"], "task=markov runs on model=pathnet"),
+        (["model=pathnet", "task=counting"], "model=pathnet runs task=markov only"),
+        (["experiment=markov_paths", "model.heads=[[same_token,banana],[uniform]]"], "unknown pathnet head 'banana'"),
+        (["experiment=markov_paths", "model.reference_paths={good:[7-7]}"], "unknown path 7-7"),
+    ],
+)
 def test_bad_pathnet_setups_fail_with_one_line(args, needle, tmp_path):
     proc = headlab("run", *args, f"output.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode != 0
@@ -249,7 +298,12 @@ def test_quick_reproduction_draws_every_panel(tmp_path):
 
     result = run_all("markov", tmp_path, quick=True, log=lambda *_: None)
     names = {p.split("/")[-1] for p in result["figures"]}
-    assert names == {"fig_accuracy.png", "fig_order_parameter.png", "fig_alignment.png", "fig_two_paths.png",
-                     "fig_pruning.png"}  # fmt: skip
+    assert names == {
+        "fig_accuracy.png",
+        "fig_order_parameter.png",
+        "fig_alignment.png",
+        "fig_two_paths.png",
+        "fig_pruning.png",
+    }
     numbers = result["numbers"]
     assert numbers["markov_paths"]["theory"][10] > numbers["markov_paths"]["gp"]

@@ -1,5 +1,6 @@
 """MLP neuron site and joint (multi-layer) interventions, checked against computations that do not go
 through HookedModel: edited weights, and plain torch hooks on the down projection / output projection."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,9 @@ NEURONS = (1, 4, 5, 17, 30)
 
 def _toy(n_layers=2, d_mlp=32, seed=0):
     torch.manual_seed(seed)
-    model = ToyTransformer(ToyConfig(vocab_size=VOCAB, n_ctx=32, n_layers=n_layers, n_heads=3, d_model=24,
-                                     d_head=8, d_mlp=d_mlp))  # fmt: skip
+    model = ToyTransformer(
+        ToyConfig(vocab_size=VOCAB, n_ctx=32, n_layers=n_layers, n_heads=3, d_model=24, d_head=8, d_mlp=d_mlp)
+    )
     for p in model.parameters():  # larger weights than the init, so every neuron moves the logits
         p.data.normal_(0, 0.3)
     return hooked_toy(model.eval(), "toy")
@@ -75,8 +77,13 @@ def _plain(net: torch.nn.Module, data: TaskData, hooks=()) -> Tensor:
 def test_zeroing_neurons_equals_zeroing_their_down_projection_columns_on_toy(layer, naive):
     model = _toy()
     data = _data()
-    got = execute(model, _Logits(VOCAB, 2), data, [CLEAN, Intervention("ablate_neurons", "zero", layer,
-                                                                      neurons=NEURONS)], naive=naive)  # fmt: skip
+    got = execute(
+        model,
+        _Logits(VOCAB, 2),
+        data,
+        [CLEAN, Intervention("ablate_neurons", "zero", layer, neurons=NEURONS)],
+        naive=naive,
+    )
     by_down = copy.deepcopy(model.module)
     with torch.no_grad():  # nn.Linear(d_mlp, d_model): neuron j is column j
         by_down.blocks[layer].mlp[2].weight[:, list(NEURONS)] = 0
@@ -176,8 +183,10 @@ def test_mean_ablating_neurons_replaces_them_with_the_reference_mean(groups):
         x[rows[:, None], mid[:, None], torch.tensor(idx)] = means[rows[:, None], mid[:, None], torch.tensor(idx)]
         return (x,)
 
-    ivs = [Intervention("ablate_neurons", "mean", layer, neurons=NEURONS),
-           Intervention("ablate_neurons", "mean", layer, token="MID", neurons=NEURONS)]  # fmt: skip
+    ivs = [
+        Intervention("ablate_neurons", "mean", layer, neurons=NEURONS),
+        Intervention("ablate_neurons", "mean", layer, token="MID", neurons=NEURONS),
+    ]
     got = execute(model, _Logits(VOCAB, 2), data, ivs)
     torch.testing.assert_close(got[0], _plain(net, data, [(down, every_position)]), atol=1e-5, rtol=0)
     torch.testing.assert_close(got[1], _plain(net, data, [(down, at_mid)]), atol=1e-5, rtol=0)
@@ -231,10 +240,12 @@ def test_joint_knockout_across_layers_equals_manual_hooks():
     data = _data()
     task = _Logits(VOCAB, 2)
     head, dh = 1, 8
-    group = [Intervention("ablate_head", "zero", 0, head),
-             Intervention("ablate_neurons", "zero", 2, neurons=NEURONS[:2]),
-             Intervention("ablate_neurons", "zero", 2, neurons=NEURONS[2:]),  # same layer: both apply
-             Intervention("ablate_mlp", "zero", 1)]  # fmt: skip
+    group = [
+        Intervention("ablate_head", "zero", 0, head),
+        Intervention("ablate_neurons", "zero", 2, neurons=NEURONS[:2]),
+        Intervention("ablate_neurons", "zero", 2, neurons=NEURONS[2:]),  # same layer: both apply
+        Intervention("ablate_mlp", "zero", 1),
+    ]
 
     def zero_head(_m, args):  # the output projection's input is z, heads side by side
         x = args[0].clone()
@@ -252,8 +263,12 @@ def test_joint_knockout_across_layers_equals_manual_hooks():
         expected = _plain(net, data, [(net.blocks[0].attn.o, zero_head), (net.blocks[2].mlp[2], zero_neurons)])
     finally:
         handle.remove()
-    singles = [Intervention("ablate_neurons", "mean", 1, neurons=NEURONS), Intervention("ablate_head", "resample", 2, 0),
-               Intervention("ablate_layer", "mean", 0), Intervention("ablate_mlp", "resample", 1)]  # fmt: skip
+    singles = [
+        Intervention("ablate_neurons", "mean", 1, neurons=NEURONS),
+        Intervention("ablate_head", "resample", 2, 0),
+        Intervention("ablate_layer", "mean", 0),
+        Intervention("ablate_mlp", "resample", 1),
+    ]
     got = execute_joint(model, task, data, [group, []] + [[iv] for iv in singles])
     assert got.shape == (2 + len(singles), N, len(task.quantities))
     torch.testing.assert_close(got[0], expected, atol=1e-5, rtol=0)
@@ -263,8 +278,10 @@ def test_joint_knockout_across_layers_equals_manual_hooks():
     torch.testing.assert_close(got[1], via_execute[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(got[2:], via_execute[1:], atol=1e-5, rtol=0)
     # two neuron sets at one layer act as their union
-    split = [Intervention("ablate_neurons", "mean", 1, neurons=NEURONS[:3]),
-             Intervention("ablate_neurons", "mean", 1, neurons=NEURONS[3:])]  # fmt: skip
+    split = [
+        Intervention("ablate_neurons", "mean", 1, neurons=NEURONS[:3]),
+        Intervention("ablate_neurons", "mean", 1, neurons=NEURONS[3:]),
+    ]
     joint = execute_joint(model, task, data, [split, singles[:1]])
     torch.testing.assert_close(joint[0], joint[1], atol=1e-5, rtol=0)
 

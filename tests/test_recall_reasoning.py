@@ -1,4 +1,5 @@
 """Recall vs reasoning (arXiv 2510.03366): task mechanics, selectivity arithmetic, the study end to end."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,20 @@ from test_cli import _error_line, headlab
 
 
 def rr_cfg(**kw):
-    base = dict(name="recall_reasoning", n_prompts=200, n_reference=0, source="synthetic", n_entities=20,
-                n_relations=3, n_values=8, world_seed=0, recall_fraction=0.4, one_hop_fraction=0.2, one_hop_steps=0, prepend_bos=True)  # fmt: skip
+    base = dict(
+        name="recall_reasoning",
+        n_prompts=200,
+        n_reference=0,
+        source="synthetic",
+        n_entities=20,
+        n_relations=3,
+        n_values=8,
+        world_seed=0,
+        recall_fraction=0.4,
+        one_hop_fraction=0.2,
+        one_hop_steps=0,
+        prepend_bos=True,
+    )
     return OmegaConf.create({**base, **kw})
 
 
@@ -129,8 +142,18 @@ def test_facts_source_builds_single_token_answers_for_gpt2(tiny_hf_dir, gpt2_tok
         assert others and answer not in others
 
 
-FAST = ["experiment=recall_reasoning", "model.n_layers=2", "model.d_model=32", "model.d_head=8", "model.d_mlp=64",
-        "train.steps=60", "train.eval_every=30", "task.n_entities=10", "task.n_prompts=60", "output.n_boot=20"]  # fmt: skip
+FAST = [
+    "experiment=recall_reasoning",
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.d_head=8",
+    "model.d_mlp=64",
+    "train.steps=60",
+    "train.eval_every=30",
+    "task.n_entities=10",
+    "task.n_prompts=60",
+    "output.n_boot=20",
+]
 
 
 def test_circuits_run_writes_drops_classes_knockouts_and_figures(tmp_path):
@@ -151,20 +174,31 @@ def test_circuits_run_writes_drops_classes_knockouts_and_figures(tmp_path):
     numbers = json.loads((run_dir / "figures" / "numbers.json").read_text())
     assert set(numbers["clean"]) == {"recall_acc", "reasoning_acc"}
     assert {p.name for p in (run_dir / "figures").glob("*.png")} == {
-        "fig_component_effects.png", "fig_knockouts.png", "fig_layer_profile.png"}
+        "fig_component_effects.png",
+        "fig_knockouts.png",
+        "fig_layer_profile.png",
+    }
 
 
 def test_circuits_on_a_pretrained_model_with_the_fact_table(tiny_hf_dir, gpt2_tokenizer):
-    from headlab.studies import circuits
-    from headlab.models.hf import load_hf
     from conftest import GPT2_TOKENIZER
+    from headlab.models.hf import load_hf
+    from headlab.studies import circuits
 
     model = load_hf(str(tiny_hf_dir("gpt2")), tokenizer=str(GPT2_TOKENIZER))  # 3 layers x 4 heads
     task = RecallReasoningTask(rr_cfg(source="facts"))
     data = task.build(24, seed=0, model=model)
-    cfg = OmegaConf.create({"ablate": {"method": "mean"}, "engine": {"chunk_mb": 32.0, "naive": False},
-                            "output": {"n_boot": 20}, "seed": 0})  # fmt: skip
-    table, extra = circuits.measure(cfg, model, task, data, {"experiment": "t", "model": "tiny", "task": task.name, "seed": 0})
+    cfg = OmegaConf.create(
+        {
+            "ablate": {"method": "mean"},
+            "engine": {"chunk_mb": 32.0, "naive": False},
+            "output": {"n_boot": 20},
+            "seed": 0,
+        }
+    )
+    table, extra = circuits.measure(
+        cfg, model, task, data, {"experiment": "t", "model": "tiny", "task": task.name, "seed": 0}
+    )
     comps = table[table["metric"] == "drop_recall"]
     ablated = comps[comps["intervention"] != "patch_head"]
     assert len(ablated) == 3 * 4 + 3 * 2 + 3 * 4  # heads, attention + MLP, neuron groups
@@ -172,7 +206,9 @@ def test_circuits_on_a_pretrained_model_with_the_fact_table(tiny_hf_dir, gpt2_to
     # the fact table has no same-kind counterfactuals; every head is patched from the other kind
     patched = table[(table["intervention"] == "patch_head") & (table["metric"] == "recall_acc")]
     assert len(patched) == 12 and (patched["group"] == "other_kind").all()
-    clean = table[(table["intervention"] == "knockout") & (table["method"] == "clean") & (table["metric"] == "recall_acc")]
+    clean = table[
+        (table["intervention"] == "knockout") & (table["method"] == "clean") & (table["metric"] == "recall_acc")
+    ]
     base = table[(table["intervention"] == "none") & (table["metric"] == "recall_acc")]
     assert float(clean["value"].iloc[0]) == pytest.approx(float(base["value"].iloc[0]))
 

@@ -21,9 +21,11 @@ def count01_runs(quick: bool) -> list[list[str]]:
     for h in heads:
         for s in seeds:
             model = [f"model.n_heads={h}", f"model.name=toy-attn-1l-h{h}", f"seed={s}", *fast]
-            out += [["experiment=count01_heads", "ablate.method=zero", *model],
-                    ["experiment=count01_heads", "ablate.method=mean", *model],
-                    ["experiment=count01_aggregation", *model]]  # fmt: skip
+            out += [
+                ["experiment=count01_heads", "ablate.method=zero", *model],
+                ["experiment=count01_heads", "ablate.method=mean", *model],
+                ["experiment=count01_aggregation", *model],
+            ]
             if h > 1:
                 out += [["experiment=count01_pattern_swaps", *model], ["experiment=count01_value_swaps", *model]]
     return out
@@ -31,8 +33,11 @@ def count01_runs(quick: bool) -> list[list[str]]:
 
 def markov_runs(quick: bool) -> list[list[str]]:
     widths = (10, 100) if quick else (10, 30, 100, 300, 1000)
-    fast = ["model.samples=10", "model.warmup=20", "task.n_prompts=300", "train.steps=300",
-            "output.n_boot=50"] if quick else []  # fmt: skip
+    fast = (
+        ["model.samples=10", "model.warmup=20", "task.n_prompts=300", "train.steps=300", "output.n_boot=50"]
+        if quick
+        else []
+    )
     out = [
         [f"experiment={exp}", f"model.width={n}", *fast] for exp in ("markov_paths", "markov_two_paths") for n in widths
     ]
@@ -51,8 +56,12 @@ def attn_sae_runs(quick: bool) -> list[list[str]]:
     return [[*base, f"sae={arch}", f"sae.layer={layer}"] for layer in range(4) for arch in ("relu_l1", "topk")]
 
 
-REFERENCE = {"count01": (count01_runs, "run"), "markov": (markov_runs, "run"),
-             "recall_reasoning": (recall_reasoning_runs, "run"), "attn_sae": (attn_sae_runs, "sae")}  # fmt: skip
+REFERENCE = {
+    "count01": (count01_runs, "run"),
+    "markov": (markov_runs, "run"),
+    "recall_reasoning": (recall_reasoning_runs, "run"),
+    "attn_sae": (attn_sae_runs, "sae"),
+}
 
 
 def test_every_reproduction_is_declared():
@@ -74,36 +83,52 @@ def test_unknown_reproduction_names_the_known_ones():
 
 
 def test_grid_block_templating_unless_and_quick():
-    runs = [{"grid": {"a": [1, 2], "b": ["x", "y"]}, "runs": ["k={a}", {"run": "j={b}", "unless": {"a": 1}}],
-             "append": "tail=t{a}"}, "one=run 'q=two words'"]  # fmt: skip
+    runs = [
+        {
+            "grid": {"a": [1, 2], "b": ["x", "y"]},
+            "runs": ["k={a}", {"run": "j={b}", "unless": {"a": 1}}],
+            "append": "tail=t{a}",
+        },
+        "one=run 'q=two words'",
+    ]
     assert reproduce.expand(runs) == [
-        ["k=1", "tail=t1"], ["k=1", "tail=t1"], ["k=2", "tail=t2"], ["j=x", "tail=t2"],
-        ["k=2", "tail=t2"], ["j=y", "tail=t2"], ["one=run", "q=two words"],
-    ]  # fmt: skip
+        ["k=1", "tail=t1"],
+        ["k=1", "tail=t1"],
+        ["k=2", "tail=t2"],
+        ["j=x", "tail=t2"],
+        ["k=2", "tail=t2"],
+        ["j=y", "tail=t2"],
+        ["one=run", "q=two words"],
+    ]
     assert reproduce.expand(runs, {"a": [2], "b": [True]}, "z=1") == [
-        ["k=2", "tail=t2", "z=1"], ["j=true", "tail=t2", "z=1"], ["one=run", "q=two words", "z=1"],
-    ]  # fmt: skip
+        ["k=2", "tail=t2", "z=1"],
+        ["j=true", "tail=t2", "z=1"],
+        ["one=run", "q=two words", "z=1"],
+    ]
 
 
 GOOD = "paper: P\ncommand: run\nfigures: ioi\n"
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("paper: [unclosed\n", "not readable as YAML"),
-    ("- a\n- b\n", "the file: must be a mapping"),
-    ("paper: P\ncommand: run\nruns: [a=1]\n", "missing figures"),
-    (GOOD + "runs: [a=1]\nextra: 1\n", "unknown key extra"),
-    ("paper: P\ncommand: train\nfigures: ioi\nruns: [a=1]\n", "command: must be one of run, sae"),
-    ("paper: P\ncommand: run\nfigures: nope\nruns: [a=1]\n", "figures: must be one of"),
-    (GOOD + "runs: []\n", "runs: must be a non-empty list"),
-    (GOOD + "runs:\n  - grid: {a: []}\n    runs: [x=1]\n", "a must be a non-empty list of scalars"),
-    (GOOD + "runs:\n  - grid: {a: [1]}\n    runs: ['x={b}']\n", "{b} is no grid variable here"),
-    (GOOD + "runs:\n  - grid: {a: [1]}\n    runs: [{run: x=1, unless: {b: 1}}]\n", "unless"),
-    (GOOD + "runs: [x=1]\nquick: {grid: {a: [1]}}\n", "quick: grid names a, in no grid block"),
-    (GOOD + "runs: [x=1]\nquick: {steps: 1}\n", "quick: unknown key steps"),
-    (GOOD + "runs: [\"x='1\"]\n", "quotation"),
-    (GOOD + "runs: [[x=1, y=2]]\n", "a run must be a line of overrides"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("paper: [unclosed\n", "not readable as YAML"),
+        ("- a\n- b\n", "the file: must be a mapping"),
+        ("paper: P\ncommand: run\nruns: [a=1]\n", "missing figures"),
+        (GOOD + "runs: [a=1]\nextra: 1\n", "unknown key extra"),
+        ("paper: P\ncommand: train\nfigures: ioi\nruns: [a=1]\n", "command: must be one of run, sae"),
+        ("paper: P\ncommand: run\nfigures: nope\nruns: [a=1]\n", "figures: must be one of"),
+        (GOOD + "runs: []\n", "runs: must be a non-empty list"),
+        (GOOD + "runs:\n  - grid: {a: []}\n    runs: [x=1]\n", "a must be a non-empty list of scalars"),
+        (GOOD + "runs:\n  - grid: {a: [1]}\n    runs: ['x={b}']\n", "{b} is no grid variable here"),
+        (GOOD + "runs:\n  - grid: {a: [1]}\n    runs: [{run: x=1, unless: {b: 1}}]\n", "unless"),
+        (GOOD + "runs: [x=1]\nquick: {grid: {a: [1]}}\n", "quick: grid names a, in no grid block"),
+        (GOOD + "runs: [x=1]\nquick: {steps: 1}\n", "quick: unknown key steps"),
+        (GOOD + 'runs: ["x=\'1"]\n', "quotation"),
+        (GOOD + "runs: [[x=1, y=2]]\n", "a run must be a line of overrides"),
+    ],
+)
 def test_a_malformed_file_fails_in_one_line_that_names_it(tmp_path: Path, text: str, needle: str):
     path = tmp_path / "broken.yaml"
     path.write_text(text)

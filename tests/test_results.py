@@ -1,4 +1,5 @@
 """The tidy table: bootstrap intervals, schema and dtypes, atomic writes, collect."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,10 @@ from headlab.errors import HeadlabError
 from headlab.tasks import mean_of
 
 RUN = {"experiment": "t", "model": "m", "task": "counting", "seed": 3}
-ROWS = [{"intervention": "none", "method": "none", "layer": None, "head": None, "position": None},
-        {"intervention": "ablate_head", "method": "zero", "layer": 0, "head": 2, "position": None}]  # fmt: skip
+ROWS = [
+    {"intervention": "none", "method": "none", "layer": None, "head": None, "position": None},
+    {"intervention": "ablate_head", "method": "zero", "layer": 0, "head": 2, "position": None},
+]
 
 
 def _table(per_prompt=False, n=200):

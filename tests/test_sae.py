@@ -1,6 +1,7 @@
 """SAEs on attention outputs (headlab.sae), checked against computations that do not go through it:
 SAELens on the exported files, plain torch hooks on the output projection (whose input is z), and
 hand computations of the metrics and attributions."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,8 +24,12 @@ from headlab.config import SaeConfig
 from headlab.errors import HeadlabError
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
 from headlab.sae.activations import Corpus, corpus_z, stream, task_corpus
-from headlab.sae.attribution import (decoder_head_shares, direct_feature_attribution, head_polysemanticity,
-                                     top_activations)  # fmt: skip
+from headlab.sae.attribution import (
+    decoder_head_shares,
+    direct_feature_attribution,
+    head_polysemanticity,
+    top_activations,
+)
 from headlab.sae.export import load_sae, save_sae
 from headlab.sae.fit import STATE, fit, resample
 from headlab.sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
@@ -51,8 +56,9 @@ def _one_thread():
 
 def _toy(n_layers=2, d_mlp=32, seed=0):
     torch.manual_seed(seed)
-    model = ToyTransformer(ToyConfig(vocab_size=VOCAB, n_ctx=32, n_layers=n_layers, n_heads=H, d_model=32, d_head=DH,
-                                     d_mlp=d_mlp))  # fmt: skip
+    model = ToyTransformer(
+        ToyConfig(vocab_size=VOCAB, n_ctx=32, n_layers=n_layers, n_heads=H, d_model=32, d_head=DH, d_mlp=d_mlp)
+    )
     for p in model.parameters():  # larger weights than the init: peaked patterns, layers that matter
         p.data.normal_(0, 0.3)
     return hooked_toy(model.eval(), "toy")
@@ -236,7 +242,8 @@ def test_ce_recovered_is_one_for_identity_and_zero_for_zero(layer):
     assert abs(same["ce_zero_ablation"] - same["ce_clean"]) > 0.01  # a layer that matters: a real gap
     half = ce_recovered(model, layer, corpus, lambda z: 0.5 * z, model_batch=5)
     expected = (half["ce_zero_ablation"] - _ce_plain(model, layer, corpus, lambda z: 0.5 * z)) / (
-        half["ce_zero_ablation"] - half["ce_clean"])
+        half["ce_zero_ablation"] - half["ce_clean"]
+    )
     assert half["ce_loss_recovered"] == pytest.approx(expected, abs=1e-4)
 
 
@@ -367,8 +374,11 @@ def test_corpus_z_and_stream_yield_the_models_z_at_real_tokens():
     padding = torch.cat([z[i, length:] for i, length in enumerate(corpus.lengths.tolist())])
     assert len(padding) > 0
     torch.testing.assert_close(corpus_z(model, 1, corpus, model_batch=5), expected, **TOL)
-    batches = list(itertools.islice(stream(model, 1, lambda _i: corpus, batch_tokens=16, buffer_tokens=40,
-                                           model_batch=5, seed=0), 8))  # fmt: skip
+    batches = list(
+        itertools.islice(
+            stream(model, 1, lambda _i: corpus, batch_tokens=16, buffer_tokens=40, model_batch=5, seed=0), 8
+        )
+    )
     for batch in batches:
         assert batch.shape == (16, D_IN)
         assert _dist(batch, expected).min(1).values.max() < 1e-5  # every row is a real token's z
@@ -410,8 +420,16 @@ def test_relu_l1_starts_reconstructing_an_input_at_about_its_own_size():
 @pytest.mark.parametrize("arch", ["relu_l1", "topk"])
 def test_fit_keeps_unit_decoder_rows_and_learns_a_sparse_dataset(arch, tmp_path):
     sae = ReluL1SAE(D_SYN, 32, seed=0, l1_coeff=0.1) if arch == "relu_l1" else TopKSAE(D_SYN, 32, seed=0, k=2)
-    sc = _sae_cfg(architecture=arch, steps=150, batch_size=64, lr=1e-2, warmup_steps=10, resample_every=0,
-                  dead_window=10**9, checkpoint_every=1000)  # fmt: skip
+    sc = _sae_cfg(
+        architecture=arch,
+        steps=150,
+        batch_size=64,
+        lr=1e-2,
+        warmup_steps=10,
+        resample_every=0,
+        dead_window=10**9,
+        checkpoint_every=1000,
+    )
     held_out = _sparse(1024, 1)
     before = reconstruction_metrics(sae, held_out)
     record = fit(sae, _batches, sc, tmp_path, show_progress=False)
@@ -434,8 +452,18 @@ class _Interrupted(Exception):
 
 @pytest.mark.parametrize("arch", ["relu_l1", "topk"])
 def test_resumed_fit_equals_an_uninterrupted_one(arch, tmp_path):
-    sc = _sae_cfg(architecture=arch, steps=20, batch_size=64, lr=1e-2, warmup_steps=5, resample_every=0,
-                  dead_window=256, checkpoint_every=5, l1_coeff=0.1, k=2)  # fmt: skip
+    sc = _sae_cfg(
+        architecture=arch,
+        steps=20,
+        batch_size=64,
+        lr=1e-2,
+        warmup_steps=5,
+        resample_every=0,
+        dead_window=256,
+        checkpoint_every=5,
+        l1_coeff=0.1,
+        k=2,
+    )
     new = lambda: ReluL1SAE(D_SYN, 32, seed=0, l1_coeff=0.1) if arch == "relu_l1" else TopKSAE(D_SYN, 32, 0, k=2)  # noqa: E731
     whole = new()
     record = fit(whole, _batches, sc, tmp_path / "whole", show_progress=False)
@@ -501,8 +529,17 @@ def test_fit_resamples_latents_that_never_fire(tmp_path):
     sae = ReluL1SAE(D_SYN, 32, seed=0, l1_coeff=0.1)
     with torch.no_grad():
         sae.b_enc[:3] = -1000.0  # never fire
-    sc = _sae_cfg(architecture="relu_l1", steps=12, batch_size=64, lr=1e-2, warmup_steps=1, resample_every=5,
-                  dead_window=128, checkpoint_every=1000, l1_coeff=0.1)  # fmt: skip
+    sc = _sae_cfg(
+        architecture="relu_l1",
+        steps=12,
+        batch_size=64,
+        lr=1e-2,
+        warmup_steps=1,
+        resample_every=5,
+        dead_window=128,
+        checkpoint_every=1000,
+        l1_coeff=0.1,
+    )
     record = fit(sae, _batches, sc, tmp_path, show_progress=False)
     assert (sae.b_enc[:3].detach().abs() < 1.0).all()  # reset to 0 at step 5, then a few small steps
     torch.testing.assert_close(sae.W_dec.norm(dim=1).detach(), torch.ones(32), atol=1e-5, rtol=0)
@@ -528,12 +565,24 @@ def resumed_study(tmp_path_factory):
     from headlab.tasks.counting import CountingTask
 
     root = tmp_path_factory.mktemp("resume")
-    cfg = compose(*["task.n_prompts=8", "sae.steps=30", "sae.batch_size=16", "sae.buffer_tokens=64",
-                    "sae.model_batch=4", "sae.checkpoint_every=5", "sae.expansion=1", f"output.root={root}"])  # fmt: skip
+    cfg = compose(
+        *[
+            "task.n_prompts=8",
+            "sae.steps=30",
+            "sae.batch_size=16",
+            "sae.buffer_tokens=64",
+            "sae.model_batch=4",
+            "sae.checkpoint_every=5",
+            "sae.expansion=1",
+            f"output.root={root}",
+        ]
+    )
     task = CountingTask(cfg.task)
     torch.manual_seed(0)
-    model = hooked_toy(ToyTransformer(ToyConfig(vocab_size=task.vocab_size, n_ctx=32, n_heads=H, d_model=32,
-                                                d_head=DH)).eval(), "toy-attn-1l")  # fmt: skip
+    model = hooked_toy(
+        ToyTransformer(ToyConfig(vocab_size=task.vocab_size, n_ctx=32, n_heads=H, d_model=32, d_head=DH)).eval(),
+        "toy-attn-1l",
+    )
     passes, _ = corpora(cfg, task, model)
     drawn: list[list[Tensor]] = [[], []]
 
@@ -591,8 +640,17 @@ def test_one_sae_directory_means_one_training_set(tmp_path):
 
     (tmp_path / "doc.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     model = SimpleNamespace(tokenizer=_CharTokenizer(), name="toy-attn-1l")
-    cfgs = [compose(*[f"sae.corpus={tmp_path / 'doc.txt'}", "sae.context_size=16", f"sae.eval_sequences={n}",
-                      f"output.root={tmp_path}"]) for n in (4, 40)]  # fmt: skip
+    cfgs = [
+        compose(
+            *[
+                f"sae.corpus={tmp_path / 'doc.txt'}",
+                "sae.context_size=16",
+                f"sae.eval_sequences={n}",
+                f"output.root={tmp_path}",
+            ]
+        )
+        for n in (4, 40)
+    ]
     (train_a, _), (train_b, _) = (corpora(cfg, None, model) for cfg in cfgs)
     if sae_dir(cfgs[0]) == sae_dir(cfgs[1]):
         assert torch.equal(train_a(0).ids, train_b(0).ids)
@@ -601,32 +659,51 @@ def test_one_sae_directory_means_one_training_set(tmp_path):
 # ---------------------------------------------------------------- the command
 
 
-FAST = ["model=toy-attn-1l", "task=counting", "task.n_prompts=64", "train.steps=50", "train.eval_every=50",
-        "train.eval_prompts=64", "train.checkpoint_every=50", "train.batch_size=64", "sae.steps=30",
-        "sae.batch_size=128", "sae.buffer_tokens=512", "sae.eval_sequences=32", "sae.expansion=2", "threads=1"]  # fmt: skip
+FAST = [
+    "model=toy-attn-1l",
+    "task=counting",
+    "task.n_prompts=64",
+    "train.steps=50",
+    "train.eval_every=50",
+    "train.eval_prompts=64",
+    "train.checkpoint_every=50",
+    "train.batch_size=64",
+    "sae.steps=30",
+    "sae.batch_size=128",
+    "sae.buffer_tokens=512",
+    "sae.eval_sequences=32",
+    "sae.expansion=2",
+    "threads=1",
+]
 
 
 def _headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "COLUMNS": "120"}
-    return subprocess.run([sys.executable, "-m", "headlab", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "headlab", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     from sae_lens import SAE
 
     from headlab import compose
-    from headlab.train.obtain import obtain_model
     from headlab.studies.sae import DONE, corpora, sae_dir
     from headlab.tasks import build_task
+    from headlab.train.obtain import obtain_model
 
     args = [*FAST, f"output.root={tmp_path}"]
     proc = _headlab("sae", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (run_dir,) = tmp_path.glob("runs/*/*")
     df = pd.read_parquet(run_dir / "results.parquet")
-    top = df[(df["intervention"] == "sae") & (df["method"] == "relu_l1") & df["head"].isna() & df["feature"].isna()
-             & (df["metric"] != "top_context")]  # fmt: skip
+    top = df[
+        (df["intervention"] == "sae")
+        & (df["method"] == "relu_l1")
+        & df["head"].isna()
+        & df["feature"].isna()
+        & (df["metric"] != "top_context")
+    ]
     metrics = dict(zip(top["metric"], top["value"]))
     assert {"l0", "explained_variance", "ce_loss_recovered", "ce_clean", "ce_with_sae"} <= set(metrics)
     fit_rows = df[df["method"] == "fit"]
@@ -677,8 +754,11 @@ def test_quick_attn_sae_reproduction_draws_from_the_table_and_reuses_its_runs(tm
 
     logs: list[str] = []
     result = run_all("attn_sae", tmp_path, quick=True, log=logs.append)
-    assert {Path(p).name for p in result["figures"]} == {"fig_layers.png", "fig_head_attribution.png",
-                                                         "fig_top_features.png"}  # fmt: skip
+    assert {Path(p).name for p in result["figures"]} == {
+        "fig_layers.png",
+        "fig_head_attribution.png",
+        "fig_top_features.png",
+    }
     table = pd.read_parquet(Path(result["dir"]) / "collected.parquet")
     summary = result["numbers"]["relu_l1_L1"]
     for metric in ("l0", "explained_variance", "ce_loss_recovered"):

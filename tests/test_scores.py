@@ -1,5 +1,6 @@
 """Head-class scores, checked against computations that do not share their code path: HF's own eager
 attention weights, hand-built attention patterns, and the OV circuit rebuilt from the HF weights."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,13 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from headlab.analysis.scores import (
-    IOI_SCORES, SEQ_SCORES, induction_scores, ioi_scores, repeated_tokens, score_table,
-)  # fmt: skip
+    IOI_SCORES,
+    SEQ_SCORES,
+    induction_scores,
+    ioi_scores,
+    repeated_tokens,
+    score_table,
+)
 from headlab.config import IOIConfig
 from headlab.models.hf import load_hf
 from headlab.results import CORE_COLUMNS

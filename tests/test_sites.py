@@ -1,12 +1,13 @@
 """HeadSites on every HF family: idle hooks change nothing; hooks read and write what they claim."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from headlab.models.hf import load_hf
 from conftest import HF_FAMILIES
+from headlab.models.hf import load_hf
 
 TEXT = "When Mary and John went to the store, John gave a drink to"
 
@@ -53,9 +54,10 @@ def test_zeroing_a_head_equals_removing_its_output_projection_columns(family, ti
         with hooked.sites.hooks(layer, z=zero_head):
             hooked_logits = hooked.forward({"input_ids": ids})
         manual = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-        out_proj = {"gpt2": lambda m: m.transformer.h[layer].attn.c_proj,
-                    "gpt_neox": lambda m: m.gpt_neox.layers[layer].attention.dense}.get(
-            family, lambda m: m.model.layers[layer].self_attn.o_proj)(manual)  # fmt: skip
+        out_proj = {
+            "gpt2": lambda m: m.transformer.h[layer].attn.c_proj,
+            "gpt_neox": lambda m: m.gpt_neox.layers[layer].attention.dense,
+        }.get(family, lambda m: m.model.layers[layer].self_attn.o_proj)(manual)
         if type(out_proj).__name__ == "Conv1D":
             out_proj.weight[head * dh : (head + 1) * dh, :] = 0
         else:

@@ -1,4 +1,5 @@
 """Sweeps: a killed submitit_local sweep resumes to the same table; failures are summarised."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,27 @@ from pathlib import Path
 
 import pandas as pd
 
-SWEEP = ["run", "-m", "hydra/launcher=local", "train.steps=150,1500,150", "train.eval_every=150",
-         "task.n_prompts=64", "output.n_boot=50"]  # fmt: skip
+SWEEP = [
+    "run",
+    "-m",
+    "hydra/launcher=local",
+    "train.steps=150,1500,150",
+    "train.eval_every=150",
+    "task.n_prompts=64",
+    "output.n_boot=50",
+]
 
 
 def _headlab(args, cwd, **kw):
-    return subprocess.Popen([sys.executable, "-m", "headlab", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"}, **kw)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "headlab", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        **kw,
+    )
 
 
 def _collect(sweep: Path) -> pd.DataFrame:
@@ -56,8 +71,16 @@ def test_killed_sweep_resumes_skipping_finished_jobs_and_matches_an_uninterrupte
 
 
 def test_failed_job_is_summarised_and_the_sweep_exits_nonzero(tmp_path):
-    args = ["run", "-m", "model.n_ctx=64,16", "train.steps=50", "task.n_prompts=32", "output.n_boot=10",
-            f"output.root={tmp_path}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    args = [
+        "run",
+        "-m",
+        "model.n_ctx=64,16",
+        "train.steps=50",
+        "task.n_prompts=32",
+        "output.n_boot=10",
+        f"output.root={tmp_path}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     stdout, stderr = _headlab(args, tmp_path).communicate(timeout=600)
     assert "1 done, 0 skipped, 1 failed" in stdout
     failed = [ln for ln in stderr.splitlines() if ln.startswith("failed:")]

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import pandas as pd
 from omegaconf import OmegaConf
@@ -70,7 +70,7 @@ def load_task(name: str, **options: Any) -> Task:
 
 
 def load_model(
-    name_or_path: str, task: Union[str, Task, None] = None, show_progress: bool = False, **options: Any
+    name_or_path: str, task: str | Task | None = None, show_progress: bool = False, **options: Any
 ) -> HookedModel:
     """A model ready for sweeps: a config name (`headlab list model`), a local directory or a hub id.
 
@@ -85,8 +85,11 @@ def load_model(
         name = Path(name_or_path).name or name_or_path
         chosen = ["model=hf", f"model.path={name_or_path}", f"model.name={name}"]
     task_name = task.name if isinstance(task, Task) else task
-    overrides = [*chosen, *([f"task={task_name}"] if task_name else []),
-                 *option_overrides(options, prefer=("model", "train"))]  # fmt: skip
+    overrides = [
+        *chosen,
+        *([f"task={task_name}"] if task_name else []),
+        *option_overrides(options, prefer=("model", "train")),
+    ]
     cfg = compose_config(overrides)
     task_obj = task if isinstance(task, Task) else build_task(cfg.task)
     if isinstance(task, Task):
@@ -103,8 +106,8 @@ def sweep(
     task: Task,
     ablate: str = "heads",
     method: str = "zero",
-    patch: Union[str, Sequence[str], None] = None,
-    n_prompts: Optional[int] = None,
+    patch: str | Sequence[str] | None = None,
+    n_prompts: int | None = None,
     seed: int = 0,
     show_progress: bool = False,
     **options: Any,
@@ -125,8 +128,14 @@ def sweep(
         patching = [f"patch={patch or 'none'}"]
     else:
         patching = ["patch=none", f"patch.kinds=[{','.join(patch)}]"]
-    overrides = [f"task={task.name}", f"ablate={ablate}", f"ablate.method={method}", f"seed={seed}", *patching,
-                 *option_overrides(options, prefer=("output", "engine", "ablate", "patch"))]  # fmt: skip
+    overrides = [
+        f"task={task.name}",
+        f"ablate={ablate}",
+        f"ablate.method={method}",
+        f"seed={seed}",
+        *patching,
+        *option_overrides(options, prefer=("output", "engine", "ablate", "patch")),
+    ]
     cfg = compose_config(overrides)
     cfg.task = _task_config(task, n_prompts)
     cfg.model = getattr(model, "config", None) or ModelConfig(name=model.name, kind=ModelKind.hf)
@@ -135,7 +144,7 @@ def sweep(
     return study_for("run", cfg).run(ctx)
 
 
-def _task_config(task: Task, n_prompts: Optional[int]) -> Any:
+def _task_config(task: Task, n_prompts: int | None) -> Any:
     cfg = task.cfg
     if n_prompts is None:
         return cfg

@@ -1,10 +1,11 @@
 """The `headlab` command: typer commands, Hydra composition, multirun hand-off, exit codes."""
+
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import pandas as pd
 import typer
@@ -49,10 +50,16 @@ def _hydra_run(overrides: list[str], task_function: Callable) -> None:
     sweep_dir = sweeps.last_sweep_dir()
     if sweep_dir is not None and sweep_dir.is_dir():
         jobs = sweeps.summarize(sweep_dir)
-        out.print(f"sweep {sweep_dir}: {len(jobs['done'])} done, {len(jobs['skipped'])} skipped, "
-                  f"{len(jobs['failed'])} failed", highlight=False, soft_wrap=True)  # fmt: skip
+        out.print(
+            f"sweep {sweep_dir}: {len(jobs['done'])} done, {len(jobs['skipped'])} skipped, "
+            f"{len(jobs['failed'])} failed",
+            highlight=False,
+            soft_wrap=True,
+        )
         for job in jobs["failed"]:
-            err.print(f"failed: {job['dir']}: {job.get('error')} (log: {job.get('log')})", highlight=False, soft_wrap=True)
+            err.print(
+                f"failed: {job['dir']}: {job.get('error')} (log: {job.get('log')})", highlight=False, soft_wrap=True
+            )
         code = code or (1 if jobs["failed"] else 0)
     if code:
         raise SystemExit(code)
@@ -94,8 +101,7 @@ def _single(command: str, overrides: list[str]) -> None:
 
     result = api.run(*overrides, command=command, show_progress=sys.stderr.isatty())
     if result.skipped:
-        out.print(f"skipped: {result.run_dir} holds a complete result for this config", highlight=False,
-                  soft_wrap=True)  # fmt: skip
+        out.print(f"skipped: {result.run_dir} holds a complete result for this config", highlight=False, soft_wrap=True)
     else:
         print_summary(result.table, result.config.output.print_rows)
     out.print(f"results: {result.run_dir}", highlight=False, soft_wrap=True)
@@ -145,7 +151,10 @@ def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
 def _print_sae(df: pd.DataFrame) -> None:
     top = df[(df["method"] != "fit") & df["head"].isna()]
     arch, layer = top["method"].iloc[0], int(top["layer"].iloc[0])
-    table = Table(title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z ({int(top['n'].iloc[0])} held-out tokens)")
+    table = Table(
+        title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z "
+        f"({int(top['n'].iloc[0])} held-out tokens)"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     for _, r in top.iterrows():
@@ -157,8 +166,12 @@ def _print_sae(df: pd.DataFrame) -> None:
     for col in ("head", "n_dominated", "effective_features", "polysemantic"):
         table.add_column(col, justify="right")
     for _, r in wide.iterrows():
-        table.add_row(str(int(r["head"])), str(int(r["n_dominated"])), f"{r['effective_features']:.2f}",
-                      "yes" if r["polysemantic"] else "no")  # fmt: skip
+        table.add_row(
+            str(int(r["head"])),
+            str(int(r["n_dominated"])),
+            f"{r['effective_features']:.2f}",
+            "yes" if r["polysemantic"] else "no",
+        )
     out.print(table)
 
 
@@ -205,7 +218,7 @@ def sae(
 
 
 @app.command("list")
-def list_(group: Optional[str] = typer.Argument(None, help="One of: " + ", ".join(GROUPS))) -> None:
+def list_(group: str | None = typer.Argument(None, help="One of: " + ", ".join(GROUPS))) -> None:
     """List config groups and their options."""
     if group is not None and group not in GROUPS:
         raise UsageError(f"unknown group '{group}'; choose from: {', '.join(GROUPS)}")
@@ -227,7 +240,7 @@ def _describe(group: str, name: str) -> str:
 @app.command()
 def collect(
     directory: Path = typer.Argument(..., help="A multirun directory (or any directory of run dirs)."),
-    output: Optional[Path] = typer.Option(None, "--out", "-o", help="Table path (default DIR/collected.parquet)."),
+    output: Path | None = typer.Option(None, "--out", "-o", help="Table path (default DIR/collected.parquet)."),
 ) -> None:
     """Concatenate the result tables of every run below DIR into one parquet + csv."""
     from . import results
@@ -242,7 +255,7 @@ def collect(
 
 @app.command()
 def reproduce(
-    name: Optional[str] = typer.Argument(None, help="A paper figure (see --list)."),
+    name: str | None = typer.Argument(None, help="A paper figure (see --list)."),
     list_all: bool = typer.Option(False, "--list", help="Name the reproductions and their papers."),
     quick: bool = typer.Option(False, "--quick", help="Fewer models, seeds and steps: a smoke test."),
     root: Path = typer.Option(Path("outputs"), "--root", help="Output root (checkpoints are cached here)."),

@@ -3,6 +3,7 @@
 Each group option (configs/<group>/<name>.yaml) starts with `defaults: [base_<group>]`, so Hydra merges
 it into the dataclass below: an unknown key or a value of the wrong type fails at composition.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
@@ -79,9 +80,9 @@ class ModelConfig:
     name: str = MISSING
     kind: ModelKind = ModelKind.toy
     # hf: hub name or local directory. toy: a trained checkpoint directory (else trained on the spot).
-    path: Optional[str] = None
-    tokenizer: Optional[str] = None
-    revision: Optional[str] = None
+    path: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
     trust_remote_code: bool = False
     dtype: str = "float32"
     # toy architecture
@@ -106,7 +107,7 @@ class PathNetConfig(ModelConfig):
     beta: float = 10.0  # inverse softmax temperature of every head template
     head_seed: int = 7  # random heads' templates
     random_strength: float = 1.0
-    variances: Optional[list[float]] = None  # prior variances: input, each layer, readout (default all 1)
+    variances: list[float] | None = None  # prior variances: input, each layer, readout (default all 1)
     temperature: float = 0.01  # the likelihood's variance
     # named path subsets ("h1-h2", head index per layer) whose GP-limit predictor is reported too
     reference_paths: dict[str, list[str]] = field(default_factory=dict)
@@ -141,7 +142,7 @@ class IOIConfig(TaskConfig):
     name: str = "ioi"
     n_prompts: int = 500
     templates: str = "both"  # baba | abba | both
-    names: Optional[list[str]] = None  # default: headlab's list of ~130 common first names
+    names: list[str] | None = None  # default: headlab's list of ~130 common first names
     min_names: int = 20  # fewer single-token names than this stops the run
     held_out_every: int = 5  # every k-th name is never trained on (models trained here)
     train_names: str = "names"  # names (all but the held-out) | vocab (every capitalised word token but them)
@@ -211,11 +212,11 @@ class TrainConfig:
     eval_every: int = 250
     eval_prompts: int = 512
     checkpoint_every: int = 500
-    target: Optional[str] = None  # metric name for early stop, e.g. label_acc
+    target: str | None = None  # metric name for early stop, e.g. label_acc
     target_value: float = 1.0
     # Token embeddings drawn with this std instead of the model's own init, and frozen: all tokens then
     # stay alike, so what a model learns on some names carries over to names it never saw.
-    embedding_std: Optional[float] = None
+    embedding_std: float | None = None
     freeze_embeddings: bool = False
 
 
@@ -242,7 +243,7 @@ class SaeConfig:
     beta2: float = 0.999
     # corpus: null = the task's prompts (task.n_prompts per pass, redrawn each pass); else a text file or
     # a directory of .txt / .jsonl ("text" field) files, cut into windows of context_size tokens
-    corpus: Optional[str] = None
+    corpus: str | None = None
     context_size: int = 64
     model_batch: int = 64  # sequences per forward pass of the model
     buffer_tokens: int = 65_536  # shuffle buffer: activations mix across sequences before batching
@@ -269,7 +270,7 @@ class OutputConfig:
     per_prompt: bool = False
     n_boot: int = 1000
     print_rows: int = 24
-    figures: Optional[str] = None  # draw this figure set (e.g. ioi) from the run's table into <run>/figures
+    figures: str | None = None  # draw this figure set (e.g. ioi) from the run's table into <run>/figures
 
 
 @dataclass
@@ -297,8 +298,12 @@ SCHEMAS: dict[str, type] = {
     "train": TrainConfig,
     "sae": SaeConfig,
 }
-TASK_SCHEMAS: dict[str, type] = {"counting": CountingConfig, "ioi": IOIConfig, "markov": MarkovConfig,
-                                 "recall_reasoning": RecallReasoningConfig}
+TASK_SCHEMAS: dict[str, type] = {
+    "counting": CountingConfig,
+    "ioi": IOIConfig,
+    "markov": MarkovConfig,
+    "recall_reasoning": RecallReasoningConfig,
+}
 MODEL_SCHEMAS: dict[str, type] = {"pathnet": PathNetConfig}
 
 
@@ -320,7 +325,7 @@ def is_schema_option(name: str) -> bool:
     return name.startswith("base_")
 
 
-@lru_cache(maxsize=None)
+@cache
 def group_options(group: str) -> tuple[str, ...]:
     """The options of a config group (the YAML files of configs/<group>/), schemas left out."""
     from hydra import initialize_config_dir

@@ -1,14 +1,15 @@
 """Progress bars for long work (rich), quiet when disabled or when output is not a terminal."""
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 class _Bar:
-    def __init__(self, progress: Optional[Progress], task_id: Optional[int]):
+    def __init__(self, progress: Progress | None, task_id: int | None):
         self._progress, self._task = progress, task_id
 
     def update(self, completed: int, info: str = "") -> None:

@@ -2,6 +2,7 @@
 
 Everything is inlined (styles, tables, figures as base64 PNG), so the file can be mailed or archived.
 """
+
 from __future__ import annotations
 
 import base64
@@ -44,8 +45,10 @@ def build(directory: Path) -> str:
     if not runs:
         raise HeadlabError(f"no complete runs (results.parquet with meta.json) below {directory}")
     table = results.collect(directory)
-    parts = [f"<h1>headlab report: {html.escape(directory.name)}</h1>",
-             f"<p>{len(runs)} run(s) below <code>{html.escape(str(directory))}</code>, {len(table)} rows.</p>"]  # fmt: skip
+    parts = [
+        f"<h1>headlab report: {html.escape(directory.name)}</h1>",
+        f"<p>{len(runs)} run(s) below <code>{html.escape(str(directory))}</code>, {len(table)} rows.</p>",
+    ]
 
     statuses = [(p.parent, json.loads(p.read_text())) for p in sorted(directory.rglob(STATUS))]
     if statuses:
@@ -61,7 +64,10 @@ def build(directory: Path) -> str:
         parts.append("<h2>Figures</h2>")
         for fig in figures:
             data = base64.b64encode(fig.read_bytes()).decode()
-            parts.append(f"<h3>{html.escape(fig.name)}</h3><img alt='{html.escape(fig.name)}' src='data:image/png;base64,{data}'>")
+            parts.append(
+                f"<h3>{html.escape(fig.name)}</h3>"
+                f"<img alt='{html.escape(fig.name)}' src='data:image/png;base64,{data}'>"
+            )
 
     aggregated = table[table["n"] > 1] if "prompt_id" in table else table
     parts.append("<h2>Results</h2>" + _table(aggregated))
@@ -69,8 +75,14 @@ def build(directory: Path) -> str:
     timing_rows = []
     for run in runs:
         meta = json.loads((run / results.META).read_text())
-        timing_rows.append({"run": str(run.relative_to(directory)) or ".", **meta.get("seconds", {}),
-                            "config_hash": meta.get("config_hash"), "git_commit": (meta.get("git_commit") or "")[:10]})  # fmt: skip
+        timing_rows.append(
+            {
+                "run": str(run.relative_to(directory)) or ".",
+                **meta.get("seconds", {}),
+                "config_hash": meta.get("config_hash"),
+                "git_commit": (meta.get("git_commit") or "")[:10],
+            }
+        )
     parts.append("<h2>Timings (seconds)</h2>" + _table(pd.DataFrame(timing_rows)))
 
     configs = [(run, run / ".hydra" / "config.yaml") for run in runs]
@@ -78,13 +90,19 @@ def build(directory: Path) -> str:
     if configs:
         parts.append("<h2>Configuration</h2>")
         first_run, first = configs[0]
-        parts.append(f"<p>{html.escape(str(first_run.relative_to(directory)) or '.')}</p><pre>{html.escape(first.read_text())}</pre>")
+        parts.append(
+            f"<p>{html.escape(str(first_run.relative_to(directory)) or '.')}</p>"
+            f"<pre>{html.escape(first.read_text())}</pre>"
+        )
         for run, _ in configs[1:]:
             overrides = run / ".hydra" / "overrides.yaml"
             text = overrides.read_text() if overrides.is_file() else ""
-            parts.append(f"<p>{html.escape(str(run.relative_to(directory)))} overrides:</p><pre>{html.escape(text)}</pre>")
+            parts.append(
+                f"<p>{html.escape(str(run.relative_to(directory)))} overrides:</p><pre>{html.escape(text)}</pre>"
+            )
     body = "\n".join(parts)
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>headlab report</title><style>{STYLE}</style></head><body>{body}</body></html>"
+    head = f"<meta charset='utf-8'><title>headlab report</title><style>{STYLE}</style>"
+    return f"<!doctype html><html><head>{head}</head><body>{body}</body></html>"
 
 
 def write(directory: Path) -> Path:

@@ -3,14 +3,16 @@
 One row per observation, core columns first and in this order; extra columns may follow. A run dir is
 complete when meta.json exists: it is written last, after results.parquet and results.csv are in place.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import platform
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -19,16 +21,47 @@ from .errors import HeadlabError
 from .io import atomic_write_bytes
 
 CORE_COLUMNS = [
-    "experiment", "model", "task", "seed", "intervention", "method",
-    "layer", "head", "position", "metric", "value", "n", "ci_low", "ci_high",
-]  # fmt: skip
+    "experiment",
+    "model",
+    "task",
+    "seed",
+    "intervention",
+    "method",
+    "layer",
+    "head",
+    "position",
+    "metric",
+    "value",
+    "n",
+    "ci_low",
+    "ci_high",
+]
 DTYPES = {
-    "experiment": "string", "model": "string", "task": "string", "seed": "int64",
-    "intervention": "string", "method": "string", "layer": "Int64", "head": "Int64", "position": "Int64",
-    "metric": "string", "value": "float64", "n": "int64", "ci_low": "float64", "ci_high": "float64",
-    "prompt_id": "Int64", "other_head": "Int64", "site": "string", "token": "string", "receivers": "string",
-    "feature": "Int64", "rank": "Int64", "sequence": "Int64", "query_position": "Int64", "context": "string",
-}  # fmt: skip
+    "experiment": "string",
+    "model": "string",
+    "task": "string",
+    "seed": "int64",
+    "intervention": "string",
+    "method": "string",
+    "layer": "Int64",
+    "head": "Int64",
+    "position": "Int64",
+    "metric": "string",
+    "value": "float64",
+    "n": "int64",
+    "ci_low": "float64",
+    "ci_high": "float64",
+    "prompt_id": "Int64",
+    "other_head": "Int64",
+    "site": "string",
+    "token": "string",
+    "receivers": "string",
+    "feature": "Int64",
+    "rank": "Int64",
+    "sequence": "Int64",
+    "query_position": "Int64",
+    "context": "string",
+}
 TABLE, CSV, META = "results.parquet", "results.csv", "meta.json"
 
 
@@ -80,9 +113,15 @@ def tidy(
         for j, name in enumerate(quantity_names):
             frame = label.loc[label.index.repeat(n)].reset_index(drop=True)
             frames.append(
-                frame.assign(metric=name, value=quantities[:, :, j].reshape(-1), n=1, ci_low=np.nan,
-                             ci_high=np.nan, prompt_id=np.tile(np.arange(n), k))
-            )  # fmt: skip
+                frame.assign(
+                    metric=name,
+                    value=quantities[:, :, j].reshape(-1),
+                    n=1,
+                    ci_low=np.nan,
+                    ci_high=np.nan,
+                    prompt_id=np.tile(np.arange(n), k),
+                )
+            )
     df = pd.concat(frames, ignore_index=True)
     for key, value in run.items():
         df[key] = value
@@ -121,7 +160,7 @@ def is_complete(run_dir: Path) -> bool:
     return (Path(run_dir) / META).is_file() and (Path(run_dir) / TABLE).is_file()
 
 
-def run_meta(config_hash: str, timings: dict[str, float], extra: Optional[dict] = None) -> dict[str, Any]:
+def run_meta(config_hash: str, timings: dict[str, float], extra: dict | None = None) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
@@ -140,7 +179,7 @@ def run_meta(config_hash: str, timings: dict[str, float], extra: Optional[dict] 
     }
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     try:
         here = Path(__file__).resolve().parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
@@ -164,9 +203,7 @@ def collect(directory: Path) -> pd.DataFrame:
             known = schema.setdefault(col, str(dtype))
             first.setdefault(col, path)
             if known != str(dtype):
-                raise HeadlabError(
-                    f"schema conflict in column '{col}': {known} in {first[col]} but {dtype} in {path}"
-                )
+                raise HeadlabError(f"schema conflict in column '{col}': {known} in {first[col]} but {dtype} in {path}")
         for key, value in _job_overrides(path.parent).items():
             if key not in df.columns:
                 df[key] = value

@@ -1,4 +1,5 @@
 """Process-level settings for fast CPU sweeps."""
+
 from __future__ import annotations
 
 import ctypes

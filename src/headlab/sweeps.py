@@ -4,17 +4,18 @@ Each job writes <job dir>/status.json (done | skipped | failed, with the last er
 path) from a Hydra callback that runs where the job runs (this process, a submitit subprocess or a
 SLURM node), so the summary is read from the sweep dir alone, whatever launcher ran it.
 """
+
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.experimental.callback import Callback
 
 STATUS = "status.json"
-_last_sweep_dir: Optional[Path] = None
+_last_sweep_dir: Path | None = None
 
 
 def job_threads() -> int:
@@ -48,7 +49,7 @@ class SweepStatus(Callback):
         atomic_write_bytes(run_dir / STATUS, json.dumps(status).encode())
 
 
-def last_sweep_dir() -> Optional[Path]:
+def last_sweep_dir() -> Path | None:
     return _last_sweep_dir
 
 

@@ -1,4 +1,5 @@
 """Per-head readings: output norms and attention weights by token, from the first read position."""
+
 from __future__ import annotations
 
 import numpy as np

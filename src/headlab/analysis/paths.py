@@ -13,10 +13,11 @@ partial paths (h_l, .., h_L), U_1 = U over whole paths; U_{L+1} = U_a, a scalar 
 with Tr_{h_l} the partial trace over the major index. Sampled weights give U directly:
 U = < e_pi . e_pi' / N > over the posterior, e the paths' effective weights (models/pathnet.py).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -46,8 +47,9 @@ def gp_order(n_paths: int, variances: list[float]) -> Tensor:
     return scale * torch.eye(n_paths, dtype=torch.float64)
 
 
-def predict(k_train: Tensor, k_cross: Tensor, y: Tensor, temperature: float,
-            k_test_diag: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
+def predict(
+    k_train: Tensor, k_cross: Tensor, y: Tensor, temperature: float, k_test_diag: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
     """Posterior mean y^T (K + T I)^-1 k and variance k** - k^T (K + T I)^-1 k at the test inputs."""
     solved = torch.linalg.solve(with_noise(k_train, temperature), k_cross)  # [n_train, n_test]
     mean = y @ solved
@@ -107,8 +109,9 @@ def _readout_order(trace_last: Tensor, h_last: int, var_last: float, var_a: floa
     return (-b + torch.sqrt(b * b + 4 * g)) / 2
 
 
-def action(nested: list[Tensor], c: Tensor, y: Tensor, heads: list[int], width: int,
-           variances: list[float], temperature: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+def action(
+    nested: list[Tensor], c: Tensor, y: Tensor, heads: list[int], width: int, variances: list[float], temperature: float
+) -> tuple[Tensor, Tensor]:
     """(S / N, U_a) for nested order parameters U_1 .. U_L (each symmetrised here)."""
     nested = [(u + u.T) / 2 for u in nested]
     a = with_noise(kernel(c, nested[0]), temperature)
@@ -137,16 +140,31 @@ def gp_nested(heads: list[int], variances: list[float]) -> list[Tensor]:
     return out
 
 
-def solve_order(c: Tensor, y: Tensor, heads: list[int], width: int, variances: list[float], temperature: float,
-                tol: float = 1e-7, max_steps: int = 5_000,
-                on_step: Optional[Callable[[int, float], None]] = None) -> OrderParameters:  # fmt: skip
+def solve_order(
+    c: Tensor,
+    y: Tensor,
+    heads: list[int],
+    width: int,
+    variances: list[float],
+    temperature: float,
+    tol: float = 1e-7,
+    max_steps: int = 5_000,
+    on_step: Callable[[int, float], None] | None = None,
+) -> OrderParameters:
     """Minimise the action from the GP value by L-BFGS (strong Wolfe line search) until every |dS/dU| < tol.
 
     The authors use Adam to a tolerance of 1e-5; on these few dozen parameters L-BFGS reaches 1e-7 in a
     small fraction of the time."""
     params = [u.clone().requires_grad_(True) for u in gp_nested(heads, variances)]
-    opt = torch.optim.LBFGS(params, lr=1, max_iter=50, tolerance_grad=tol / 10, tolerance_change=1e-15,
-                            history_size=50, line_search_fn="strong_wolfe")  # fmt: skip
+    opt = torch.optim.LBFGS(
+        params,
+        lr=1,
+        max_iter=50,
+        tolerance_grad=tol / 10,
+        tolerance_change=1e-15,
+        history_size=50,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure() -> Tensor:
         opt.zero_grad()

@@ -7,9 +7,8 @@ Two prompt sets, hence two sample sizes in the table's `n` column:
   the task's IOI prompts                            attn_end_to_{io,s1,s2}, copy_score, negative_copy_score
 Every score reads the model through HeadSites, so it sees whatever hooks are active around the call.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import numpy as np
 import pandas as pd
@@ -31,7 +30,7 @@ def _device(model: HookedModel) -> torch.device:
     return next(model.module.parameters()).device
 
 
-def ordinary_ids(model: HookedModel, low: Optional[int] = None, high: Optional[int] = None) -> Tensor:
+def ordinary_ids(model: HookedModel, low: int | None = None, high: int | None = None) -> Tensor:
     """Token ids [m] in [low, high) that are not special or added tokens of the tokenizer.
 
     Defaults: with a tokenizer of more than 20000 ids, 1000..20000 (common words in BPE vocabularies,
@@ -52,9 +51,13 @@ def ordinary_ids(model: HookedModel, low: Optional[int] = None, high: Optional[i
 
 
 def repeated_tokens(
-    model: HookedModel, n_seq: int, seq_len: int, seed: int = 0,
-    vocab_low: Optional[int] = None, vocab_high: Optional[int] = None,
-) -> Tensor:  # fmt: skip
+    model: HookedModel,
+    n_seq: int,
+    seq_len: int,
+    seed: int = 0,
+    vocab_low: int | None = None,
+    vocab_high: int | None = None,
+) -> Tensor:
     """[n_seq, bos + 2*seq_len]: T = seq_len distinct random ordinary tokens, then the same T again.
 
     Distinct tokens make each second-half token's earlier copy unique, so the duplicate and induction
@@ -70,9 +73,14 @@ def repeated_tokens(
 
 
 def induction_scores(
-    model: HookedModel, n_seq: int = 100, seq_len: int = 20, seed: int = 0,
-    vocab_low: Optional[int] = None, vocab_high: Optional[int] = None, batch_size: int = 32,
-) -> Tensor:  # fmt: skip
+    model: HookedModel,
+    n_seq: int = 100,
+    seq_len: int = 20,
+    seed: int = 0,
+    vocab_low: int | None = None,
+    vocab_high: int | None = None,
+    batch_size: int = 32,
+) -> Tensor:
     """[layer, head, n_seq, 3] per-sequence SEQ_SCORES on repeated random tokens (see repeated_tokens).
 
     prev_token_score: mean attention from i to i-1 over every i whose i-1 is a sequence token (not BOS);
@@ -90,8 +98,16 @@ def induction_scores(
             per_layer = []
             for layer in range(model.n_layers):
                 p = patterns[layer].float()  # [batch, head, q_pos, k_pos]
-                per_layer.append(torch.stack([p[..., query, query - 1].mean(-1), p[..., second, second - t].mean(-1),
-                                              p[..., second, second - t + 1].mean(-1)], dim=-1))  # fmt: skip
+                per_layer.append(
+                    torch.stack(
+                        [
+                            p[..., query, query - 1].mean(-1),
+                            p[..., second, second - t].mean(-1),
+                            p[..., second, second - t + 1].mean(-1),
+                        ],
+                        dim=-1,
+                    )
+                )
             chunks.append(torch.stack(per_layer))  # [layer, batch, head, 3]
     return torch.cat(chunks, dim=1).transpose(1, 2).cpu()
 
@@ -127,8 +143,10 @@ def ioi_scores(model: HookedModel, data: TaskData, batch_size: int = 16) -> Tens
                 v_io = store[("v", layer)][rows, :, pos["IO"]][:, kv]  # [batch, head, d_head]
                 out = torch.einsum("bhd,hdm->bhm", v_io, model.sites.W_O(layer))  # [batch, head, d_model]
                 token = io.unsqueeze(1).expand(-1, model.n_heads).reshape(-1)
-                copies = [_in_top_k(model, sign * out.reshape(-1, out.shape[-1]), token).view(out.shape[:2])
-                          for sign in (1, -1)]  # fmt: skip
+                copies = [
+                    _in_top_k(model, sign * out.reshape(-1, out.shape[-1]), token).view(out.shape[:2])
+                    for sign in (1, -1)
+                ]
                 per_layer.append(torch.stack([*attn, *(c.float() for c in copies)], dim=-1))
             chunks.append(torch.stack(per_layer))  # [layer, batch, head, 5]
     return torch.cat(chunks, dim=1).transpose(1, 2).cpu()
@@ -146,13 +164,23 @@ def _in_top_k(model: HookedModel, resid: Tensor, token: Tensor) -> Tensor:
 
 
 def score_table(
-    model: HookedModel, data: TaskData, run_info: dict, n_boot: int = 1000, seed: int = 0,
-    n_seq: int = 100, seq_len: int = 20, vocab_low: Optional[int] = None, vocab_high: Optional[int] = None,
-) -> pd.DataFrame:  # fmt: skip
+    model: HookedModel,
+    data: TaskData,
+    run_info: dict,
+    n_boot: int = 1000,
+    seed: int = 0,
+    n_seq: int = 100,
+    seq_len: int = 20,
+    vocab_low: int | None = None,
+    vocab_high: int | None = None,
+) -> pd.DataFrame:
     """Tidy rows (intervention "none", method "score", per layer and head) for SEQ_SCORES over n_seq random
     sequences (made with `seed`) and IOI_SCORES over the task's prompts, with bootstrap intervals."""
-    labels = [{"intervention": "none", "method": "score", "layer": layer, "head": head}
-              for layer in range(model.n_layers) for head in range(model.n_heads)]  # fmt: skip
+    labels = [
+        {"intervention": "none", "method": "score", "layer": layer, "head": head}
+        for layer in range(model.n_layers)
+        for head in range(model.n_heads)
+    ]
     frames = []
     for scores, names in (
         (induction_scores(model, n_seq, seq_len, seed, vocab_low, vocab_high), SEQ_SCORES),

@@ -7,6 +7,7 @@ and a class: a component matters for a kind when its drop is at least `threshold
 end is above 0; it is `recall` (matters for recall, s >= min_selectivity), `reasoning` (matters for
 reasoning, s <= -min_selectivity), `shared` (matters, |s| below), or `none`.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,15 @@ THRESHOLD = 0.05  # accuracy drop (5 points) for a component to matter for a kin
 MIN_SELECTIVITY = 0.5
 
 
-def drops(correct: np.ndarray, kind: np.ndarray, labels: list[dict], n_boot: int = 1000, seed: int = 0,
-          threshold: float = THRESHOLD, min_selectivity: float = MIN_SELECTIVITY) -> pd.DataFrame:  # fmt: skip
+def drops(
+    correct: np.ndarray,
+    kind: np.ndarray,
+    labels: list[dict],
+    n_boot: int = 1000,
+    seed: int = 0,
+    threshold: float = THRESHOLD,
+    min_selectivity: float = MIN_SELECTIVITY,
+) -> pd.DataFrame:
     """correct [k, n] (row 0 the clean run), kind [n] (0 recall, 1 reasoning), labels[i] for row i >= 1."""
     rng = np.random.default_rng(seed)
     out = []
@@ -39,7 +47,9 @@ def drops(correct: np.ndarray, kind: np.ndarray, labels: list[dict], n_boot: int
     sel = df["selectivity"].fillna(0.0)
     df["class"] = np.select(
         [matters_r & (sel >= min_selectivity), matters_q & (sel <= -min_selectivity), matters_r | matters_q],
-        ["recall", "reasoning", "shared"], "none")  # fmt: skip
+        ["recall", "reasoning", "shared"],
+        "none",
+    )
     return df
 
 

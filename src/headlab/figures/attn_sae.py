@@ -26,8 +26,12 @@ CONTEXTS_SHOWN = 3
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
-    rows = table[(table["intervention"] == "sae") & (table["method"] != "fit") & table["head"].isna()
-                 & table["metric"].isin(SUMMARY)]  # fmt: skip
+    rows = table[
+        (table["intervention"] == "sae")
+        & (table["method"] != "fit")
+        & table["head"].isna()
+        & table["metric"].isin(SUMMARY)
+    ]
     return rows.pivot_table(index=["method", "layer"], columns="metric", values="value").reset_index()
 
 
@@ -46,8 +50,11 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         for i, (method, rows) in enumerate(summ.groupby("method")):
             x = np.array([layers.index(v) for v in rows["layer"]]) + i * width
             ax.bar(x, rows[metric], width, color=ARCH_COLOR.get(method, "gray"), label=method)
-        ax.set(xticks=np.arange(len(layers)) + width * (summ["method"].nunique() - 1) / 2,
-               xticklabels=[f"L{int(v)}" for v in layers], title=metric.replace("_", " "))  # fmt: skip
+        ax.set(
+            xticks=np.arange(len(layers)) + width * (summ["method"].nunique() - 1) / 2,
+            xticklabels=[f"L{int(v)}" for v in layers],
+            title=metric.replace("_", " "),
+        )
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "fig_layers.png", dpi=120)
@@ -71,17 +78,29 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         lines.append(f"feature {f['feature']} (head {f['head']}, share {f['share']:.2f})")
         lines += [f"    {c}" for c in f["contexts"]]
     fig = plt.figure(figsize=(11, 0.22 * len(lines) + 0.6))
-    fig.text(0.01, 0.99, "\n".join(lines if features else [*lines, "no live features"]), family="monospace",
-             fontsize=7, va="top")  # fmt: skip
+    fig.text(
+        0.01,
+        0.99,
+        "\n".join(lines if features else [*lines, "no live features"]),
+        family="monospace",
+        fontsize=7,
+        va="top",
+    )
     fig.savefig(out / "fig_top_features.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
-    numbers = {f"{r['method']}_L{int(r['layer'])}": {m: float(r[m]) for m in SUMMARY if m in r and pd.notna(r[m])}
-               for _, r in summ.iterrows()}  # fmt: skip
+    numbers = {
+        f"{r['method']}_L{int(r['layer'])}": {m: float(r[m]) for m in SUMMARY if m in r and pd.notna(r[m])}
+        for _, r in summ.iterrows()
+    }
     numbers[f"features_L{int(layers[-1])}_{method}"] = {
-        f"f{f['feature']}": {"head": f["head"], "share": round(f["share"], 4),
-                             "top_context": (f["contexts"] or [""])[0]}
-        for f in features}  # fmt: skip
+        f"f{f['feature']}": {
+            "head": f["head"],
+            "share": round(f["share"], 4),
+            "top_context": (f["contexts"] or [""])[0],
+        }
+        for f in features
+    }
     return numbers
 
 
@@ -94,6 +113,12 @@ def head_features(table: pd.DataFrame, method: str, layer: int) -> list[dict]:
         mine = m[m.to_numpy().argmax(1) == list(m.columns).index(head)][head].sort_values(ascending=False)
         for feature, share in mine.head(FEATURES_PER_HEAD).items():
             rows = ctx[ctx["feature"] == feature].sort_values("rank").head(CONTEXTS_SHOWN)
-            picked.append({"feature": int(feature), "head": int(head), "share": float(share),
-                           "contexts": [f"{v:.2f}  {c}" for v, c in zip(rows["value"], rows["context"])]})  # fmt: skip
+            picked.append(
+                {
+                    "feature": int(feature),
+                    "head": int(head),
+                    "share": float(share),
+                    "contexts": [f"{v:.2f}  {c}" for v, c in zip(rows["value"], rows["context"])],
+                }
+            )
     return picked

@@ -93,11 +93,18 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         val = lambda iv, m, grp=grp: float(grp[(grp["intervention"] == iv) & (grp["metric"] == m)]["value"].iloc[0])
         heads = single[(single["n_heads"] == h) & (single["seed"] == s) & (single["method"] == "zero")]
         best = heads.loc[heads["label_acc"].idxmax()] if len(heads) else None
-        agg.append({"n_heads": h, "seed": s,
-                    "learned_label": val("none", "label_acc"), "learned_eos": val("none", "eos_acc"),
-                    "uniform_label": val("scale_heads", "label_acc"), "uniform_eos": val("scale_heads", "eos_acc"),
-                    "best_head_label": np.nan if best is None else best["label_acc"],
-                    "best_head_eos": np.nan if best is None else best["eos_acc"]})  # fmt: skip
+        agg.append(
+            {
+                "n_heads": h,
+                "seed": s,
+                "learned_label": val("none", "label_acc"),
+                "learned_eos": val("none", "eos_acc"),
+                "uniform_label": val("scale_heads", "label_acc"),
+                "uniform_eos": val("scale_heads", "eos_acc"),
+                "best_head_label": np.nan if best is None else best["label_acc"],
+                "best_head_eos": np.nan if best is None else best["eos_acc"],
+            }
+        )
     agg = pd.DataFrame(agg)
     if len(agg):
         numbers["uniform_label_drop"] = float((agg["learned_label"] - agg["uniform_label"]).mean())

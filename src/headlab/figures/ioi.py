@@ -11,11 +11,11 @@ logit difference IO - S, then averaged over seeds; layer 0 is the top row, as in
   ioi_head_scores.png                head-class scores (method "score"), one panel per score
 Each figure is drawn only if its rows are in the table. Rows with a prompt_id (per-prompt) are ignored.
 """
+
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
 
 import matplotlib
 
@@ -27,19 +27,27 @@ import pandas as pd  # noqa: E402
 from ..vocabulary import HEAD_SITES  # noqa: E402
 
 METRICS = {"logit_diff": "logit diff (IO - S)", "io_prob": "P(IO)", "accuracy": "accuracy"}
-SCORES = ("prev_token_score", "duplicate_token_score", "induction_score", "attn_end_to_io", "attn_end_to_s1",
-          "attn_end_to_s2", "copy_score", "negative_copy_score")  # fmt: skip
+SCORES = (
+    "prev_token_score",
+    "duplicate_token_score",
+    "induction_score",
+    "attn_end_to_io",
+    "attn_end_to_s1",
+    "attn_end_to_s2",
+    "copy_score",
+    "negative_copy_score",
+)
 SITES = HEAD_SITES
 WHERE = ("all", "END", "S2", "S1", "IO")
 TOP_K = 5
 
 
-def _f(x) -> Optional[float]:
+def _f(x) -> float | None:
     """A JSON-safe float: None for NaN or infinity."""
     return float(x) if x is not None and np.isfinite(x) else None
 
 
-def _pearson(x, y) -> Optional[float]:
+def _pearson(x, y) -> float | None:
     x, y = np.asarray(x, float).ravel(), np.asarray(y, float).ravel()
     ok = np.isfinite(x) & np.isfinite(y)
     if ok.sum() < 3 or np.std(x[ok]) == 0 or np.std(y[ok]) == 0:
@@ -47,7 +55,7 @@ def _pearson(x, y) -> Optional[float]:
     return float(np.corrcoef(x[ok], y[ok])[0, 1])
 
 
-def _prepare(table: pd.DataFrame, model: Optional[str]) -> pd.DataFrame:
+def _prepare(table: pd.DataFrame, model: str | None) -> pd.DataFrame:
     df = table.copy()
     if "prompt_id" in df:
         df = df[df["prompt_id"].isna()]
@@ -67,7 +75,7 @@ def _effects(df: pd.DataFrame, rows: pd.DataFrame, metric: str) -> pd.DataFrame:
     return rows.assign(effect=rows["value"] - rows["seed"].map(clean.groupby("seed")["value"].mean()))
 
 
-def _metric(rows: pd.DataFrame) -> Optional[str]:
+def _metric(rows: pd.DataFrame) -> str | None:
     """The first task metric (logit diff first) that has finite values among rows."""
     for m in METRICS:
         if np.isfinite(rows.loc[rows["metric"] == m, "value"].astype(float)).any():
@@ -89,8 +97,16 @@ def _top(m: np.ndarray, by_abs: bool = True) -> list[dict]:
     return [{"head": f"{i // m.shape[1]}.{i % m.shape[1]}", "value": float(m.flat[i])} for i in order]
 
 
-def _heatmap(ax, m: np.ndarray, title: str, effect: bool = True, xlabel: str = "head", ylabel: str = "layer",
-             yticks: Optional[list[str]] = None, cbar: str = "") -> None:  # fmt: skip
+def _heatmap(
+    ax,
+    m: np.ndarray,
+    title: str,
+    effect: bool = True,
+    xlabel: str = "head",
+    ylabel: str = "layer",
+    yticks: list[str] | None = None,
+    cbar: str = "",
+) -> None:
     """One layer x head heatmap: diverging and centred at 0 for effects, sequential for scores."""
     finite = m[np.isfinite(m)]
     if effect:
@@ -146,14 +162,15 @@ def _head_sweep(df, rows, what: str, name: str, out: Path, shape, numbers: dict)
                 continue
             grids[f"{site}@{where}"] = g = _grid(cell, "effect", shape)
             positions = "all positions" if where == "all" else f"at {where}"
-            _heatmap(axes[i][j], g, f"{what}: change in {METRICS[metric]}\nsite {site}, {positions}",
-                     cbar=f"Δ {metric}")  # fmt: skip
+            _heatmap(
+                axes[i][j], g, f"{what}: change in {METRICS[metric]}\nsite {site}, {positions}", cbar=f"Δ {metric}"
+            )
     _save(fig, out, name, numbers)
     numbers[name.removeprefix("ioi_").removesuffix(".png")] = {k: _top(g) for k, g in grids.items()}
     return grids
 
 
-def draw(table: pd.DataFrame, out: Path, model: Optional[str] = None) -> dict:
+def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
     """Every IOI figure the table has rows for, into `out`; returns headline numbers (JSON-safe).
 
     A table of several models draws `model` (default: the first in sorted order)."""
@@ -169,8 +186,9 @@ def draw(table: pd.DataFrame, out: Path, model: Optional[str] = None) -> dict:
     shape = (int(layers) + 1 if pd.notna(layers) else 1, int(heads) + 1 if pd.notna(heads) else 1)
     numbers["n_layers"], numbers["n_heads"] = shape
     clean = df[(df["intervention"] == "none") & (df["method"] == "none")]
-    numbers["clean"] = {m: _f(clean.loc[clean["metric"] == m, "value"].mean()) for m in METRICS
-                        if (clean["metric"] == m).any()}  # fmt: skip
+    numbers["clean"] = {
+        m: _f(clean.loc[clean["metric"] == m, "value"].mean()) for m in METRICS if (clean["metric"] == m).any()
+    }
 
     kind = df["intervention"]
     for method in _ordered(df.loc[kind == "ablate_head", "method"], ("mean", "zero", "resample")):
@@ -190,18 +208,39 @@ def draw(table: pd.DataFrame, out: Path, model: Optional[str] = None) -> dict:
                     vectors.append(_grid(sel.assign(row=0), "effect", (1, shape[0]), ("row", "layer"))[0])
         if np.isfinite(np.asarray(vectors, float)).any():
             fig, axes = plt.subplots(figsize=(max(4.0, 1.8 + 0.45 * shape[0]), 1.4 + 0.35 * len(labels)))
-            _heatmap(axes, np.asarray(vectors), f"ablating a layer's attention / MLP output: change in "
-                     f"{METRICS[metric]}", xlabel="layer", ylabel="", yticks=labels, cbar=f"Δ {metric}")  # fmt: skip
+            _heatmap(
+                axes,
+                np.asarray(vectors),
+                f"ablating a layer's attention / MLP output: change in {METRICS[metric]}",
+                xlabel="layer",
+                ylabel="",
+                yticks=labels,
+                cbar=f"Δ {metric}",
+            )
             _save(fig, out, "ioi_layers.png", numbers)
             numbers["layers"] = {lab: [_f(v) for v in vec] for lab, vec in zip(labels, vectors)}
         else:
             numbers["skipped"].append(f"layer ablation: no clean baseline for {metric}")
 
     patched = df[kind == "patch_head"]
-    exact = _head_sweep(df, patched[patched["method"] == "activation"], "activation patching",
-                        "ioi_patch_activation.png", out, shape, numbers)  # fmt: skip
-    approx = _head_sweep(df, patched[patched["method"] == "attribution"], "attribution patching (estimate)",
-                         "ioi_patch_attribution.png", out, shape, numbers)  # fmt: skip
+    exact = _head_sweep(
+        df,
+        patched[patched["method"] == "activation"],
+        "activation patching",
+        "ioi_patch_activation.png",
+        out,
+        shape,
+        numbers,
+    )
+    approx = _head_sweep(
+        df,
+        patched[patched["method"] == "attribution"],
+        "attribution patching (estimate)",
+        "ioi_patch_attribution.png",
+        out,
+        shape,
+        numbers,
+    )
     both = [k for k in exact if k in approx]
     if both:
         fig, axes = plt.subplots(1, len(both), figsize=(3.6 * len(both), 3.4), squeeze=False)
@@ -215,8 +254,9 @@ def draw(table: pd.DataFrame, out: Path, model: Optional[str] = None) -> dict:
             ax.scatter(x, y, s=14)
             ax.set_xlabel("activation patching (exact)")
             ax.set_ylabel("attribution patching (estimate)")
-            ax.set_title(f"{key.replace('@', ', ')}: Δ logit diff per head, r = "
-                         f"{'n/a' if r is None else f'{r:.3f}'}", fontsize=8)  # fmt: skip
+            ax.set_title(
+                f"{key.replace('@', ', ')}: Δ logit diff per head, r = {'n/a' if r is None else f'{r:.3f}'}", fontsize=8
+            )
         _save(fig, out, "ioi_attribution_vs_activation.png", numbers)
 
     path = df[kind == "path_patch"].dropna(subset=["layer", "head"])
@@ -248,7 +288,7 @@ def draw(table: pd.DataFrame, out: Path, model: Optional[str] = None) -> dict:
             m = _grid(scores[scores["metric"] == name], "value", shape)
             _heatmap(ax, m, name.replace("_", " "), effect=False, cbar="score")
             numbers["head_scores"][name] = _top(m, by_abs=False)
-        for ax in axes.flat[len(names):]:
+        for ax in axes.flat[len(names) :]:
             ax.axis("off")
         _save(fig, out, "ioi_head_scores.png", numbers)
     return numbers

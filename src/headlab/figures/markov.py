@@ -27,13 +27,17 @@ METHOD_STYLE = {
     "sample": dict(color="black", marker="o", label="posterior samples (HMC)"),
     "gd": dict(color="tab:green", marker="s", label="gradient descent"),
 }
-GP_STYLE = {"gp": ("-", "GP, all paths"), "gp_good": ("--", "GP, good path"),
-            "gp_good_denoising": (":", "GP, good + denoising paths")}  # fmt: skip
+GP_STYLE = {
+    "gp": ("-", "GP, all paths"),
+    "gp_good": ("--", "GP, good path"),
+    "gp_good_denoising": (":", "GP, good + denoising paths"),
+}
 
 
 def _accuracy(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
-    rows = table[(table["experiment"] == experiment) & (table["intervention"] == "none")
-                 & (table["metric"] == "test_acc")]  # fmt: skip
+    rows = table[
+        (table["experiment"] == experiment) & (table["intervention"] == "none") & (table["metric"] == "test_acc")
+    ]
     return rows[["width", "method", "value", "ci_low", "ci_high"]].sort_values("width")
 
 
@@ -107,8 +111,10 @@ def _pruning(table: pd.DataFrame, experiment: str, width: int) -> tuple[pd.DataF
     single = acc[acc["intervention"] == "prune"].drop(columns=["head_kind"], errors="ignore")
     single["drop"] = single["method"].map(base) - single["value"]
     scores = rows[rows["metric"] == "head_score"]
-    single = single.merge(scores[["method", "layer", "head", "value", "head_kind"]].rename(columns={"value": "score"}),
-                          on=["method", "layer", "head"])  # fmt: skip
+    single = single.merge(
+        scores[["method", "layer", "head", "value", "head_kind"]].rename(columns={"value": "score"}),
+        on=["method", "layer", "head"],
+    )
     ordered = acc[acc["intervention"] == "prune_by_score"][["method", "n_pruned", "value"]]
     random = acc[acc["intervention"] == "prune_random"].groupby(["method", "n_pruned"])["value"].mean().reset_index()
     return single, ordered, random

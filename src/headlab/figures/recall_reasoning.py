@@ -45,8 +45,10 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     comps = component_drops(table)
     fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharex=True, sharey=True)
-    panels = [(axes[0], KIND_MARKER, "ablated"),
-              (axes[1], {"patch_head": "o"}, "head z at the answer from the other kind's prompt")]  # fmt: skip
+    panels = [
+        (axes[0], KIND_MARKER, "ablated"),
+        (axes[1], {"patch_head": "o"}, "head z at the answer from the other kind's prompt"),
+    ]
     for ax, markers, title in panels:
         for kind, marker in markers.items():
             c = comps[comps["intervention"] == kind]
@@ -55,8 +57,10 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         ax.axvline(0, color="k", lw=0.5)
         ax.set(xlabel="recall accuracy drop", ylabel="reasoning accuracy drop", title=title)
         # shape = component kind, colour = class: one legend entry per meaning, not per (kind, class)
-        shapes = [Line2D([], [], ls="", marker=m, color="k", label=k.replace("ablate_", "").replace("_", " "))
-                  for k, m in markers.items()]  # fmt: skip
+        shapes = [
+            Line2D([], [], ls="", marker=m, color="k", label=k.replace("ablate_", "").replace("_", " "))
+            for k, m in markers.items()
+        ]
         colours = [Line2D([], [], ls="", marker="o", color=c, label=k) for k, c in CLASS_COLOR.items()]
         ax.legend(handles=shapes + colours, fontsize=7)
     fig.tight_layout()
@@ -86,8 +90,12 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         [(k, m) for k in ("ablate_layer", "ablate_mlp") for m in ("drop_recall", "drop_reasoning")]
     ):
         r = layered[layered["intervention"] == kind].sort_values("layer")
-        ax.bar(r["layer"] + (j - 1.5) * width, r[metric], width,
-               label=f"{'attention' if kind == 'ablate_layer' else 'MLP'}: {metric.replace('drop_', '')}")  # fmt: skip
+        ax.bar(
+            r["layer"] + (j - 1.5) * width,
+            r[metric],
+            width,
+            label=f"{'attention' if kind == 'ablate_layer' else 'MLP'}: {metric.replace('drop_', '')}",
+        )
     ax.set(xlabel="layer", ylabel="accuracy drop", title="layer profile")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -100,24 +108,34 @@ def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
     clean = table[(table["intervention"] == "none") & table["metric"].isin(["recall_acc", "reasoning_acc"])]
     base = ko[ko["method"] == "clean"].iloc[0] if (ko["method"] == "clean").any() else None
     ablated = comps[comps["intervention"] != "patch_head"]
-    out: dict = {"clean": {m: round(float(v), 4) for m, v in zip(clean["metric"], clean["value"])},
-                 "classes": {k: int(v) for k, v in ablated["class"].value_counts().items()}}  # fmt: skip
+    out: dict = {
+        "clean": {m: round(float(v), 4) for m, v in zip(clean["metric"], clean["value"])},
+        "classes": {k: int(v) for k, v in ablated["class"].value_counts().items()},
+    }
     if base is not None:
         for method in ("recall_top", "reasoning_top", "random"):
             r = ko[ko["method"] == method].set_index("k")
             out[f"knockout_{method}"] = {
-                int(k): {"recall_drop": round(float(base["recall_acc"] - row["recall_acc"]), 4),
-                         "reasoning_drop": round(float(base["reasoning_acc"] - row["reasoning_acc"]), 4)}
+                int(k): {
+                    "recall_drop": round(float(base["recall_acc"] - row["recall_acc"]), 4),
+                    "reasoning_drop": round(float(base["reasoning_acc"] - row["reasoning_acc"]), 4),
+                }
                 for k, row in r.iterrows()
-            }  # fmt: skip
-    for kind, name in (("ablate_head", "heads"), ("ablate_neurons", "neuron_groups"), ("ablate_mlp", "mlps"),
-                       ("patch_head", "heads_patched_from_other_kind")):  # fmt: skip
+            }
+    for kind, name in (
+        ("ablate_head", "heads"),
+        ("ablate_neurons", "neuron_groups"),
+        ("ablate_mlp", "mlps"),
+        ("patch_head", "heads_patched_from_other_kind"),
+    ):
         c = comps[comps["intervention"] == kind]
         if len(c):
             drops = c[["drop_recall", "drop_reasoning"]].to_numpy()
-            out[name] = {"max_recall_drop": round(float(c["drop_recall"].max()), 4),
-                         "max_reasoning_drop": round(float(c["drop_reasoning"].max()), 4),
-                         "mean_abs_drop": round(float(np.abs(drops).mean()), 4)}  # fmt: skip
+            out[name] = {
+                "max_recall_drop": round(float(c["drop_recall"].max()), 4),
+                "max_reasoning_drop": round(float(c["drop_reasoning"].max()), 4),
+                "mean_abs_drop": round(float(np.abs(drops).mean()), 4),
+            }
     patched = comps[comps["intervention"] == "patch_head"].set_index("component")
     if len(patched):
         out["heads_patched_from_other_kind"]["classes"] = {
@@ -127,5 +145,6 @@ def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
         # do the heads that matter when ablated also matter when they carry the other kind's activation?
         out["heads_patched_from_other_kind"]["pearson_r_with_head_ablation"] = {
             kind: round(float(np.corrcoef(heads[f"drop_{kind}"], patched[f"drop_{kind}"])[0, 1]), 4)
-            for kind in ("recall", "reasoning")}  # fmt: skip
+            for kind in ("recall", "reasoning")
+        }
     return out

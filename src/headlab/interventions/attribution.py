@@ -84,7 +84,14 @@ def _keep(store: dict[tuple[str, int], Tensor], site: str, layer: int) -> Hook:
 def _rows(data: TaskData, rows: slice) -> TaskData:
     """The prompts `rows` of a task's data (answers, roles and sets sliced alike)."""
     cut = lambda d: d and {k: v[rows] for k, v in d.items()}  # noqa: E731
-    return replace(data, inputs=cut(data.inputs), positions=data.positions[rows], answers=cut(data.answers),
-                   counterfactual=cut(data.counterfactual), reference=cut(data.reference),
-                   token_positions=cut(data.token_positions),
-                   groups=None if data.groups is None else data.groups[rows], reference_groups=None)  # fmt: skip
+    return replace(
+        data,
+        inputs=cut(data.inputs),
+        positions=data.positions[rows],
+        answers=cut(data.answers),
+        counterfactual=cut(data.counterfactual),
+        reference=cut(data.reference),
+        token_positions=cut(data.token_positions),
+        groups=None if data.groups is None else data.groups[rows],
+        reference_groups=None,
+    )

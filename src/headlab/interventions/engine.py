@@ -37,10 +37,16 @@ def _through_last_read(data: TaskData) -> TaskData:
     seq_len = next(iter(data.inputs.values())).shape[1]
     if keep >= seq_len:
         return data
-    cut = lambda inputs: inputs and {k: v[:, :keep] if v.dim() >= 2 and v.shape[1] == seq_len else v  # noqa: E731
-                                     for k, v in inputs.items()}  # fmt: skip
-    return replace(data, inputs=cut(data.inputs), counterfactual=cut(data.counterfactual),
-                   reference=cut(data.reference))  # fmt: skip
+    cut = lambda inputs: (
+        inputs
+        and {
+            k: v[:, :keep] if v.dim() >= 2 and v.shape[1] == seq_len else v  # noqa: E731
+            for k, v in inputs.items()
+        }
+    )
+    return replace(
+        data, inputs=cut(data.inputs), counterfactual=cut(data.counterfactual), reference=cut(data.reference)
+    )
 
 
 def execute(
@@ -102,8 +108,11 @@ def _run_stacked(
         else:
             by_layer[iv.layer].append(i)  # type: ignore[index]
     per_chunk = chunk_size(model, data, chunk_mb)
-    chunks = [(layer, idx[s : s + per_chunk]) for layer, idx in sorted(by_layer.items())
-              for s in range(0, len(idx), per_chunk)]  # fmt: skip
+    chunks = [
+        (layer, idx[s : s + per_chunk])
+        for layer, idx in sorted(by_layer.items())
+        for s in range(0, len(idx), per_chunk)
+    ]
     with progress_bar("sweep", total=len(chunks), enabled=show_progress) as bar:
         for done, (layer, idx) in enumerate(chunks, 1):
             chunk = [interventions[i] for i in idx]

@@ -46,8 +46,11 @@ def run_path(
     for i, iv in enumerate(senders):
         groups[(iv.layer, iv.receivers, iv.site)].append(i)
     per_chunk = chunk_size(model, data, chunk_mb)
-    chunks = [(key, idx[s : s + per_chunk]) for key, idx in sorted(groups.items(), key=lambda kv: kv[0][0])
-              for s in range(0, len(idx), per_chunk)]  # fmt: skip
+    chunks = [
+        (key, idx[s : s + per_chunk])
+        for key, idx in sorted(groups.items(), key=lambda kv: kv[0][0])
+        for s in range(0, len(idx), per_chunk)
+    ]
     with progress_bar("path patching", total=len(chunks), enabled=show_progress) as bar:
         for done, ((layer, receivers, site), idx) in enumerate(chunks, 1):
             chunk = [senders[i] for i in idx]

@@ -119,9 +119,12 @@ def plan(cfg: Any, n_layers: int, n_heads: int, scales: dict[int, list[float]] |
     kinds = [option(k) for k in cfg.patch.kinds]
     for patching in (Method.activation, Method.attribution):
         if patching in kinds:
-            out += [Intervention(Kind.patch_head, patching, l, h, site=site, **where)
-                    for site in _sites(cfg.patch.sites) for where in _positions(cfg.patch.positions)
-                    for l, h in cells]  # fmt: skip
+            out += [
+                Intervention(Kind.patch_head, patching, l, h, site=site, **where)
+                for site in _sites(cfg.patch.sites)
+                for where in _positions(cfg.patch.positions)
+                for l, h in cells
+            ]
     if Method.path in kinds:
         receivers, site = _receivers(cfg.patch.receivers, cfg.patch.receiver_site, n_layers, n_heads)
         out += [Intervention(Kind.path_patch, Method.path, l, h, site=site, receivers=receivers) for l, h in cells]

@@ -3,12 +3,13 @@
 HF models compute attention through `headlab_attention`, registered in transformers' attention
 interface as "headlab"; the only per-family knowledge is the small table of module names below.
 """
+
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +34,9 @@ class Family:
 _LLAMA_LIKE = Family("model.layers", "self_attn", "o_proj", "model.norm", down_proj="mlp.down_proj")
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("transformer.h", "attn", "c_proj", "transformer.ln_f", down_proj="mlp.c_proj"),
-    "gpt_neox": Family("gpt_neox.layers", "attention", "dense", "gpt_neox.final_layer_norm",
-                       down_proj="mlp.dense_4h_to_h"),
+    "gpt_neox": Family(
+        "gpt_neox.layers", "attention", "dense", "gpt_neox.final_layer_norm", down_proj="mlp.dense_4h_to_h"
+    ),
     **{t: _LLAMA_LIKE for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo", "olmo2")},
 }
 
@@ -53,7 +55,7 @@ def _get(root: nn.Module, dotted: str) -> Any:
     return root
 
 
-def _find(root: nn.Module, dotted: str) -> Optional[nn.Module]:
+def _find(root: nn.Module, dotted: str) -> nn.Module | None:
     """Like _get, but None when a block lacks the module (a layer without an MLP)."""
     try:
         return _get(root, dotted)
@@ -63,15 +65,14 @@ def _find(root: nn.Module, dotted: str) -> Optional[nn.Module]:
 
 def load_hf(
     path: str,
-    name: Optional[str] = None,
-    tokenizer: Optional[str] = None,
-    revision: Optional[str] = None,
+    name: str | None = None,
+    tokenizer: str | None = None,
+    revision: str | None = None,
     trust_remote_code: bool = False,
     dtype: str = "float32",
     need_tokenizer: bool = True,
 ) -> HookedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     register_attention()

@@ -10,11 +10,13 @@ Besides the head sites (sites.py), every layer with an MLP has two more: "mlp", 
 [batch, pos, d_model], and "neurons", its hidden units [batch, pos, d_mlp] (the input of the down
 projection, reached by a forward pre-hook on that module).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -70,10 +72,10 @@ class HookedModel:
         call: Callable[[nn.Module, Inputs], Tensor],
         family: str,
         tokenizer: Any = None,
-        logit_softcap: Optional[float] = None,
-        mlps: Optional[list[Optional[nn.Module]]] = None,
+        logit_softcap: float | None = None,
+        mlps: list[nn.Module | None] | None = None,
         width: int = 0,
-        down_projs: Optional[list[Optional[nn.Module]]] = None,
+        down_projs: list[nn.Module | None] | None = None,
     ):
         self.name = name
         self.module = module
@@ -176,8 +178,8 @@ class HookedModel:
                 handle.remove()
 
     def trace(self, inputs: Inputs) -> Trace:
-        resid_pre: list[Optional[Tensor]] = [None] * self.n_layers
-        extra: list[Optional[tuple]] = [None] * self.n_layers
+        resid_pre: list[Tensor | None] = [None] * self.n_layers
+        extra: list[tuple | None] = [None] * self.n_layers
         final: list[Tensor] = []
 
         def pre_hook(layer: int):
@@ -204,8 +206,13 @@ class HookedModel:
         return Trace(batch, resid_pre, extra, final[-1])  # type: ignore[arg-type]
 
     def run_blocks(
-        self, h: Tensor, start: int, trace: Trace, copies: int = 1, read: Optional[Tensor] = None,
-        stop: Optional[int] = None,
+        self,
+        h: Tensor,
+        start: int,
+        trace: Trace,
+        copies: int = 1,
+        read: Tensor | None = None,
+        stop: int | None = None,
     ) -> Tensor:
         """Blocks start..stop-1 (default: to the last). With `read` ([batch, P] positions), the last
         block's MLP runs at those positions only: nothing after it reads the others, so their residual
@@ -231,7 +238,7 @@ class _Stop(Exception):
 
 
 @contextmanager
-def _only_at(mlp: Optional[nn.Module], positions: Optional[Tensor]) -> Iterator[None]:
+def _only_at(mlp: nn.Module | None, positions: Tensor | None) -> Iterator[None]:
     """Run a position-wise module at `positions` only; its output elsewhere is zero."""
     if mlp is None or positions is None:
         yield

@@ -18,6 +18,7 @@ Head templates (D = features + positions, q = (v+ - v-) / n_features):
 - random: Gaussian features (std 1/n_features), positions (std 1) and feature-position cross terms
   (std 1/sqrt(n_features)), each times random_strength: a sharp head with no relation to the task.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -74,14 +75,24 @@ class PathNet:
     variances: list[float]  # sigma_0^2, sigma_1^2 .. sigma_L^2, sigma_a^2
 
     @classmethod
-    def build(cls, heads, n_features: int, n_tokens: int, width: int, beta: float, variances,
-              head_seed: int = 0, random_strength: float = 1.0) -> "PathNet":  # fmt: skip
+    def build(
+        cls,
+        heads,
+        n_features: int,
+        n_tokens: int,
+        width: int,
+        beta: float,
+        variances,
+        head_seed: int = 0,
+        random_strength: float = 1.0,
+    ) -> PathNet:
         heads = [list(layer) for layer in heads]
         if not heads or any(not layer for layer in heads):
             raise UsageError("model.heads needs at least one layer with at least one head")
         if len(variances) != len(heads) + 2:
-            raise UsageError(f"model.variances needs {len(heads) + 2} values (input, each layer, readout), "
-                             f"not {len(variances)}")  # fmt: skip
+            raise UsageError(
+                f"model.variances needs {len(heads) + 2} values (input, each layer, readout), not {len(variances)}"
+            )
         gen = torch.Generator().manual_seed(head_seed)
         templates = [
             beta * torch.stack([head_template(k, n_features, n_tokens, gen, random_strength) for k in layer])

@@ -3,6 +3,7 @@
 Attention goes through `headlab_attention`, so toy models expose the same head sites as HF models.
 Checkpoints are safetensors plus a JSON config; nothing is unpickled.
 """
+
 from __future__ import annotations
 
 import json

@@ -11,12 +11,14 @@ The stream runs the model in batches of sequences (stopping at the layer), keeps
 flattened over heads ([tokens, n_heads * d_head]), and mixes them in a shuffle buffer before batching:
 activations never need to fit in memory, and one batch never holds a single sequence's tokens only.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +40,7 @@ class Corpus:
     def n_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def rows(self, index: Tensor) -> "Corpus":
+    def rows(self, index: Tensor) -> Corpus:
         return Corpus(self.ids[index], self.lengths[index], self.targets[index])
 
 
@@ -136,7 +138,7 @@ def stream(
     or fresh prompts)."""
     gen = torch.Generator().manual_seed(seed)
     buffer_tokens = max(buffer_tokens, 2 * batch_tokens)
-    buffer: Optional[Tensor] = None
+    buffer: Tensor | None = None
     pass_index = 0
     pending: list[Corpus] = []
     while True:

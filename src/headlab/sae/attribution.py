@@ -1,16 +1,17 @@
 """From SAE features to heads (Kissane et al. 2024, section 3):
 
-  decoder_head_shares       weight-based: the share of a feature's decoder norm on each head,
-                            ||W_dec[f, head h]|| / sum_h' ||W_dec[f, head h']||
-  head_polysemanticity      per head: the live features it dominates (share >= sae.dominance), the
-                            effective number of them (exp of the entropy of their firing frequencies),
-                            and whether that number is at least 2 (polysemantic: more than one role)
-  direct_feature_attribution  a feature's pre-activation is linear in z, and z of head h at the query
-                            position is sum_s pattern[h, q, s] v[h, s]; so the pre-activation splits
-                            exactly into pattern[h, q, s] (v[h, s] . W_enc[head h, f]) per head and source
-                            position, plus b_enc[f] - b_dec . W_enc[:, f]
-  top_activations           the k largest activations of every feature over a token set, in chunks
+decoder_head_shares       weight-based: the share of a feature's decoder norm on each head,
+                          ||W_dec[f, head h]|| / sum_h' ||W_dec[f, head h']||
+head_polysemanticity      per head: the live features it dominates (share >= sae.dominance), the
+                          effective number of them (exp of the entropy of their firing frequencies),
+                          and whether that number is at least 2 (polysemantic: more than one role)
+direct_feature_attribution  a feature's pre-activation is linear in z, and z of head h at the query
+                          position is sum_s pattern[h, q, s] v[h, s]; so the pre-activation splits
+                          exactly into pattern[h, q, s] (v[h, s] . W_enc[head h, f]) per head and source
+                          position, plus b_enc[f] - b_dec . W_enc[:, f]
+top_activations           the k largest activations of every feature over a token set, in chunks
 """
+
 from __future__ import annotations
 
 import math
@@ -36,14 +37,21 @@ def head_polysemanticity(shares: Tensor, frequency: Tensor, dominance: float) ->
         mine = (shares[:, h] >= dominance) & (frequency > 0)
         p = frequency[mine] / frequency[mine].sum() if mine.any() else frequency[:0]
         effective = math.exp(float(-(p * p.log()).sum())) if mine.any() else 0.0
-        out.append({"head": h, "n_dominated": int(mine.sum()), "effective_features": effective,
-                    "polysemantic": float(effective >= 2.0)})  # fmt: skip
+        out.append(
+            {
+                "head": h,
+                "n_dominated": int(mine.sum()),
+                "effective_features": effective,
+                "polysemantic": float(effective >= 2.0),
+            }
+        )
     return out
 
 
 @torch.no_grad()
-def direct_feature_attribution(model: HookedModel, layer: int, sae: SparseAutoencoder, ids: Tensor,
-                               position: int, feature: int) -> Tensor:  # fmt: skip
+def direct_feature_attribution(
+    model: HookedModel, layer: int, sae: SparseAutoencoder, ids: Tensor, position: int, feature: int
+) -> Tensor:
     """[n_heads, pos] for one sequence ids [pos]: each head's and source position's part of the feature's
     pre-activation at `position`."""
     with model.sites.record(("pattern", "v"), layers=[layer]) as store:

@@ -5,6 +5,7 @@ Parameters carry SAELens's names and shapes, so a state dict is an SAELens state
 The encoder sees x - b_dec (SAELens: apply_b_dec_to_input). Inputs are hook_z flattened over heads:
 [..., n_heads * d_head], head-major, as TransformerLens's `... n_heads d_head -> ... (n_heads d_head)`.
 """
+
 from __future__ import annotations
 
 from typing import ClassVar

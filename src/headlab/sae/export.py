@@ -1,12 +1,13 @@
 """SAE files: SAELens's layout, so a fitted SAE loads in SAELens with `SAE.load_from_disk(dir)`.
 
-  cfg.json                   architecture ("standard" for relu_l1, "topk"), d_in, d_sae, dtype, device,
-                             apply_b_dec_to_input, normalize_activations "none", reshape_activations
-                             "hook_z" (SAELens then takes z as [..., n_heads, d_head]; flattened input
-                             needs its turn_off_forward_pass_hook_z_reshaping()), and metadata:
-                             model_name, hook_name blocks.{L}.attn.hook_z, context_size, headlab's fields
-  sae_weights.safetensors    W_enc, b_enc, W_dec, b_dec
+cfg.json                   architecture ("standard" for relu_l1, "topk"), d_in, d_sae, dtype, device,
+                           apply_b_dec_to_input, normalize_activations "none", reshape_activations
+                           "hook_z" (SAELens then takes z as [..., n_heads, d_head]; flattened input
+                           needs its turn_off_forward_pass_hook_z_reshaping()), and metadata:
+                           model_name, hook_name blocks.{L}.attn.hook_z, context_size, headlab's fields
+sae_weights.safetensors    W_enc, b_enc, W_dec, b_dec
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,13 @@ def saelens_config(sae: SparseAutoencoder, metadata: dict[str, Any]) -> dict[str
         "reshape_activations": "hook_z",
         **sae.saelens_fields(),
         # sae_lens_version: SAELens reads metadata only from configs of its version 6 layout
-        "metadata": {"sae_lens_version": SAELENS_FORMAT, "hook_head_index": None, "prepend_bos": True, **metadata,
-                     "headlab_architecture": sae.architecture},  # fmt: skip
+        "metadata": {
+            "sae_lens_version": SAELENS_FORMAT,
+            "hook_head_index": None,
+            "prepend_bos": True,
+            **metadata,
+            "headlab_architecture": sae.architecture,
+        },
     }
 
 
@@ -68,8 +74,9 @@ def load_sae(directory: Path) -> tuple[SparseAutoencoder, dict[str, Any]]:
     by_saelens = {cls.saelens_architecture: cls for cls in ARCHITECTURES.values()}
     cls = by_saelens.get(cfg.get("architecture"))
     if cls is None:
-        raise HeadlabError(f"SAE in {directory}: architecture {cfg.get('architecture')!r} is not one of "
-                           f"{', '.join(by_saelens)}")  # fmt: skip
+        raise HeadlabError(
+            f"SAE in {directory}: architecture {cfg.get('architecture')!r} is not one of {', '.join(by_saelens)}"
+        )
     for key, value in SUPPORTED.items():
         if cfg.get(key, value) != value:
             raise HeadlabError(f"SAE in {directory}: {key}={cfg[key]!r} is not supported (headlab needs {value!r})")

@@ -78,8 +78,13 @@ def fit(
                 if tokens >= sc.dead_window
                 else torch.zeros_like(fires, dtype=torch.bool)
             )
-            if (sae.architecture == "relu_l1" and sc.resample_every > 0 and step % sc.resample_every == 0
-                    and step <= sc.steps - sc.resample_every and dead.any()):  # fmt: skip
+            if (
+                sae.architecture == "relu_l1"
+                and sc.resample_every > 0
+                and step % sc.resample_every == 0
+                and step <= sc.steps - sc.resample_every
+                and dead.any()
+            ):
                 resample(sae, opt, x, dead)
                 last_fired[dead] = tokens  # a fresh latent gets a full window to prove itself
             if step % log_every == 0 or step == sc.steps:
@@ -96,8 +101,13 @@ def fit(
             if step % sc.checkpoint_every == 0 and step < sc.steps:
                 _save_state(directory / STATE, sae, opt, step, tokens, time.perf_counter() - started, curve, last_fired)
     dead_fraction = float((tokens - last_fired >= sc.dead_window).float().mean()) if tokens >= sc.dead_window else 0.0
-    return {"steps": step, "tokens": tokens, "seconds": time.perf_counter() - started, "curve": curve,
-            "dead_window_fraction": dead_fraction}  # fmt: skip
+    return {
+        "steps": step,
+        "tokens": tokens,
+        "seconds": time.perf_counter() - started,
+        "curve": curve,
+        "dead_window_fraction": dead_fraction,
+    }
 
 
 @torch.no_grad()

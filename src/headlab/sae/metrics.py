@@ -7,9 +7,10 @@ CE is the model's own loss: the mean cross-entropy at the corpus's target positi
 positions and targets the model trained on; for text, every next token). 1.0: the reconstruction
 serves the model as well as z itself; 0.0: no better than zeroing the layer's z.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,12 +37,18 @@ def reconstruction_metrics(sae: SparseAutoencoder, x: Tensor, batch: int = 4096)
         fired |= (f > 0).any(0)
     total = float((x.double() - x.double().mean(0)).pow(2).sum())
     n = x.shape[0]
-    return {"l0": active / n, "mse": residual / (n * x.shape[1]), "explained_variance": 1 - residual / total,
-            "dead_fraction": 1 - float(fired.float().mean())}  # fmt: skip
+    return {
+        "l0": active / n,
+        "mse": residual / (n * x.shape[1]),
+        "explained_variance": 1 - residual / total,
+        "dead_fraction": 1 - float(fired.float().mean()),
+    }
 
 
 @torch.no_grad()
-def cross_entropy(model: HookedModel, layer: int, corpus: Corpus, replace: Optional[Replace], model_batch: int = 64) -> float:
+def cross_entropy(
+    model: HookedModel, layer: int, corpus: Corpus, replace: Replace | None, model_batch: int = 64
+) -> float:
     """Mean CE at the corpus's targets, with layer's z replaced by replace(z) (None: clean)."""
     total, count = 0.0, 0
     for start in range(0, corpus.ids.shape[0], model_batch):
@@ -64,10 +71,16 @@ def _splice(replace: Replace) -> Callable[[Tensor], Tensor]:
     return hook
 
 
-def ce_recovered(model: HookedModel, layer: int, corpus: Corpus, replace: Replace, model_batch: int = 64) -> dict[str, float]:
+def ce_recovered(
+    model: HookedModel, layer: int, corpus: Corpus, replace: Replace, model_batch: int = 64
+) -> dict[str, float]:
     clean = cross_entropy(model, layer, corpus, None, model_batch)
     zero = cross_entropy(model, layer, corpus, torch.zeros_like, model_batch)
     spliced = cross_entropy(model, layer, corpus, replace, model_batch)
     gap = zero - clean
-    return {"ce_clean": clean, "ce_zero_ablation": zero, "ce_with_sae": spliced,
-            "ce_loss_recovered": (zero - spliced) / gap if abs(gap) > 1e-12 else float("nan")}  # fmt: skip
+    return {
+        "ce_clean": clean,
+        "ce_zero_ablation": zero,
+        "ce_with_sae": spliced,
+        "ce_loss_recovered": (zero - spliced) / gap if abs(gap) > 1e-12 else float("nan"),
+    }

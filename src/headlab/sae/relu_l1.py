@@ -5,6 +5,7 @@ loss = ||x - x_hat||^2 (summed over dimensions, mean over tokens) + l1_coeff * s
 With unit-norm rows the L1 term cannot be dodged by shrinking f and growing W_dec.
 SAELens loads it as architecture "standard".
 """
+
 from __future__ import annotations
 
 import torch

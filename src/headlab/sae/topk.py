@@ -4,6 +4,7 @@ as SAELens's TopK), every other latent is zero; the loss is the squared error al
 Decoding touches only the k active rows of W_dec (an embedding bag), so a step costs one dense
 encoder product, not two: the source of the fitter's speed on TopK. SAELens loads it as "topk".
 """
+
 from __future__ import annotations
 
 import torch

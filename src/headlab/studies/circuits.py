@@ -1,4 +1,5 @@
-"""ablate=circuits, the recall vs reasoning study (arXiv 2510.03366): component ablations, neuron groups, patching, classes, knockouts.
+"""ablate=circuits, the recall vs reasoning study (arXiv 2510.03366): component ablations, neuron
+groups, patching, classes, knockouts.
 
 1. Ablate (ablate.method: zero | mean) every head, every layer's attention output and MLP output, and MLP
    neurons in groups: per layer, the neurons ranked by mean activation on recall prompts minus on
@@ -10,6 +11,7 @@
 3. Knockouts: the top-k recall components and the top-k reasoning components (heads and MLPs) ablated
    together, k = 1..knockout_k, against k components drawn at random (knockout_draws draws).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,7 +42,9 @@ def serves(cfg: Config) -> bool:
 def run(ctx: RunContext) -> pd.DataFrame:
     data = ctx.get_data()
     if "kind" not in data.answers:
-        raise UsageError(f"ablate=circuits needs a task with recall and reasoning prompts, not task={ctx.cfg.task.name}")
+        raise UsageError(
+            f"ablate=circuits needs a task with recall and reasoning prompts, not task={ctx.cfg.task.name}"
+        )
     with ctx.timed("circuits"):
         df, extra = measure(ctx.cfg, ctx.get_model(), ctx.get_task(), data, run_info(ctx.cfg), ctx.show_progress)
     ctx.meta.update({**extra, "n_prompts": data.n, "model_family": ctx.get_model().family})
@@ -71,8 +75,15 @@ def neuron_groups(model, data, method: str) -> list[Intervention]:
             order = (sign * diff).argsort(descending=True)
             for g in range(NEURON_GROUPS):
                 ids = tuple(int(i) for i in order[g * NEURON_GROUP : (g + 1) * NEURON_GROUP])
-                out.append(Intervention("ablate_neurons", method, layer, neurons=ids,
-                                        group=f"neurons {name} {g * NEURON_GROUP + 1}-{(g + 1) * NEURON_GROUP}"))  # fmt: skip
+                out.append(
+                    Intervention(
+                        "ablate_neurons",
+                        method,
+                        layer,
+                        neurons=ids,
+                        group=f"neurons {name} {g * NEURON_GROUP + 1}-{(g + 1) * NEURON_GROUP}",
+                    )
+                )
     return out
 
 
@@ -81,12 +92,19 @@ def plan(model, data, method: str) -> tuple[list[Intervention], list[Interventio
     run is not included."""
     layers, heads = range(model.n_layers), range(model.n_heads)
     ablations = [Intervention("ablate_head", method, l, h) for l in layers for h in heads]
-    ablations += [Intervention(kind, method, l) for l in layers for kind in ("ablate_layer", "ablate_mlp")
-                  if kind != "ablate_mlp" or model.mlps[l] is not None]  # fmt: skip
+    ablations += [
+        Intervention(kind, method, l)
+        for l in layers
+        for kind in ("ablate_layer", "ablate_mlp")
+        if kind != "ablate_mlp" or model.mlps[l] is not None
+    ]
     if any(m is not None for m in model.mlps):
         ablations += neuron_groups(model, data, method)
-    patch = lambda group: [Intervention("patch_head", "activation", l, h, token="ANSWER", group=group)  # noqa: E731
-                           for l in layers for h in heads]  # fmt: skip
+    patch = lambda group: [
+        Intervention("patch_head", "activation", l, h, token="ANSWER", group=group)  # noqa: E731
+        for l in layers
+        for h in heads
+    ]
     return ablations, [] if data.counterfactual is None else patch(None), patch(OTHER_KIND)
 
 
@@ -101,23 +119,51 @@ def measure(cfg, model, task, data, info: dict, show_progress: bool = False) -> 
     passes = ((data, [*ablations, *patches], ablations), (other_kind(data), crossed, crossed))
     for edited, ivs, measured in passes:
         singles = [CLEAN, *ivs]
-        quantities = execute(model, task, edited, singles, cfg.engine.chunk_mb, cfg.engine.naive,
-                             show_progress=show_progress, seed=cfg.seed).cpu().numpy()  # fmt: skip
-        table = results.tidy(info, [iv.row() for iv in singles], quantities, task.quantities, answers,
-                             task.aggregates, n_boot=cfg.output.n_boot)  # fmt: skip
+        quantities = (
+            execute(
+                model,
+                task,
+                edited,
+                singles,
+                cfg.engine.chunk_mb,
+                cfg.engine.naive,
+                show_progress=show_progress,
+                seed=cfg.seed,
+            )
+            .cpu()
+            .numpy()
+        )
+        table = results.tidy(
+            info,
+            [iv.row() for iv in singles],
+            quantities,
+            task.quantities,
+            answers,
+            task.aggregates,
+            n_boot=cfg.output.n_boot,
+        )
         names = [None] + [component_label(iv) for iv in ivs]
         table["component"] = pd.array(names * (len(table) // len(singles)), dtype="string")  # tidy is metric-major
         tables.append(table[table["intervention"] != "none"] if tables else table)
         labels = [{**iv.row(), "component": component_label(iv)} for iv in measured]
-        drop_tables.append(drops(quantities[: 1 + len(measured), :, 0], answers["kind"], labels,
-                                 n_boot=cfg.output.n_boot, seed=cfg.seed))  # fmt: skip
+        drop_tables.append(
+            drops(
+                quantities[: 1 + len(measured), :, 0], answers["kind"], labels, n_boot=cfg.output.n_boot, seed=cfg.seed
+            )
+        )
     per_component, cross_drops = drop_tables
     knockouts = _knockouts(cfg, model, task, data, ablations, per_component, show_progress)
-    frames = [*tables, _drop_rows(pd.concat(drop_tables, ignore_index=True), info, data.n),
-              _knockout_rows(knockouts, info)]  # fmt: skip
+    frames = [
+        *tables,
+        _drop_rows(pd.concat(drop_tables, ignore_index=True), info, data.n),
+        _knockout_rows(knockouts, info),
+    ]
     df = results.conform(pd.concat(frames, ignore_index=True))
-    return df, {"classes": per_component["class"].value_counts().to_dict(), "n_components": len(per_component),
-                "other_kind_patching_classes": cross_drops["class"].value_counts().to_dict()}  # fmt: skip
+    return df, {
+        "classes": per_component["class"].value_counts().to_dict(),
+        "n_components": len(per_component),
+        "other_kind_patching_classes": cross_drops["class"].value_counts().to_dict(),
+    }
 
 
 def _drop_rows(per_component: pd.DataFrame, info: dict, n: int) -> pd.DataFrame:
@@ -126,8 +172,17 @@ def _drop_rows(per_component: pd.DataFrame, info: dict, n: int) -> pd.DataFrame:
     for _, r in per_component.iterrows():
         base = {k: r[k] for k in keep if k in r and not pd.isna(r[k])}
         for kind in ("recall", "reasoning"):
-            rows.append({**base, "metric": f"drop_{kind}", "value": r[f"drop_{kind}"], "n": n,
-                         "ci_low": r[f"drop_{kind}_low"], "ci_high": r[f"drop_{kind}_high"], "class": r["class"]})  # fmt: skip
+            rows.append(
+                {
+                    **base,
+                    "metric": f"drop_{kind}",
+                    "value": r[f"drop_{kind}"],
+                    "n": n,
+                    "ci_low": r[f"drop_{kind}_low"],
+                    "ci_high": r[f"drop_{kind}_high"],
+                    "class": r["class"],
+                }
+            )
         rows.append({**base, "metric": "selectivity", "value": r["selectivity"], "n": n, "class": r["class"]})
     return pd.DataFrame(rows).assign(**info)
 
@@ -163,10 +218,18 @@ def _knockout_rows(knockouts: list[dict], info: dict) -> pd.DataFrame:
     for (method, k), g in df.groupby(["method", "k"]):
         for metric in ("recall_acc", "reasoning_acc"):
             values = g[metric].to_numpy()
-            rows.append({"intervention": "knockout", "method": method, "k": int(k), "metric": metric,
-                         "value": float(values.mean()), "n": len(values),
-                         "ci_low": float(values.min()) if len(values) > 1 else np.nan,
-                         "ci_high": float(values.max()) if len(values) > 1 else np.nan})  # fmt: skip
+            rows.append(
+                {
+                    "intervention": "knockout",
+                    "method": method,
+                    "k": int(k),
+                    "metric": metric,
+                    "value": float(values.mean()),
+                    "n": len(values),
+                    "ci_low": float(values.min()) if len(values) > 1 else np.nan,
+                    "ci_high": float(values.max()) if len(values) > 1 else np.nan,
+                }
+            )
     out = pd.DataFrame(rows).assign(**info)
     out["k"] = out["k"].astype("Int64")
     return out

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -22,13 +22,13 @@ EVAL_SEED_OFFSET = 20_000  # sweep prompts are drawn apart from training batches
 @dataclass
 class RunContext:
     cfg: Config
-    run_dir: Optional[Path] = None  # None: nothing is written (the Python API's sweep)
+    run_dir: Path | None = None  # None: nothing is written (the Python API's sweep)
     show_progress: bool = False
-    task: Optional[Task] = None
-    model: Optional[HookedModel] = None
+    task: Task | None = None
+    model: HookedModel | None = None
     timings: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # what a study adds to meta.json
-    _data: Optional[TaskData] = None
+    _data: TaskData | None = None
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:

@@ -1,4 +1,5 @@
-"""model=pathnet on task=markov (Tiberi et al., arXiv 2405.15926), one run: theory, GP, posterior samples, gradient descent, pruning.
+"""model=pathnet on task=markov (Tiberi et al., arXiv 2405.15926), one run: theory, GP, posterior
+samples, gradient descent, pruning.
 
 Everything lands in one tidy table (results.py): test accuracy per method (theory = kernel regression
 with the order parameter U that minimises the action at this width; gp = U of the infinite-width limit,
@@ -7,12 +8,12 @@ network trained by gradient descent), the U matrices (theory, sample, gd, gp) in
 alignment of the kernels' principal components with the labels, head scores from U, and test accuracy
 with heads pruned (one at a time, and cumulatively in score order and in every/random order).
 """
+
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -57,8 +58,16 @@ def build(cfg) -> tuple[PathNet, MarkovTask]:
     task = MarkovTask(cfg.task)
     m = cfg.model
     variances = list(m.variances) if m.variances is not None else [1.0] * (len(m.heads) + 2)
-    net = PathNet.build(m.heads, cfg.task.n_features, task.n_tokens, m.width, m.beta, variances,
-                        head_seed=m.head_seed, random_strength=m.random_strength)  # fmt: skip
+    net = PathNet.build(
+        m.heads,
+        cfg.task.n_features,
+        task.n_tokens,
+        m.width,
+        m.beta,
+        variances,
+        head_seed=m.head_seed,
+        random_strength=m.random_strength,
+    )
     return net, task
 
 
@@ -90,7 +99,7 @@ class PathNetRun:
 
     # -------------------------------------------------------------- predictors
 
-    def kernel_outputs(self, u: Tensor, subset: Optional[list[int]] = None) -> Tensor:
+    def kernel_outputs(self, u: Tensor, subset: list[int] | None = None) -> Tensor:
         """Per-path test outputs [1, paths, n_test] of kernel regression with order parameter u."""
         c_train, c_cross = self.c_train, self.c_cross
         if subset is not None:
@@ -129,13 +138,28 @@ class PathNetRun:
     def run_theory(self) -> None:
         cfg = self.cfg.model
         with progress_bar("theory: minimising the action", cfg.theory_steps, enabled=self.show_progress) as bar:
-            order = theory.solve_order(self.c_train, self.y, self.heads, self.net.width, self.net.variances,
-                                       cfg.temperature, tol=cfg.theory_tol,
-                                       max_steps=cfg.theory_steps, on_step=lambda s, g: bar.update(s, f"max|grad| {g:.1e}"))  # fmt: skip
+            order = theory.solve_order(
+                self.c_train,
+                self.y,
+                self.heads,
+                self.net.width,
+                self.net.variances,
+                cfg.temperature,
+                tol=cfg.theory_tol,
+                max_steps=cfg.theory_steps,
+                on_step=lambda s, g: bar.update(s, f"max|grad| {g:.1e}"),
+            )
         if order.grad_max >= cfg.theory_tol:
-            log.warning("theory: max|dS/dU| = %.2e after %d steps (tolerance %.0e)", order.grad_max, order.steps, cfg.theory_tol)
+            log.warning(
+                "theory: max|dS/dU| = %.2e after %d steps (tolerance %.0e)", order.grad_max, order.steps, cfg.theory_tol
+            )
         self.u = {"theory": order.u, "gp": theory.gp_order(self.net.n_paths, self.net.variances)}
-        self.info["theory"] = {"steps": order.steps, "grad_max": order.grad_max, "action": order.action, "u_a": order.u_a}
+        self.info["theory"] = {
+            "steps": order.steps,
+            "grad_max": order.grad_max,
+            "action": order.action,
+            "u_a": order.u_a,
+        }
         self.outputs = {"theory": self.kernel_outputs(order.u), "gp": self.kernel_outputs(self.u["gp"])}
         for name, spec in (cfg.reference_paths or {}).items():
             subset = parse_paths(self.net, list(spec))
@@ -169,12 +193,26 @@ class PathNetRun:
         variances = [net.prior_variance(n) for n in names]
         start = time.perf_counter()
         with progress_bar(f"HMC, N={net.width}", cfg.warmup + cfg.samples, enabled=self.show_progress) as bar:
-            stats: HMCStats = hmc(likelihood, list(init.values()), cfg.warmup, cfg.samples, gen,
-                                  prior_variances=variances, trajectory=cfg.trajectory, max_leapfrog=cfg.max_leapfrog, on_sample=keep,
-                                  on_iteration=lambda it, s: bar.update(it))  # fmt: skip
-        self.info["sample"] = {"collapsed_input": collapsed, "step_size": stats.step_size,
-                               "accept_rate": stats.accept_rate, "leapfrog_steps": stats.leapfrog_steps,
-                               "divergent": stats.divergent, "seconds": time.perf_counter() - start}  # fmt: skip
+            stats: HMCStats = hmc(
+                likelihood,
+                list(init.values()),
+                cfg.warmup,
+                cfg.samples,
+                gen,
+                prior_variances=variances,
+                trajectory=cfg.trajectory,
+                max_leapfrog=cfg.max_leapfrog,
+                on_sample=keep,
+                on_iteration=lambda it, s: bar.update(it),
+            )
+        self.info["sample"] = {
+            "collapsed_input": collapsed,
+            "step_size": stats.step_size,
+            "accept_rate": stats.accept_rate,
+            "leapfrog_steps": stats.leapfrog_steps,
+            "divergent": stats.divergent,
+            "seconds": time.perf_counter() - start,
+        }
         self.u["sample"] = torch.stack(orders).mean(0)
         self.outputs["sample"] = torch.stack(per_path)  # [samples, paths, n_test]
 
@@ -189,8 +227,13 @@ class PathNetRun:
         likelihood = self.likelihood(names, self.x_train, self.y, temperature)
         variances = [self.net.prior_variance(n) for n in names]
         with progress_bar(f"gradient descent, N={self.net.width}", train.steps, enabled=self.show_progress) as bar:
-            params, loss = gradient_descent(lambda p: (likelihood(p) + _prior(p, variances)) * temperature, list(init.values()),
-                                            train.steps, train.lr, on_step=lambda s, _: bar.update(s))  # fmt: skip
+            params, loss = gradient_descent(
+                lambda p: (likelihood(p) + _prior(p, variances)) * temperature,
+                list(init.values()),
+                train.steps,
+                train.lr,
+                on_step=lambda s, _: bar.update(s),
+            )
         weights = dict(zip(names, params))
         self.u["gd"] = self.order_of(weights)
         self.outputs["gd"] = self.network_outputs(weights)[None]
@@ -198,7 +241,7 @@ class PathNetRun:
 
     # -------------------------------------------------------------- rows
 
-    def predictions(self, method: str, keep: Optional[Tensor] = None) -> Tensor:
+    def predictions(self, method: str, keep: Tensor | None = None) -> Tensor:
         """Test predictions [n_test] of a method (mean over draws), with only the kept paths when given."""
         out = self.outputs[method]  # [draws, paths, n_test]
         if keep is not None:
@@ -210,8 +253,15 @@ class PathNetRun:
         f = torch.stack(predictions)
         quantities = np.stack([theory.correct(f, self.y_test).numpy(), f.numpy() * y], -1)  # [k, n, 2]
         aggregates = {"test_acc": lambda q, _a: q[..., 0].mean(-1), "test_margin": lambda q, _a: q[..., 1].mean(-1)}
-        return results.tidy(run_info(self.cfg), labels, quantities, ("correct", "margin"), {"label": y}, aggregates,
-                             n_boot=self.cfg.output.n_boot)  # fmt: skip
+        return results.tidy(
+            run_info(self.cfg),
+            labels,
+            quantities,
+            ("correct", "margin"),
+            {"label": y},
+            aggregates,
+            n_boot=self.cfg.output.n_boot,
+        )
 
     def table(self) -> pd.DataFrame:
         methods = list(self.outputs)
@@ -248,29 +298,64 @@ class PathNetRun:
                 labels.append({"intervention": "prune_by_score", "method": method, "n_pruned": k})
                 preds.append(self.predictions(method, self._keep(by_score[:k])))
                 accs = [theory.accuracy(self.predictions(method, self._keep(list(o[:k]))), self.y_test) for o in orders]
-                random_rows.append({"intervention": "prune_random", "method": method, "n_pruned": k,
-                                    "metric": "test_acc", "value": float(np.mean(accs)), "n": len(accs),
-                                    "ci_low": float(np.percentile(accs, 2.5)), "ci_high": float(np.percentile(accs, 97.5))})  # fmt: skip
+                random_rows.append(
+                    {
+                        "intervention": "prune_random",
+                        "method": method,
+                        "n_pruned": k,
+                        "metric": "test_acc",
+                        "value": float(np.mean(accs)),
+                        "n": len(accs),
+                        "ci_low": float(np.percentile(accs, 2.5)),
+                        "ci_high": float(np.percentile(accs, 97.5)),
+                    }
+                )
         return labels, preds, pd.DataFrame(random_rows)
 
     def _order_rows(self) -> pd.DataFrame:
         rows = []
         for method, u in self.u.items():
             for i, j in itertools.product(range(len(self.labels)), repeat=2):
-                rows.append({"intervention": "none", "method": method, "metric": "order_parameter",
-                             "value": float(u[i, j]), "n": 1, "path": self.labels[i], "path_b": self.labels[j]})  # fmt: skip
+                rows.append(
+                    {
+                        "intervention": "none",
+                        "method": method,
+                        "metric": "order_parameter",
+                        "value": float(u[i, j]),
+                        "n": 1,
+                        "path": self.labels[i],
+                        "path_b": self.labels[j],
+                    }
+                )
         if "sample" in self.u:
             diff = torch.linalg.norm(self.u["sample"] - self.u["theory"]) / torch.linalg.norm(self.u["theory"])
-            rows.append({"intervention": "none", "method": "sample", "metric": "u_rel_error_vs_theory",
-                         "value": float(diff), "n": self.cfg.model.samples})  # fmt: skip
+            rows.append(
+                {
+                    "intervention": "none",
+                    "method": "sample",
+                    "metric": "u_rel_error_vs_theory",
+                    "value": float(diff),
+                    "n": self.cfg.model.samples,
+                }
+            )
         return pd.DataFrame(rows)
 
     def _score_rows(self) -> pd.DataFrame:
         rows = []
         for method in (m for m in ("theory", "sample", "gd") if m in self.u):
             for (l, h), score in theory.head_scores(self.u[method], self.heads).items():
-                rows.append({"intervention": "none", "method": method, "layer": l, "head": h,
-                             "metric": "head_score", "value": score, "n": 1, "head_kind": self.net.heads[l][h]})  # fmt: skip
+                rows.append(
+                    {
+                        "intervention": "none",
+                        "method": method,
+                        "layer": l,
+                        "head": h,
+                        "metric": "head_score",
+                        "value": score,
+                        "n": 1,
+                        "head_kind": self.net.heads[l][h],
+                    }
+                )
         return pd.DataFrame(rows)
 
     def _alignment_rows(self) -> pd.DataFrame:
@@ -279,8 +364,16 @@ class PathNetRun:
         for method in ("theory", "gp"):
             k = theory.kernel(self.c_train, self.u[method])
             for rank, value in enumerate(theory.alignment(k, self.y, top).tolist(), 1):
-                rows.append({"intervention": "none", "method": method, "metric": "label_alignment",
-                             "value": value, "n": len(self.y), "rank": rank})  # fmt: skip
+                rows.append(
+                    {
+                        "intervention": "none",
+                        "method": method,
+                        "metric": "label_alignment",
+                        "value": value,
+                        "n": len(self.y),
+                        "rank": rank,
+                    }
+                )
         return pd.DataFrame(rows)
 
 

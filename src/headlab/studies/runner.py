@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
 
 import pandas as pd
 
@@ -33,7 +32,7 @@ def already_done(cfg: Config, run_dir: Path) -> bool:
         return False
 
 
-def previous_result(cfg: Config, run_dir: Path) -> Optional[pd.DataFrame]:
+def previous_result(cfg: Config, run_dir: Path) -> pd.DataFrame | None:
     """The table of a finished run of this same config (marked skipped), else None."""
     if not already_done(cfg, run_dir):
         return None

@@ -13,6 +13,7 @@ export it for SAELens, and write the run's tables.
 The fitted SAE itself lives in <output.root>/saes/<model>-L<layer>-<architecture>-<hash>/ and is reused
 by every run with the same model, task, corpus and SAE settings.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,7 +67,8 @@ def corpora(cfg: Any, task: Any, model: HookedModel):
         return (lambda _i: train), corpus.rows(torch.arange(split, min(n, split + sc.eval_sequences)))
     n = max(cfg.task.n_prompts, sc.model_batch)
     return (lambda i: task_corpus(task, model, n, seed=cfg.seed * 1_000_003 + i)), task_corpus(
-        task, model, sc.eval_sequences, seed=EVAL_SEED + cfg.seed)
+        task, model, sc.eval_sequences, seed=EVAL_SEED + cfg.seed
+    )
 
 
 def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
@@ -78,12 +80,25 @@ def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
     d_in = model.sites.n_heads * model.sites.d_head
     sae = build_sae(sc, d_in, seed=cfg.seed)
     # a resumed fit streams passes it has not seen: pass numbers (prompt seeds) start from the step
-    batches = lambda step: stream(model, sc.layer, lambda i: passes(step * 1_000 + i), sc.batch_size,  # noqa: E731
-                                  sc.buffer_tokens, sc.model_batch, seed=cfg.seed * 1_000_003 + step)  # fmt: skip
+    batches = lambda step: stream(
+        model,
+        sc.layer,
+        lambda i: passes(step * 1_000 + i),
+        sc.batch_size,  # noqa: E731
+        sc.buffer_tokens,
+        sc.model_batch,
+        seed=cfg.seed * 1_000_003 + step,
+    )
     record = fit(sae, batches, sc, directory, show_progress, label=f"sae {option(sc.architecture)} L{sc.layer}")
-    meta = {"model_name": cfg.model.name, "hook_name": hook_name(sc.layer), "context_size": sc.context_size,
-            "dataset_path": sc.corpus or f"task:{cfg.task.name}", "n_heads": model.sites.n_heads,
-            "d_head": model.sites.d_head, "l1_coeff": sc.l1_coeff}  # fmt: skip
+    meta = {
+        "model_name": cfg.model.name,
+        "hook_name": hook_name(sc.layer),
+        "context_size": sc.context_size,
+        "dataset_path": sc.corpus or f"task:{cfg.task.name}",
+        "n_heads": model.sites.n_heads,
+        "d_head": model.sites.d_head,
+        "l1_coeff": sc.l1_coeff,
+    }
     save_sae(sae, directory, meta)
     atomic_write_bytes(directory / DONE, json.dumps({"complete": True, **record}).encode())  # last
     return sae.eval(), record
@@ -127,15 +142,23 @@ def run(ctx: RunContext) -> pd.DataFrame:
     info = {**run_info(cfg), "intervention": "sae", "method": option(sc.architecture), "layer": sc.layer}
     tokens = int(x.shape[0])
     rows = [{**info, "metric": k, "value": v, "n": tokens} for k, v in metrics.items()]
-    rows += [{**info, "method": "fit", "metric": p["metric"], "value": p["value"], "n": sc.batch_size, "step": p["step"]}
-             for p in record["curve"]]  # fmt: skip
+    rows += [
+        {**info, "method": "fit", "metric": p["metric"], "value": p["value"], "n": sc.batch_size, "step": p["step"]}
+        for p in record["curve"]
+    ]
     for h in heads:
-        rows += [{**info, "head": h["head"], "metric": k, "value": float(h[k]), "n": tokens}
-                 for k in ("n_dominated", "effective_features", "polysemantic")]  # fmt: skip
+        rows += [
+            {**info, "head": h["head"], "metric": k, "value": float(h[k]), "n": tokens}
+            for k in ("n_dominated", "effective_features", "polysemantic")
+        ]
     live = (frequency > 0).nonzero().squeeze(1)
-    share_rows = pd.DataFrame({
-        "feature": live.repeat_interleave(n_heads).numpy(), "head": torch.arange(n_heads).repeat(len(live)).numpy(),
-        "value": shares[live].reshape(-1).numpy()})  # fmt: skip
+    share_rows = pd.DataFrame(
+        {
+            "feature": live.repeat_interleave(n_heads).numpy(),
+            "head": torch.arange(n_heads).repeat(len(live)).numpy(),
+            "value": shares[live].reshape(-1).numpy(),
+        }
+    )
     share_rows = share_rows.assign(**info, metric="decoder_share", n=tokens)
     locate = real_tokens(held_out).nonzero()  # token index -> (row, position)
     contexts = contexts_table(held_out, locate, values, where, live, token_text(model, task), sc.context_window)
@@ -162,8 +185,17 @@ def contexts_table(corpus: Corpus, locate, values, where, live, text, window: in
             row, pos = locate[where[rank, f]].tolist()
             ids = corpus.ids[row, max(0, pos - window) : pos + 1].tolist()
             shown = "".join(text(t) for t in ids[:-1]) + "[[" + text(ids[-1]) + "]]"
-            rows.append({"feature": f, "rank": rank, "activation": float(values[rank, f]), "sequence": row,
-                         "position": pos, "token": text(ids[-1]), "context": shown})  # fmt: skip
+            rows.append(
+                {
+                    "feature": f,
+                    "rank": rank,
+                    "activation": float(values[rank, f]),
+                    "sequence": row,
+                    "position": pos,
+                    "token": text(ids[-1]),
+                    "context": shown,
+                }
+            )
     return pd.DataFrame(rows, columns=["feature", "rank", "activation", "sequence", "position", "token", "context"])
 
 
@@ -175,9 +207,18 @@ def dfa_rows(model, layer, sae, corpus, locate, values, where, frequency, info) 
         row, pos = locate[where[0, f]].tolist()
         dfa = direct_feature_attribution(model, layer, sae, corpus.ids[row], pos, f)[:, : pos + 1]
         heads, sources = torch.meshgrid(torch.arange(dfa.shape[0]), torch.arange(dfa.shape[1]), indexing="ij")
-        frames.append(pd.DataFrame({"head": heads.reshape(-1).numpy(), "position": sources.reshape(-1).numpy(),
-                                    "value": dfa.reshape(-1).numpy(), "feature": f, "sequence": row,
-                                    "query_position": pos}))  # fmt: skip
+        frames.append(
+            pd.DataFrame(
+                {
+                    "head": heads.reshape(-1).numpy(),
+                    "position": sources.reshape(-1).numpy(),
+                    "value": dfa.reshape(-1).numpy(),
+                    "feature": f,
+                    "sequence": row,
+                    "query_position": pos,
+                }
+            )
+        )
     if not frames:
         return pd.DataFrame()
     return pd.concat(frames).assign(**info, metric="dfa", n=1)

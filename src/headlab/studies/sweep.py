@@ -35,15 +35,32 @@ def run(ctx: RunContext) -> pd.DataFrame:
     unknown = sorted({iv.token for iv in interventions if iv.token} - set(data.token_positions or {}))
     if unknown:
         names = ", ".join(data.token_positions or {}) or "none"
-        raise UsageError(f"task {task.name} names no position {', '.join(unknown)}; it names: {names} (or all, or an index)")
+        raise UsageError(
+            f"task {task.name} names no position {', '.join(unknown)}; it names: {names} (or all, or an index)"
+        )
     with ctx.timed("sweep"):
-        quantities = execute(model, task, data, interventions, cfg.engine.chunk_mb, cfg.engine.naive,
-                             show_progress=ctx.show_progress, seed=cfg.seed)  # fmt: skip
+        quantities = execute(
+            model,
+            task,
+            data,
+            interventions,
+            cfg.engine.chunk_mb,
+            cfg.engine.naive,
+            show_progress=ctx.show_progress,
+            seed=cfg.seed,
+        )
     with ctx.timed("tidy"):
         info = run_info(cfg)
-        df = results.tidy(info, [iv.row() for iv in interventions], quantities.cpu().numpy(),
-                          task.quantities, data.answers_np(), task.aggregates,
-                          n_boot=cfg.output.n_boot, per_prompt=cfg.output.per_prompt)  # fmt: skip
+        df = results.tidy(
+            info,
+            [iv.row() for iv in interventions],
+            quantities.cpu().numpy(),
+            task.quantities,
+            data.answers_np(),
+            task.aggregates,
+            n_boot=cfg.output.n_boot,
+            per_prompt=cfg.output.per_prompt,
+        )
         if cfg.attention_by_token:
             df = results.conform(pd.concat([df, attention_table(cfg, task, model, data, info)]))
     if cfg.head_scores:

@@ -23,7 +23,14 @@ def run(ctx: RunContext) -> pd.DataFrame:
     with ctx.timed("train"):
         _, curve = train_toy(cfg.model, ctx.get_task(), cfg.train, cfg.seed, directory, ctx.show_progress)
     df = pd.DataFrame(curve if curve else [], columns=["step", "metric", "value"])
-    df = df.assign(experiment=cfg.name, model=cfg.model.name, task=cfg.task.name, seed=cfg.seed,
-                   intervention="none", method="train", n=cfg.train.eval_prompts)  # fmt: skip
+    df = df.assign(
+        experiment=cfg.name,
+        model=cfg.model.name,
+        task=cfg.task.name,
+        seed=cfg.seed,
+        intervention="none",
+        method="train",
+        n=cfg.train.eval_prompts,
+    )
     ctx.meta["checkpoint"] = str(directory)
     return results.conform(df)

@@ -4,15 +4,16 @@ A task never looks inside a model: it gets logits at the positions it asked for 
 per-prompt quantities; aggregate metrics are functions of those quantities over a set of prompts, so the
 same function serves point estimates and bootstrap resamples.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
-
 
 Inputs = dict[str, Tensor]
 # (per-prompt quantities [..., n, Q], answers [n]-arrays indexed like the prompts) -> metric [...]
@@ -24,28 +25,36 @@ class TaskData:
     inputs: Inputs  # clean prompts, e.g. {"input_ids": [n, pos]}
     positions: Tensor  # [n, P] positions whose logits the metrics read
     answers: dict[str, Tensor]  # per-prompt ground truth, each [n]
-    counterfactual: Optional[Inputs] = None  # same shape as inputs, answer changed (patching source)
-    reference: Optional[Inputs] = None  # mean / resample ablation source, same shape as inputs
+    counterfactual: Inputs | None = None  # same shape as inputs, answer changed (patching source)
+    reference: Inputs | None = None  # mean / resample ablation source, same shape as inputs
     # per-prompt positions by role (e.g. IOI's IO, S1, S2, END), each [n]: interventions can target them
-    token_positions: Optional[dict[str, Tensor]] = None
+    token_positions: dict[str, Tensor] | None = None
     # Group of each prompt and of each reference prompt (e.g. its template): mean ablation then
     # replaces an activation with the mean over reference prompts of the same group.
-    groups: Optional[Tensor] = None
-    reference_groups: Optional[Tensor] = None
+    groups: Tensor | None = None
+    reference_groups: Tensor | None = None
     # The same roles' positions in the counterfactual prompts, where those are laid out otherwise (e.g.
     # the other kind of prompt): patching a role then reads the source there and writes it here.
-    counterfactual_positions: Optional[dict[str, Tensor]] = None
+    counterfactual_positions: dict[str, Tensor] | None = None
 
     @property
     def n(self) -> int:
         return self.positions.shape[0]
 
-    def to(self, device: str) -> "TaskData":
+    def to(self, device: str) -> TaskData:
         move = lambda d: d and {k: v.to(device) for k, v in d.items()}  # noqa: E731
         opt = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return TaskData(move(self.inputs), self.positions.to(device), move(self.answers),
-                        move(self.counterfactual), move(self.reference), move(self.token_positions),
-                        opt(self.groups), opt(self.reference_groups), move(self.counterfactual_positions))  # fmt: skip
+        return TaskData(
+            move(self.inputs),
+            self.positions.to(device),
+            move(self.answers),
+            move(self.counterfactual),
+            move(self.reference),
+            move(self.token_positions),
+            opt(self.groups),
+            opt(self.reference_groups),
+            move(self.counterfactual_positions),
+        )
 
     def answers_np(self) -> dict[str, np.ndarray]:
         return {k: v.cpu().numpy() for k, v in self.answers.items()}
@@ -59,7 +68,7 @@ class Task:
     name: str
     quantities: tuple[str, ...]  # per-prompt quantities, the last axis of per_prompt()
     # the quantity attribution patching differentiates (a smooth one, e.g. a logit difference)
-    smooth_quantity: Optional[str] = None
+    smooth_quantity: str | None = None
     aggregates: dict[str, Aggregate]  # metric name -> function of the quantities
 
     def build(self, n: int, seed: int, model: Any = None) -> TaskData:

@@ -6,6 +6,7 @@ only attention to SEP tells the two apart. That is the auxiliary syntactic task 
 Metrics: label accuracy (at SEP, logit of 1 vs 0), ROC AUC of that logit difference, [EOS] accuracy
 (argmax at y is EOS). Counterfactual: the same string with 0 and 1 swapped (same noise, answer flipped).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -27,11 +27,13 @@ they need subjects that are single tokens themselves: single_token_subjects(toke
 distinct country subjects (of the relations in COUNTRY_RELATIONS) that are one token with a leading
 space, in table order; NAMES are first names that are one GPT-2 token with a leading space.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -183,12 +185,21 @@ NAMES: tuple[str, ...] = tuple(
 # Reasoning frames of kind "transitive": (statement "X beats Y", question for the top, question for the
 # bottom). Winning or losing in a made-up contest: no world knowledge says which country "should" win.
 TRANSITIVE_FRAMES: tuple[tuple[str, str, str], ...] = (
-    ("{x} scored more points than {y}.", "Of the three, the most points were scored by",
-     "Of the three, the fewest points were scored by"),
-    ("{x} finished ahead of {y}.", "Of the three, the one that finished first was",
-     "Of the three, the one that finished last was"),
-    ("{x} received more votes than {y}.", "Of the three, the most votes went to",
-     "Of the three, the fewest votes went to"),
+    (
+        "{x} scored more points than {y}.",
+        "Of the three, the most points were scored by",
+        "Of the three, the fewest points were scored by",
+    ),
+    (
+        "{x} finished ahead of {y}.",
+        "Of the three, the one that finished first was",
+        "Of the three, the one that finished last was",
+    ),
+    (
+        "{x} received more votes than {y}.",
+        "Of the three, the most votes went to",
+        "Of the three, the fewest votes went to",
+    ),
 )
 TRANSITIVE_INTRO = "In this contest,"
 # Kind "two_hop": who is whose friend, then where the friends live; the query needs both steps.
@@ -215,7 +226,7 @@ def check_single_tokens(tokenizer: Any, words: Iterable[str]) -> list[str]:
     return [w for w in words if len(tokenizer(w, add_special_tokens=False)["input_ids"]) != 1]
 
 
-def single_token_subjects(tokenizer: Any, relations: Optional[Sequence[str]] = COUNTRY_RELATIONS) -> list[str]:
+def single_token_subjects(tokenizer: Any, relations: Sequence[str] | None = COUNTRY_RELATIONS) -> list[str]:
     """Distinct subjects of the given relations (all relations if None) that are one token with a leading
     space, in table order: the entities reasoning prompts can take their answers from."""
     wanted = set(RELATIONS if relations is None else relations)
@@ -224,8 +235,9 @@ def single_token_subjects(tokenizer: Any, relations: Optional[Sequence[str]] = C
     return [s for s in subjects if " " + s not in bad]
 
 
-def reasoning_prompt(subjects: Sequence[str], rng: random.Random,
-                     kind: str = "transitive") -> tuple[str, str, list[str]]:
+def reasoning_prompt(
+    subjects: Sequence[str], rng: random.Random, kind: str = "transitive"
+) -> tuple[str, str, list[str]]:
     """(prompt, answer with a leading space, the other candidate answers with a leading space).
 
     subjects is the pool of entities (each one token with a leading space, see single_token_subjects);

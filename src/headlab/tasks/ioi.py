@@ -13,11 +13,12 @@ Sets, aligned prompt by prompt (same template, place and object, hence the same 
                   path patching, as in the paper
 Quantities at END: logit difference IO - S, IO probability, correct (IO logit > S logit).
 """
+
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,8 +97,9 @@ class IOITask(Task):
         names = list(self.cfg.names) if self.cfg.names else list(NAMES)
         kept, refused = _single_tokens(tokenizer, names)
         if refused:
-            log.warning("ioi: %d names are not one token for this tokenizer, left out: %s", len(refused),
-                        ", ".join(refused))  # fmt: skip
+            log.warning(
+                "ioi: %d names are not one token for this tokenizer, left out: %s", len(refused), ", ".join(refused)
+            )
         if len(kept) < self.cfg.min_names:
             raise HeadlabError(
                 f"ioi: only {len(kept)} of {len(names)} names are single tokens for this tokenizer "
@@ -154,7 +156,7 @@ class IOITask(Task):
                 # offsets either include a token's leading space or not, depending on the tokenizer
                 at = [j for j, o in enumerate(offsets) if o in ((start, end), (start + 1, end))]
                 if not at:
-                    raise HeadlabError(f"ioi: '{text[start + 1:end]}' is not one token in context: {text!r}")
+                    raise HeadlabError(f"ioi: '{text[start + 1 : end]}' is not one token in context: {text!r}")
                 roles[role].append(len(bos) + at[0])
             roles["END"].append(len(bos) + len(ids) - 1)
             rows.append(bos + ids)
@@ -220,8 +222,11 @@ def _token_id(tokenizer: Any, word: str) -> int:
 def _capitalized_words(tokenizer: Any) -> list[str]:
     """Every token that is a space and a capitalised word of 3+ letters (name-like: ' Aaron', ' Abbey')."""
     words = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return [w[1:] for w in words if len(w) > 3 and w[0] == " " and w[1].isupper() and w[2:].isalpha()
-            and w[2:].islower() and w[1:].isascii()]  # fmt: skip
+    return [
+        w[1:]
+        for w in words
+        if len(w) > 3 and w[0] == " " and w[1].isupper() and w[2:].isalpha() and w[2:].islower() and w[1:].isascii()
+    ]
 
 
 def _single_tokens(tokenizer: Any, words: list[str]) -> tuple[list[str], list[str]]:

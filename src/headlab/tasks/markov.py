@@ -10,6 +10,7 @@ n_features + n_steps + 1 dimensions. The label is only in the statistics of stat
 compare neighbouring tokens: an attention head that attends to the previous token when it is in the same
 state is the "good" head.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

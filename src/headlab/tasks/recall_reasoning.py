@@ -14,6 +14,7 @@ same kind), kind (0 recall, 1 reasoning). Counterfactual: recall with another en
 query moved to the other chain (a minimal pair: same tokens, other answer). Reference (mean ablation,
 resampling): fresh prompts of the same kind, meaned per kind.
 """
+
 from __future__ import annotations
 
 import random
@@ -54,8 +55,11 @@ def other_kind(data: TaskData) -> TaskData:
         raise ValueError(f"pairing needs as many recall as reasoning prompts, not {len(recall)} and {len(reasoning)}")
     pair = torch.empty_like(kind)
     pair[recall], pair[reasoning] = reasoning, recall
-    return replace(data, counterfactual={k: v[pair] for k, v in data.inputs.items()},
-                   counterfactual_positions={"ANSWER": data.token_positions["ANSWER"][pair]})  # fmt: skip
+    return replace(
+        data,
+        counterfactual={k: v[pair] for k, v in data.inputs.items()},
+        counterfactual_positions={"ANSWER": data.token_positions["ANSWER"][pair]},
+    )
 
 
 class RecallReasoningTask(Task):
@@ -66,16 +70,20 @@ class RecallReasoningTask(Task):
     def __init__(self, cfg):
         self.cfg = cfg
         self.aggregates = {
-            "recall_acc": _kind_mean(0, RECALL), "reasoning_acc": _kind_mean(0, REASONING),
-            "recall_margin": _kind_mean(1, RECALL), "reasoning_margin": _kind_mean(1, REASONING),
-        }  # fmt: skip
+            "recall_acc": _kind_mean(0, RECALL),
+            "reasoning_acc": _kind_mean(0, REASONING),
+            "recall_margin": _kind_mean(1, RECALL),
+            "reasoning_margin": _kind_mean(1, REASONING),
+        }
         if cfg.source not in ("synthetic", "facts"):
             raise UsageError(f"unknown task.source '{cfg.source}'; choose from: synthetic, facts")
         self.needs_tokenizer = cfg.source == "facts"
         if cfg.source == "facts":
             return
         if cfg.n_entities < 2 * 3 + 1:
-            raise UsageError(f"task.n_entities must be at least 7 (two chains of three and a spare), not {cfg.n_entities}")
+            raise UsageError(
+                f"task.n_entities must be at least 7 (two chains of three and a spare), not {cfg.n_entities}"
+            )
         self.n_rel, self.n_val, self.n_ent = cfg.n_relations, cfg.n_values, cfg.n_entities
         self.rel0 = len(SPECIAL)
         self.ent0 = self.rel0 + self.n_rel
@@ -86,8 +94,12 @@ class RecallReasoningTask(Task):
         self.attributes = world.integers(0, self.n_val, size=(self.n_ent, self.n_rel))  # the facts to memorise
         self.token_names = {i: s for i, s in enumerate(SPECIAL)}
         # every token's text, for tables of contexts: entities e0.., relations r0.., values v0..
-        self.token_strings = [*SPECIAL, *(f"r{i}" for i in range(self.n_rel)), *(f"e{i}" for i in range(self.n_ent)),
-                              *(f"v{i}" for i in range(self.n_val))]  # fmt: skip
+        self.token_strings = [
+            *SPECIAL,
+            *(f"r{i}" for i in range(self.n_rel)),
+            *(f"e{i}" for i in range(self.n_ent)),
+            *(f"v{i}" for i in range(self.n_val)),
+        ]
 
     # ------------------------------------------------------------------ prompts
 
@@ -107,8 +119,15 @@ class RecallReasoningTask(Task):
         links = links[torch.arange(n)[:, None], order]  # [n, 4, 2] in stated order
         ids = torch.full((n, self.max_len), PAD, dtype=torch.long)
         ids[:, 0] = BOS
-        body = torch.stack([self.ent0 + links[..., 0], torch.full_like(links[..., 0], ARROW),
-                            self.ent0 + links[..., 1], torch.full_like(links[..., 0], SEP)], -1)  # fmt: skip
+        body = torch.stack(
+            [
+                self.ent0 + links[..., 0],
+                torch.full_like(links[..., 0], ARROW),
+                self.ent0 + links[..., 1],
+                torch.full_like(links[..., 0], SEP),
+            ],
+            -1,
+        )
         ids[:, 1 : 1 + 4 * N_LINKS] = body.flatten(1)
         rows = torch.arange(n)
         # the question ends on the query entity itself: its own embedding is the lookup key
@@ -164,8 +183,12 @@ class RecallReasoningTask(Task):
         return TaskData(
             inputs={"input_ids": torch.cat([rec_ids, rea_ids])},
             positions=read[:, None],
-            answers={"answer": torch.cat([rec_ans, rea_ans]), "counter_answer": torch.cat([cf_rec_ans, cf_rea_ans]),
-                     "kind": kind, "candidates": self._synthetic_candidates(torch.cat([rec_ans, rea_ans]), kind)},  # fmt: skip
+            answers={
+                "answer": torch.cat([rec_ans, rea_ans]),
+                "counter_answer": torch.cat([cf_rec_ans, cf_rea_ans]),
+                "kind": kind,
+                "candidates": self._synthetic_candidates(torch.cat([rec_ans, rea_ans]), kind),
+            },
             counterfactual={"input_ids": torch.cat([cf_rec, cf_rea])},
             reference={"input_ids": torch.cat([ref_rec, ref_rea])},
             token_positions={"ANSWER": read},
@@ -180,8 +203,12 @@ class RecallReasoningTask(Task):
         values = torch.arange(self.val0, self.val0 + self.n_val)
         entities = torch.arange(self.ent0, self.ent0 + self.n_ent)
         width = max(self.n_val, self.n_ent)
-        pool = torch.stack([torch.cat([values, torch.full((width - self.n_val,), -1)]),
-                            torch.cat([entities, torch.full((width - self.n_ent,), -1)])])  # fmt: skip
+        pool = torch.stack(
+            [
+                torch.cat([values, torch.full((width - self.n_val,), -1)]),
+                torch.cat([entities, torch.full((width - self.n_ent,), -1)]),
+            ]
+        )
         out = pool[kind]
         return torch.where(out == answer[:, None], -1, out)
 

@@ -8,11 +8,13 @@ Alg. 5); warm-up draws are discarded. Given the Gaussian prior's precisions, the
 only the likelihood's gradient kicks. With millions of weights, plain leapfrog must shrink its step as
 dims^-1/4 to integrate the prior accurately; the split integrator's error comes from the likelihood alone.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -38,7 +40,7 @@ def _kinetic(momenta: list[Tensor]) -> Tensor:
     return cast(Tensor, sum(torch.sum(m * m, dtype=torch.float64) for m in momenta)) / 2
 
 
-def _drift(params, momenta, eps: float, omegas: Optional[list[float]]):
+def _drift(params, momenta, eps: float, omegas: list[float] | None):
     """Move for time eps under the kinetic energy, plus the Gaussian prior when its omegas are given."""
     if omegas is None:
         return [p.detach() + eps * m for p, m in zip(params, momenta)], momenta
@@ -50,7 +52,7 @@ def _drift(params, momenta, eps: float, omegas: Optional[list[float]]):
     return new_params, new_momenta
 
 
-def _prior_energy(params, omegas: Optional[list[float]]) -> Tensor:
+def _prior_energy(params, omegas: list[float] | None) -> Tensor:
     if omegas is None:
         return torch.zeros((), dtype=torch.float64)
     energies = (w * w * torch.sum(p.detach() * p.detach(), dtype=torch.float64) for p, w in zip(params, omegas))
@@ -69,11 +71,19 @@ def _leapfrog(potential, params, momenta, grads, eps: float, n: int, omegas=None
     return params, momenta, grads, value
 
 
-def hmc(potential: Potential, init: list[Tensor], n_warmup: int, n_samples: int, gen: torch.Generator,
-        prior_variances: Optional[list[float]] = None, trajectory: float = 1.5, target_accept: float = 0.8,
-        max_leapfrog: int = 512,
-        on_sample: Optional[Callable[[list[Tensor]], None]] = None,
-        on_iteration: Optional[Callable[[int, HMCStats], None]] = None) -> HMCStats:  # fmt: skip
+def hmc(
+    potential: Potential,
+    init: list[Tensor],
+    n_warmup: int,
+    n_samples: int,
+    gen: torch.Generator,
+    prior_variances: list[float] | None = None,
+    trajectory: float = 1.5,
+    target_accept: float = 0.8,
+    max_leapfrog: int = 512,
+    on_sample: Callable[[list[Tensor]], None] | None = None,
+    on_iteration: Callable[[int, HMCStats], None] | None = None,
+) -> HMCStats:
     """Draw n_samples states after n_warmup tuning iterations; on_sample sees each kept state.
 
     With prior_variances (one per parameter tensor), the target is potential + sum |p|^2 / 2 var, and the
@@ -90,7 +100,9 @@ def hmc(potential: Potential, init: list[Tensor], n_warmup: int, n_samples: int,
         n_steps = max(1, min(max_leapfrog, round(trajectory * jitter / eps)))
         momenta = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
         h0 = value + _prior_energy(params, omegas) + _kinetic(momenta)
-        new_params, new_momenta, new_grads, new_value = _leapfrog(potential, params, momenta, grads, eps, n_steps, omegas)
+        new_params, new_momenta, new_grads, new_value = _leapfrog(
+            potential, params, momenta, grads, eps, n_steps, omegas
+        )
         h1 = new_value + _prior_energy(new_params, omegas) + _kinetic(new_momenta)
         error = float(h1 - h0) if torch.isfinite(h1) else math.inf
         accept_prob = math.exp(min(0.0, -error)) if math.isfinite(error) else 0.0
@@ -122,8 +134,14 @@ def _initial_step(potential, params, value, grads, gen, omegas) -> float:
     def log_accept(eps: float) -> float:
         momenta = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
         new_params, new_momenta, _, new_value = _leapfrog(potential, params, momenta, grads, eps, 1, omegas)
-        error = float(new_value + _prior_energy(new_params, omegas) + _kinetic(new_momenta)
-                      - value - _prior_energy(params, omegas) - _kinetic(momenta))  # fmt: skip
+        error = float(
+            new_value
+            + _prior_energy(new_params, omegas)
+            + _kinetic(new_momenta)
+            - value
+            - _prior_energy(params, omegas)
+            - _kinetic(momenta)
+        )
         return -error if math.isfinite(error) else -math.inf
 
     eps, half = 0.1, math.log(0.5)
@@ -136,8 +154,13 @@ def _initial_step(potential, params, value, grads, gen, omegas) -> float:
     return eps
 
 
-def gradient_descent(loss_fn: Callable[[list[Tensor]], Tensor], init: list[Tensor], steps: int, lr: float,
-                     on_step: Optional[Callable[[int, float], None]] = None) -> tuple[list[Tensor], float]:  # fmt: skip
+def gradient_descent(
+    loss_fn: Callable[[list[Tensor]], Tensor],
+    init: list[Tensor],
+    steps: int,
+    lr: float,
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[list[Tensor], float]:
     """Adam on loss_fn from init (full batch); returns the parameters and the final loss."""
     params = [p.detach().clone().requires_grad_(True) for p in init]
     opt = torch.optim.Adam(params, lr=lr)

@@ -41,8 +41,10 @@ def gpt2_config(model_cfg: Any, task: Task, tokenizer: Any) -> Any:
     if task.max_len > model_cfg.n_ctx:
         raise HeadlabError(f"task {task.name} needs n_ctx >= {task.max_len}, model has {model_cfg.n_ctx}")
     if model_cfg.d_model % model_cfg.n_heads:
-        raise HeadlabError(f"model {model_cfg.name}: d_model {model_cfg.d_model} is not a multiple of n_heads "
-                           f"{model_cfg.n_heads} (GPT-2 heads are d_model / n_heads wide)")  # fmt: skip
+        raise HeadlabError(
+            f"model {model_cfg.name}: d_model {model_cfg.d_model} is not a multiple of n_heads "
+            f"{model_cfg.n_heads} (GPT-2 heads are d_model / n_heads wide)"
+        )
     return GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=model_cfg.n_ctx,
@@ -121,8 +123,18 @@ def train_hf(
         return torch.nn.functional.cross_entropy(logits, targets[rows, cols])
 
     eval_data = task.build(tc.eval_prompts, seed=seed + 10_000)
-    step, curve, seconds = fit_loop(f"train {model_cfg.name}", model, opt, task, tc, seed, directory, loss_fn,
-                                    lambda: evaluate_hf(model, task, eval_data), show_progress)  # fmt: skip
+    step, curve, seconds = fit_loop(
+        f"train {model_cfg.name}",
+        model,
+        opt,
+        task,
+        tc,
+        seed,
+        directory,
+        loss_fn,
+        lambda: evaluate_hf(model, task, eval_data),
+        show_progress,
+    )
     model.eval()
     final = evaluate_hf(model, task, eval_data)
     from transformers.utils import logging as hf_logging
@@ -131,8 +143,16 @@ def train_hf(
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    done = {"complete": True, "kind": "hf", "steps": step, "seed": seed, "metrics": final, "curve": curve,
-            "train_seconds": seconds, **(meta or {})}  # fmt: skip
+    done = {
+        "complete": True,
+        "kind": "hf",
+        "steps": step,
+        "seed": seed,
+        "metrics": final,
+        "curve": curve,
+        "train_seconds": seconds,
+        **(meta or {}),
+    }
     atomic_write_bytes(directory / HF_DONE, json.dumps(done, indent=2).encode())  # last: marks it finished
     return model, curve
 

@@ -74,16 +74,33 @@ def train_toy(
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     eval_data = task.build(tc.eval_prompts, seed=seed + 10_000)
-    step, curve, seconds = fit_loop(f"train {model_cfg.name}", model, opt, task, tc, seed, directory, loss_fn,
-                                    lambda: evaluate(model, task, eval_data), show_progress)  # fmt: skip
+    step, curve, seconds = fit_loop(
+        f"train {model_cfg.name}",
+        model,
+        opt,
+        task,
+        tc,
+        seed,
+        directory,
+        loss_fn,
+        lambda: evaluate(model, task, eval_data),
+        show_progress,
+    )
     final = evaluate(model, task, eval_data)
     model.eval()
     save_toy(
         model,
         directory,
-        {"complete": True, "steps": step, "seed": seed, "metrics": final, "curve": curve,
-         "train_seconds": seconds, **(meta or {})},
-    )  # fmt: skip
+        {
+            "complete": True,
+            "steps": step,
+            "seed": seed,
+            "metrics": final,
+            "curve": curve,
+            "train_seconds": seconds,
+            **(meta or {}),
+        },
+    )
     return model, curve
 
 
