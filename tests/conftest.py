@@ -1,5 +1,11 @@
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -95,12 +101,63 @@ def train_cfg(**kw):
 
 
 @pytest.fixture(scope="session")
-def trained_count01(tmp_path_factory):
-    """The default demo model: 1-layer attention-only, trained on Count01 with the default schedule."""
-    from headlab.models.toy import hooked_toy
-    from headlab.tasks.counting import CountingTask
-    from headlab.train import train_toy
+def demo_root(tmp_path_factory) -> Path:
+    """An output root whose checkpoints/ hold the demo model (toy-attn-1l trained on counting with the
+    default schedule, as `make demo` trains it), trained once per session: runs with output.root=<this>
+    and the default model, task and train settings reuse it."""
+    import headlab
 
-    task = CountingTask(counting_cfg())
-    model, curve = train_toy(toy_model_cfg(), task, train_cfg(), 0, tmp_path_factory.mktemp("count01"), False)
-    return hooked_toy(model, "toy-attn-1l"), task, curve
+    root = tmp_path_factory.mktemp("demo")
+    headlab.load_model("toy-attn-1l", root=str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def trained_count01(demo_root):
+    """The demo model, its task and its training curve."""
+    from headlab.models.toy import hooked_toy, load_toy
+    from headlab.tasks.counting import CountingTask
+
+    model, saved = load_toy(next(demo_root.glob("checkpoints/toy-attn-1l-counting-*")))
+    return hooked_toy(model, "toy-attn-1l"), CountingTask(counting_cfg()), saved["curve"]
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_headlab(*args: str, cwd: Path) -> CliResult:
+    """`headlab ARGS` run from `cwd`: in this process through the CLI's own main() (exit code, stdout,
+    stderr as a user sees them), or, for a multirun, in a subprocess, since Hydra's launchers own it."""
+    if "-m" in args or "--multirun" in args:
+        env = {**os.environ, "HYDRA_FULL_ERROR": "0", "COLUMNS": "120"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "headlab", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        )
+        return CliResult(proc.returncode, proc.stdout, proc.stderr)
+    from headlab.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    here, argv = Path.cwd(), sys.argv
+    os.chdir(cwd)
+    sys.argv = ["headlab", *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+        sys.argv = argv
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def error_line(result: CliResult) -> str:
+    """The one line a failed command prints on stderr."""
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]

@@ -12,35 +12,33 @@ import pytest
 import headlab
 from headlab import results
 
-FAST = {"train__steps": 300, "train__eval_every": 150}
-RUN_FAST = ["train.steps=300", "train.eval_every=150", "task.n_prompts=64", "output.n_boot=100"]
+RUN_FAST = ["task.n_prompts=64", "output.n_boot=100"]
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("api")
-    model = headlab.load_model("toy-attn-1l", root=str(root), **FAST)
-    return root, model, headlab.load_task("counting", n_prompts=64)
+def toy(demo_root):
+    return (
+        demo_root,
+        headlab.load_model("toy-attn-1l", root=str(demo_root)),
+        headlab.load_task("counting", n_prompts=64),
+    )
 
 
-def test_a_fresh_process_sweeps_the_same_table_headlab_run_writes(tmp_path):
+def test_a_fresh_process_sweeps_the_same_table_headlab_run_writes(demo_root, tmp_path):
+    """The demo model is trained already (demo_root): both processes load it from there."""
     script = textwrap.dedent(f"""
         import headlab
-        m = headlab.load_model("toy-attn-1l", root={str(tmp_path)!r}, train__steps=300, train__eval_every=150)
+        m = headlab.load_model("toy-attn-1l", root={str(demo_root)!r})
         t = headlab.sweep(m, headlab.load_task("counting", n_prompts=64), ablate="heads", n_boot=100)
         t.to_parquet({str(tmp_path / "api.parquet")!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert not list(tmp_path.glob("runs")), "a sweep writes nothing but the model it trained"
-    proc = subprocess.run(
-        [sys.executable, "-m", "headlab", "run", *RUN_FAST, f"output.root={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    assert not list(demo_root.glob("runs")), "a sweep writes nothing"
+    args = ["task.n_prompts=64", "output.n_boot=100", f"output.root={demo_root}", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run([sys.executable, "-m", "headlab", "run", *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    written = pd.read_parquet(next(tmp_path.glob("runs/*/*/results.parquet")))
+    written = pd.read_parquet(tmp_path / "run" / "results.parquet")
     swept = pd.read_parquet(tmp_path / "api.parquet")
     assert list(swept.columns) == results.CORE_COLUMNS and len(swept) == (1 + 4) * 4
     pd.testing.assert_frame_equal(swept, written)

@@ -3,30 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from conftest import error_line, run_headlab
 from headlab import results
 
 FAST = ["train.steps=300", "train.eval_every=150", "task.n_prompts=64", "output.n_boot=100"]
 
 
-def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "COLUMNS": "120"}
-    return subprocess.run(
-        [sys.executable, "-m", "headlab", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
-
-
-def _error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
+# the command itself, in this process (a multirun in a subprocess); other test modules import these
+headlab = run_headlab
+_error_line = error_line
 
 
 @pytest.mark.parametrize(
@@ -104,10 +93,12 @@ def test_run_trains_sweeps_writes_then_reuses_the_checkpoint(tmp_path):
     assert checkpoints[0].stat().st_mtime_ns == stamp  # same model config: reused, not retrained
 
 
-def test_multirun_one_dir_per_job_and_collect(tmp_path):
-    proc = headlab("run", "-m", "ablate.method=zero,mean", *FAST, f"output.root={tmp_path}", cwd=tmp_path)
+def test_multirun_one_dir_per_job_and_collect(demo_root, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["task.n_prompts=64", "output.n_boot=100", f"output.root={demo_root}", f"hydra.sweep.dir={sweep}"]
+    proc = headlab("run", "-m", "ablate.method=zero,mean", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    sweep = next(tmp_path.glob("multirun/*/*"))
+    assert "2 done, 0 skipped, 0 failed" in proc.stdout
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     proc = headlab("collect", str(sweep), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -16,17 +16,16 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, demo_root):
     root = tmp_path_factory.mktemp("report")
     sweep = root / "sweep"
     args = [
         "run",
         "-m",
         "ablate.method=zero,mean",
-        "train.steps=100",
         "task.n_prompts=32",
         "output.n_boot=20",
-        f"output.root={root}",
+        f"output.root={demo_root}",
         f"hydra.sweep.dir={sweep}",
     ]
     subprocess.run([sys.executable, "-m", "headlab", *args], cwd=root, check=True, capture_output=True)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 from torch.nn import functional as F
 
-from conftest import counting_cfg
+from conftest import counting_cfg, run_headlab
 from headlab.config import SaeConfig
 from headlab.errors import HeadlabError
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
@@ -677,13 +674,6 @@ FAST = [
 ]
 
 
-def _headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "COLUMNS": "120"}
-    return subprocess.run(
-        [sys.executable, "-m", "headlab", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     from sae_lens import SAE
 
@@ -693,7 +683,7 @@ def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     from headlab.train.obtain import obtain_model
 
     args = [*FAST, f"output.root={tmp_path}"]
-    proc = _headlab("sae", *args, cwd=tmp_path)
+    proc = run_headlab("sae", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (run_dir,) = tmp_path.glob("runs/*/*")
     df = pd.read_parquet(run_dir / "results.parquet")
@@ -732,7 +722,7 @@ def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
 
     # the same command again: the fitted SAE is reused, not refitted
     stamp = (fitted / "sae_weights.safetensors").stat().st_mtime_ns
-    proc = _headlab("sae", *args, cwd=tmp_path)
+    proc = run_headlab("sae", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert (fitted / "sae_weights.safetensors").stat().st_mtime_ns == stamp
     second = max(tmp_path.glob("runs/*/*"), key=lambda p: p.name)
@@ -742,7 +732,7 @@ def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     assert reused.tolist() == pytest.approx([metrics["l0"]])
 
     # a layer the model does not have: one line, non-zero exit, no table
-    proc = _headlab("sae", *args, "sae.layer=5", cwd=tmp_path)
+    proc = run_headlab("sae", *args, "sae.layer=5", cwd=tmp_path)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "sae.layer=5" in lines[0], proc.stderr

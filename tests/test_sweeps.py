@@ -16,7 +16,7 @@ SWEEP = [
     "run",
     "-m",
     "hydra/launcher=local",
-    "train.steps=150,1500,150",
+    "train.steps=150,800,150",
     "train.eval_every=150",
     "task.n_prompts=64",
     "output.n_boot=50",
