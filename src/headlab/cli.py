@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import typer
@@ -280,7 +281,7 @@ def reproduce(
 
 
 def _flatten(numbers: dict, prefix: str = "") -> dict:
-    flat = {}
+    flat: dict[str, Any] = {}
     for key, value in numbers.items():
         name = f"{prefix}{key}"
         flat.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})

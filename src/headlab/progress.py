@@ -4,17 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 
 class _Bar:
-    def __init__(self, progress: Progress | None, task_id: int | None):
+    def __init__(self, progress: Progress | None, task_id: TaskID | None):
         self._progress, self._task = progress, task_id
 
     def update(self, completed: int, info: str = "") -> None:
         if self._progress is not None:
-            kwargs = {"info": info} if info else {}
+            assert self._task is not None  # set together with the progress
+            kwargs: dict[str, Any] = {"info": info} if info else {}
             self._progress.update(self._task, completed=completed, **kwargs)
 
 

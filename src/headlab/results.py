@@ -10,7 +10,7 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +196,9 @@ def collect(directory: Path) -> pd.DataFrame:
     tables = sorted(p for p in directory.rglob(TABLE) if is_complete(p.parent))
     if not tables:
         raise HeadlabError(f"no complete results ({TABLE} with {META}) below {directory}")
-    frames, schema, first = [], {}, {}
+    frames: list[pd.DataFrame] = []
+    schema: dict[Hashable, str] = {}
+    first: dict[Hashable, Path] = {}
     for path in tables:
         df = pd.read_parquet(path)
         for col, dtype in df.dtypes.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -181,7 +182,8 @@ def solve_order(
         previous = float(loss)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the action became {float(loss)} (U left the positive definite cone)")
-        grad_max = max(float(p.grad.abs().max()) for p in params)
+        # closure() has just run backward: every parameter has its gradient
+        grad_max = max(float(cast(Tensor, p.grad).abs().max()) for p in params)
         if on_step is not None:
             on_step(min(steps, max_steps), grad_max)
         if grad_max < tol or stalled:  # stalled: float64 cannot lower the action further

@@ -36,7 +36,9 @@ def ordinary_ids(model: HookedModel, low: int | None = None, high: int | None = 
     Defaults: with a tokenizer of more than 20000 ids, 1000..20000 (common words in BPE vocabularies,
     clear of the byte/control tokens some put first and the reserved tokens others put last); otherwise
     the whole vocabulary, which for a toy model without tokenizer includes its task's special tokens."""
-    vocab = model.unembed.weight.shape[0]
+    weight = model.unembed.weight
+    assert isinstance(weight, Tensor)  # a Parameter; nn.Module's __getattr__ is typed Tensor | Module
+    vocab = weight.shape[0]
     tok = model.tokenizer
     if tok is not None:
         vocab = min(vocab, len(tok))  # Qwen-style unembeddings are padded past the tokenizer

@@ -11,6 +11,7 @@ recall and two-hop reasoning (experiment=attn_sae).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -49,7 +50,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     for ax, metric in zip(axes, ("l0", "explained_variance", "ce_loss_recovered")):
         for i, (method, rows) in enumerate(summ.groupby("method")):
             x = np.array([layers.index(v) for v in rows["layer"]]) + i * width
-            ax.bar(x, rows[metric], width, color=ARCH_COLOR.get(method, "gray"), label=method)
+            ax.bar(x, rows[metric], width, color=ARCH_COLOR.get(str(method), "gray"), label=method)
         ax.set(
             xticks=np.arange(len(layers)) + width * (summ["method"].nunique() - 1) / 2,
             xticklabels=[f"L{int(v)}" for v in layers],
@@ -89,7 +90,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     fig.savefig(out / "fig_top_features.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
-    numbers = {
+    numbers: dict[str, dict[str, Any]] = {
         f"{r['method']}_L{int(r['layer'])}": {m: float(r[m]) for m in SUMMARY if m in r and pd.notna(r[m])}
         for _, r in summ.iterrows()
     }

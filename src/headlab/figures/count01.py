@@ -125,7 +125,10 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         fig.savefig(out / "fig_aggregation.png", dpi=120)
         plt.close(fig)
 
-    donors = {"pattern_from": ([], [], []), "values_from": ([], [], [])}
+    donors: dict[str, tuple[list[float], list[float], list[float]]] = {
+        "pattern_from": ([], [], []),
+        "values_from": ([], [], []),
+    }
     shown = None
     for (h, s), _ in df[df["n_heads"] > 1].groupby(["n_heads", "seed"]):
         for kind, (swapped, own, donor) in donors.items():
@@ -134,7 +137,9 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
             for i in range(h):
                 for j in range(h):
                     if i != j and np.isfinite(m[i, j]):
-                        swapped.append(m[i, j]), own.append(alone[i]), donor.append(alone[j])
+                        swapped.append(m[i, j])
+                        own.append(alone[i])
+                        donor.append(alone[j])
         shown = (h, s) if shown is None or h >= shown[0] and s == 0 else shown
     for kind, (swapped, own, donor) in donors.items():
         numbers[f"{kind}_r_with_donor_alone"] = _r(swapped, donor)

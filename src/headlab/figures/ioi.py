@@ -207,9 +207,9 @@ def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
                     labels.append(f"{part} ({method})")
                     vectors.append(_grid(sel.assign(row=0), "effect", (1, shape[0]), ("row", "layer"))[0])
         if np.isfinite(np.asarray(vectors, float)).any():
-            fig, axes = plt.subplots(figsize=(max(4.0, 1.8 + 0.45 * shape[0]), 1.4 + 0.35 * len(labels)))
+            fig, ax = plt.subplots(figsize=(max(4.0, 1.8 + 0.45 * shape[0]), 1.4 + 0.35 * len(labels)))
             _heatmap(
-                axes,
+                ax,
                 np.asarray(vectors),
                 f"ablating a layer's attention / MLP output: change in {METRICS[metric]}",
                 xlabel="layer",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +17,9 @@ from torch import Tensor, nn
 from ..errors import HeadlabError
 from .hooked import HookedModel
 from .sites import HeadSites, headlab_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTN_IMPLEMENTATION = "headlab"
 
@@ -110,7 +113,9 @@ def load_hf(
             raise HeadlabError(
                 f"cannot load a tokenizer for {where} (set model.tokenizer=...): {_first_line(e)}"
             ) from e
-        rows = model.get_input_embeddings().weight.shape[0]
+        embedding = model.get_input_embeddings().weight
+        assert isinstance(embedding, Tensor)  # a Parameter; nn.Module's __getattr__ is typed Tensor | Module
+        rows = embedding.shape[0]
         # transformers builds an empty tokenizer from the config alone when a directory has none
         if len(tok) <= 1 or len(tok) > rows:
             raise HeadlabError(
@@ -120,7 +125,7 @@ def load_hf(
     return hook_hf(model, name or path, family, tok)
 
 
-def hook_hf(model: nn.Module, name: str, family: Family, tokenizer: Any = None) -> HookedModel:
+def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = None) -> HookedModel:
     cfg = model.config
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads

@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from ..vocabulary import MLP_SITES, Site
 from .sites import HeadSites
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 Inputs = dict[str, Tensor]
 
@@ -90,6 +93,7 @@ class HookedModel:
         self.mlps = mlps or [None] * len(blocks)
         self.down_projs = down_projs or [None] * len(blocks)  # per layer: the module whose input is "neurons"
         self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
+        self.config: ModelConfig | None = None  # the config it was loaded from, where headlab.load_model set it
 
     @property
     def n_layers(self) -> int:
@@ -114,7 +118,11 @@ class HookedModel:
         out: dict[int, Tensor] = {}
 
         def keep(layer: int) -> Callable[[Tensor], Tensor]:
-            return lambda t: out.__setitem__(layer, t.contiguous()) or t
+            def store(t: Tensor) -> Tensor:
+                out[layer] = t.contiguous()
+                return t
+
+            return store
 
         with ExitStack() as stack:
             for layer in range(self.n_layers):
@@ -163,14 +171,16 @@ class HookedModel:
         handles = []
         try:
             if mlp_fn is not None:
-                if self.mlps[layer] is None:
+                mlp = self.mlps[layer]
+                if mlp is None:
                     raise ValueError(f"layer {layer} of {self.name} has no MLP")
-                handles.append(self.mlps[layer].register_forward_hook(lambda _m, _a, output: mlp_fn(output)))
+                handles.append(mlp.register_forward_hook(lambda _m, _a, output: mlp_fn(output)))
             if neurons_fn is not None:
-                if self.down_projs[layer] is None:
+                down_proj = self.down_projs[layer]
+                if down_proj is None:
                     raise ValueError(f"layer {layer} of {self.name} has no MLP (no down projection for neurons)")
                 edit_input = lambda _m, args: (neurons_fn(args[0]), *args[1:])  # noqa: E731
-                handles.append(self.down_projs[layer].register_forward_pre_hook(edit_input))
+                handles.append(down_proj.register_forward_pre_hook(edit_input))
             with self.sites.hooks(layer, **fns):
                 yield
         finally:

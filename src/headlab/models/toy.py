@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import SafetensorError
@@ -44,6 +45,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class ToyAttention(nn.Module):
+    # buffers (register_buffer): declared for the type checker
+    mask: Tensor
+    cos: Tensor
+    sin: Tensor
+
     def __init__(self, cfg: ToyConfig, layer: int):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer
@@ -88,6 +94,8 @@ class ToyBlock(nn.Module):
 
 
 class ToyTransformer(nn.Module):
+    pos_table: Tensor  # a buffer (register_buffer), with sinusoidal positions only
+
     def __init__(self, cfg: ToyConfig):
         super().__init__()
         self.cfg = cfg
@@ -138,24 +146,25 @@ def _init(m: nn.Module) -> None:
 
 def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
     cfg = model.cfg
+    blocks = cast(list[ToyBlock], list(model.blocks))  # nn.ModuleList is not generic
 
     def w_o(layer: int) -> Tensor:
         # nn.Linear stores [d_model, heads*d_head]; head h reads columns h*d_head:(h+1)*d_head
-        return model.blocks[layer].attn.o.weight.T.reshape(cfg.n_heads, cfg.d_head, cfg.d_model)
+        return blocks[layer].attn.o.weight.T.reshape(cfg.n_heads, cfg.d_head, cfg.d_model)
 
-    sites = HeadSites([b.attn for b in model.blocks], w_o, cfg.n_heads, cfg.n_heads, cfg.d_head, cfg.d_model)
+    sites = HeadSites([b.attn for b in blocks], w_o, cfg.n_heads, cfg.n_heads, cfg.d_head, cfg.d_model)
     return HookedModel(
         name=name,
         module=model,
         sites=sites,
-        blocks=list(model.blocks),
+        blocks=list(blocks),
         final_norm=model.ln_f,
         unembed=model.unembed,
         call=lambda m, inputs: m(inputs["input_ids"]),
         family="toy",
-        mlps=[b.mlp for b in model.blocks],
+        mlps=[b.mlp for b in blocks],
         width=cfg.d_mlp,
-        down_projs=[None if b.mlp is None else b.mlp[2] for b in model.blocks],  # Linear(d_mlp, d_model)
+        down_projs=[None if b.mlp is None else b.mlp[2] for b in blocks],  # Linear(d_mlp, d_model)
     )
 
 

@@ -56,7 +56,7 @@ class SparseAutoencoder(nn.Module):
 
     @torch.no_grad()
     def normalize_decoder(self) -> None:
-        self.W_dec /= self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-8)
+        self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-8))
 
     @torch.no_grad()
     def remove_parallel_grad(self) -> None:

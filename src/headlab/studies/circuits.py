@@ -113,7 +113,8 @@ def measure(cfg, model, task, data, info: dict, show_progress: bool = False) -> 
     method = option(cfg.ablate.method)
     ablations, patches, crossed = plan(model, data, method)
     answers = data.answers_np()
-    tables, drop_tables = [], []
+    tables: list[pd.DataFrame] = []
+    drop_tables: list[pd.DataFrame] = []
     # (prompts, interventions, those measured as accuracy drops: listed first); same-kind patches change
     # the answer, so they get no drops. Each pass runs clean first; its rows are kept once.
     passes = ((data, [*ablations, *patches], ablations), (other_kind(data), crossed, crossed))

@@ -378,7 +378,9 @@ class PathNetRun:
 
 
 def _prior(params: list[Tensor], variances: list[float]) -> Tensor:
-    return sum(torch.sum(p * p, dtype=torch.float64) / (2 * v) for p, v in zip(params, variances))
+    total = sum(torch.sum(p * p, dtype=torch.float64) / (2 * v) for p, v in zip(params, variances))
+    assert isinstance(total, Tensor)  # not sum()'s start 0: a net always has parameters
+    return total
 
 
 def measure(cfg, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:

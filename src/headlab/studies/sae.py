@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
     return sae.eval(), record
 
 
-def token_text(model: HookedModel, task: Any) -> callable:
+def token_text(model: HookedModel, task: Any) -> Callable[[Any], str]:
     if model.tokenizer is not None:
         return lambda i: model.tokenizer.decode([int(i)])
     strings = getattr(task, "token_strings", None)

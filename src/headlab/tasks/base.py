@@ -66,6 +66,8 @@ def mean_of(column: int) -> Aggregate:
 
 class Task:
     name: str
+    cfg: Any  # the task's config section (a config.py dataclass or an OmegaConf node)
+    needs_tokenizer: bool = False  # prompts are words, encoded with the model's tokenizer
     quantities: tuple[str, ...]  # per-prompt quantities, the last axis of per_prompt()
     # the quantity attribution patching differentiates (a smooth one, e.g. a logit difference)
     smooth_quantity: str | None = None

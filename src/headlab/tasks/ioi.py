@@ -147,7 +147,8 @@ class IOITask(Task):
         """Prompts from templates: [A] <- a, first [B] <- b, second [B] <- b2; the final [A] is cut off."""
         tok = self.tokenizer
         bos = [tok.bos_token_id] if self.cfg.prepend_bos and tok.bos_token_id is not None else []
-        rows, roles = [], {r: [] for r in ROLES}
+        rows: list[list[int]] = []
+        roles: dict[str, list[int]] = {r: [] for r in ROLES}
         for i, t in enumerate(fill["template"]):
             text, spans = _fill(self.templates[t], a[i], b[i], b2[i], fill["place"][i], fill["object"][i])
             enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -162,11 +163,11 @@ class IOITask(Task):
             rows.append(bos + ids)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         width = max(map(len, rows))
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        padded = torch.full((len(rows), width), pad, dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
+            padded[i, : len(r)] = torch.tensor(r)
         token = lambda names: torch.tensor([_token_id(tok, x) for x in names])  # noqa: E731
-        return Prompts(ids, {r: torch.tensor(v) for r, v in roles.items()}, token(a), token(b))
+        return Prompts(padded, {r: torch.tensor(v) for r, v in roles.items()}, token(a), token(b))
 
     def build(self, n: int, seed: int, model: Any = None) -> TaskData:
         if self.tokenizer is None or (model is not None and model.tokenizer not in (None, self.tokenizer)):
@@ -231,7 +232,8 @@ def _capitalized_words(tokenizer: Any) -> list[str]:
 
 def _single_tokens(tokenizer: Any, words: list[str]) -> tuple[list[str], list[str]]:
     """(words that are one token with a leading space, the others), order kept."""
-    kept, refused = [], []
+    kept: list[str] = []
+    refused: list[str] = []
     for w in words:
         (kept if len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) == 1 else refused).append(w)
     return kept, refused

@@ -55,6 +55,7 @@ def other_kind(data: TaskData) -> TaskData:
         raise ValueError(f"pairing needs as many recall as reasoning prompts, not {len(recall)} and {len(reasoning)}")
     pair = torch.empty_like(kind)
     pair[recall], pair[reasoning] = reasoning, recall
+    assert data.token_positions is not None  # both kinds of build() set ANSWER
     return replace(
         data,
         counterfactual={k: v[pair] for k, v in data.inputs.items()},
@@ -242,11 +243,17 @@ class RecallReasoningTask(Task):
         for fact in rng.sample(usable, min(half, len(usable))):
             prompt, answer = table.recall_prompt(fact)
             same = sorted({" " + f.answer for f in usable if f.relation == fact.relation} - {answer})
-            rows.append(prompt), kinds.append(RECALL), answers.append(answer), candidates.append(same)
+            rows.append(prompt)
+            kinds.append(RECALL)
+            answers.append(answer)
+            candidates.append(same)
         for i in range(half):
-            kind = table.REASONING_KINDS[i % len(table.REASONING_KINDS)]
-            prompt, answer, others = table.reasoning_prompt(subjects, rng, kind=kind)
-            rows.append(prompt), kinds.append(REASONING), answers.append(answer), candidates.append(others)
+            reasoning_kind = table.REASONING_KINDS[i % len(table.REASONING_KINDS)]
+            prompt, answer, others = table.reasoning_prompt(subjects, rng, kind=reasoning_kind)
+            rows.append(prompt)
+            kinds.append(REASONING)
+            answers.append(answer)
+            candidates.append(others)
         bos = [tok.bos_token_id] if self.cfg.prepend_bos and tok.bos_token_id is not None else []
         encoded = [bos + tok(r, add_special_tokens=False)["input_ids"] for r in rows]
         width = max(len(e) for e in encoded)
@@ -283,7 +290,8 @@ class RecallReasoningTask(Task):
         for count, hops in ((n_two, 2), (n_one, 1)):
             chains, order = self._draw_reasoning(count, generator)
             ids, ans = self.reasoning(chains, order, torch.randint(0, 2, (count,), generator=generator), hops)
-            parts.append(ids), answers.append(ans)
+            parts.append(ids)
+            answers.append(ans)
         ids = torch.cat(parts)
         targets = torch.full_like(ids, -100)
         targets[:n_recall, 3] = answers[0]
