@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.headlab-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test lint bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/headlab run
 
-test: $(STAMP)
+lint: $(STAMP)  # what CI enforces besides the tests: ruff's lint and format, mypy's types
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 $(VENV)/.headlab-bench: $(STAMP)

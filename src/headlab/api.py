@@ -157,15 +157,27 @@ def _task_config(task: Task, n_prompts: int | None) -> Any:
     raise UsageError(f"task {task.name}: its config is neither a dataclass nor an OmegaConf config")
 
 
+def _unused(run_dir: Path) -> Path:
+    """A timestamped run dir that an earlier run in the same second took gets a suffix (-2, -3, ...)."""
+    candidate, n = run_dir, 1
+    while candidate.exists():
+        n += 1
+        candidate = run_dir.with_name(f"{run_dir.name}-{n}")
+    return candidate
+
+
 def run(*overrides: str, command: str = "run", show_progress: bool = False) -> RunResult:
     """Exactly what `headlab <command> <overrides>` does for one run (command: run | train | sae): the
     config composed from configs/ and the overrides, the run dir Hydra would choose
-    (output.root/runs/<date>/<time>-<name>, or hydra.run.dir=...), the study run, results.parquet,
-    results.csv, meta.json and .hydra/config.yaml written there. A run dir that already holds this
-    config's complete result is reused (`skipped`)."""
+    (output.root/runs/<date>/<time>-<name>, suffixed -2, -3, ... when a run in the same second took it),
+    the study run, results.parquet, results.csv, meta.json and .hydra/config.yaml written there. A run
+    dir given by hydra.run.dir=... that already holds this config's complete result is reused
+    (`skipped`)."""
     validate_overrides(overrides)
     raw = compose_raw(overrides, hydra_config=True)
     run_dir = Path(str(raw.hydra.run.dir))
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        run_dir = _unused(run_dir)
     cfg = typed(raw)
     table = execute_run(command, cfg, run_dir, show_progress)
     skipped = bool(table.attrs.get("skipped"))
