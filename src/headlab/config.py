@@ -179,10 +179,38 @@ class MarkovConfig(TaskConfig):
     noise_orthogonal: float = 1.0  # in the complement of both (the paper's perpendicular noise)
 
 
+class MeanOver(str, Enum):
+    positions = "positions"  # one mean per position (over the reference prompts that reach it)
+    tokens = "tokens"  # one mean over every real token of every reference prompt, whatever its position
+
+
+@dataclass
+class PromptsConfig(TaskConfig):
+    """Your own prompts: clean / corrupted pairs with answers, from a file (tasks/prompts.py)."""
+
+    name: str = "prompts"
+    n_prompts: int = 0  # the file's first n rows; 0: every row
+    path: str | None = None  # JSONL, CSV, auto-circuit JSON, EAP-IG CSV or MIB rows
+    format: str = "auto"  # auto (by extension and fields) | jsonl | csv | autocircuit | eap_ig | mib
+    multi_token: str = "refuse"  # an answer of several tokens: refuse | first (its first token)
+    counterfactual: str | None = None  # MIB: which counterfactual field is the corrupted prompt
+
+
+@dataclass
+class TextConfig(TaskConfig):
+    """Next-token cross-entropy over a text: one document per line of a file or per .txt file of a dir."""
+
+    name: str = "text"
+    n_prompts: int = 0  # documents; 0: every document
+    path: str | None = None
+    seq_len: int = 128  # tokens per document at most (the tokenizer's BOS included)
+
+
 @dataclass
 class AblateConfig:
     sweep: AblateSweep = AblateSweep.none
     method: AblateMethod = AblateMethod.zero
+    mean_over: MeanOver = MeanOver.positions  # method=mean: what the mean is taken over (padding never counts)
 
 
 @dataclass
@@ -299,6 +327,8 @@ SCHEMAS: dict[str, type] = {
     "sae": SaeConfig,
 }
 TASK_SCHEMAS: dict[str, type] = {
+    "prompts": PromptsConfig,
+    "text": TextConfig,
     "counting": CountingConfig,
     "ioi": IOIConfig,
     "markov": MarkovConfig,
