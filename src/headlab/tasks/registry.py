@@ -14,9 +14,16 @@ def registry() -> dict[str, Callable[[Any], Task]]:
     from .counting import CountingTask
     from .ioi import IOITask
     from .markov import MarkovTask
+    from .prompts import PromptsTask
     from .recall_reasoning import RecallReasoningTask
 
-    return {"counting": CountingTask, "ioi": IOITask, "markov": MarkovTask, "recall_reasoning": RecallReasoningTask}
+    return {
+        "counting": CountingTask,
+        "ioi": IOITask,
+        "markov": MarkovTask,
+        "prompts": PromptsTask,
+        "recall_reasoning": RecallReasoningTask,
+    }
 
 
 def task_names() -> list[str]:

@@ -1,0 +1,252 @@
+"""Your own prompts (task=prompts): clean / corrupted pairs with their answers, from a file or from Python.
+
+Each prompt is tokenized as the model's tokenizer does by default (its BOS where it adds one), answers
+without special tokens; prompts are right-padded and `attention_mask` marks the real tokens. The read
+position is a record's `position` (an index into the tokenized clean prompt, negative from its end),
+else its last real token; patching can target it as END. Mean and resample ablation take their values
+from each record's `reference` prompt (default: the clean prompt), mean ablation within its `group`.
+
+Per-prompt quantities at the read position, with A the answer's alternatives and W the wrong answer's:
+  logit_diff    max logit over A - max logit over W
+  answer_prob   softmax probability of the answer, summed over A
+  correct       1 where the best of A beats the best of W (aggregate: accuracy)
+and patching_score = (mean logit_diff - mean corrupted logit_diff) / (mean clean - mean corrupted logit_diff),
+1 for the clean behaviour and 0 for the corrupted one; the clean and corrupted logit_diff of each prompt
+come from plain forward passes in build(), so the score bootstraps like the other metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..config import PromptsConfig
+from ..errors import HeadlabError, UsageError
+from .base import Inputs, Task, TaskData, mean_of
+from .formats import Answer, Prompt, Record, read, short, to_record
+
+MULTI_TOKEN = ("refuse", "first")
+BASELINE_MB = 256  # logits held at once by build()'s clean and corrupted forward passes
+
+
+@dataclass
+class Encoded:
+    clean: list[int]
+    corrupted: list[int]
+    reference: list[int]
+    answer: list[int]
+    wrong: list[int]
+    position: int
+
+
+def patching_score(quantities: np.ndarray, answers: dict[str, np.ndarray]) -> np.ndarray:
+    clean, corrupted = answers["clean_logit_diff"].mean(-1), answers["corrupted_logit_diff"].mean(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        score = (quantities[..., 0].mean(-1) - corrupted) / (clean - corrupted)
+    return np.where(np.isfinite(score), score, np.nan)
+
+
+def quantities_at(logits: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:
+    """logits [..., n, vocab] at the read positions, answer [n, A] and wrong [n, W] token ids (-1 pads
+    the lists) -> [..., n, 3]: logit_diff, answer_prob, correct."""
+    logits = logits.float() if logits.element_size() < 4 else logits  # half precision: sum in float32
+
+    def best(ids: Tensor) -> Tensor:
+        ids = ids.to(logits.device)
+        values = logits.gather(-1, ids.clamp_min(0).expand(*logits.shape[:-1], ids.shape[-1]))
+        return values.masked_fill(ids < 0, float("-inf"))
+
+    right, wrong_ = best(answer), best(wrong)
+    diff = right.amax(-1) - wrong_.amax(-1)
+    prob = torch.exp(right - torch.logsumexp(logits, -1, keepdim=True)).sum(-1)
+    return torch.stack([diff, prob, (diff > 0).float()], dim=-1)
+
+
+class PromptsTask(Task):
+    name = "prompts"
+    quantities = ("logit_diff", "answer_prob", "correct")
+    smooth_quantity = "logit_diff"
+    needs_tokenizer = True
+    default_models = (("model=gpt2",),)
+
+    def __init__(self, cfg: Any, records: Sequence[Record] | None = None):
+        self.cfg = cfg
+        if cfg.multi_token not in MULTI_TOKEN:
+            raise UsageError(f"unknown task.multi_token '{cfg.multi_token}'; choose from: {', '.join(MULTI_TOKEN)}")
+        if records is None:
+            if not cfg.path:
+                raise UsageError("task=prompts reads your prompts from a file: set task.path=FILE")
+            records = read(cfg.path, cfg.format, cfg.counterfactual)
+        self.records = list(records)
+        self.aggregates = {
+            "logit_diff": mean_of(0),
+            "answer_prob": mean_of(1),
+            "accuracy": mean_of(2),
+            "patching_score": patching_score,
+        }
+
+    def build(self, n: int, seed: int, model: Any = None) -> TaskData:
+        """The first n records (n <= 0: all), in file order; `seed` draws nothing."""
+        tokenizer = getattr(model, "tokenizer", None)
+        if tokenizer is None:
+            name = getattr(model, "name", "none")
+            raise HeadlabError(f"task prompts tokenizes with the model's tokenizer; model {name} has none")
+        records = self.records[:n] if 0 < n < len(self.records) else self.records
+        encoded = [self._encode(r, tokenizer) for r in records]
+        misaligned = [r.where for r, e in zip(records, encoded) if len(e.clean) != len(e.corrupted)]
+        if misaligned:
+            more = f" (and {len(misaligned) - 2} more)" if len(misaligned) > 2 else ""
+            raise HeadlabError(
+                f"{', '.join(misaligned[:2])}{more}: clean and corrupted prompts tokenize to different "
+                "lengths; patching needs them aligned"
+            )
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        width = max(max(len(e.clean), len(e.reference)) for e in encoded)
+        clean = _padded([e.clean for e in encoded], width, pad)
+        corrupted = _padded([e.corrupted for e in encoded], width, pad)
+        reference = _padded([e.reference for e in encoded], width, pad)
+        positions = torch.tensor([e.position for e in encoded]).unsqueeze(1)
+        answer, wrong = _ragged([e.answer for e in encoded]), _ragged([e.wrong for e in encoded])
+        groups = _group_ids([r.group for r in records])
+        return TaskData(
+            inputs=clean,
+            positions=positions,
+            answers={
+                "answer": answer,
+                "wrong_answer": wrong,
+                "clean_logit_diff": _logit_diffs(model, clean, positions, answer, wrong),
+                "corrupted_logit_diff": _logit_diffs(model, corrupted, positions, answer, wrong),
+            },
+            counterfactual=corrupted,
+            reference=reference,
+            token_positions={"END": positions[:, 0]},
+            groups=groups,
+            reference_groups=groups,
+        )
+
+    def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
+        return quantities_at(logits[..., 0, :], data.answers["answer"], data.answers["wrong_answer"])
+
+    def _encode(self, record: Record, tokenizer: Any) -> Encoded:
+        vocab = len(tokenizer)
+        clean = _tokens(record.clean, tokenizer, vocab, record.where, "clean")
+        answer = self._answer_ids(record.answer, tokenizer, vocab, record.where, "answer")
+        wrong = self._answer_ids(record.wrong_answer, tokenizer, vocab, record.where, "wrong_answer")
+        shared = set(answer) & set(wrong)
+        if shared:
+            raise HeadlabError(f"{record.where}: answer and wrong_answer share token {_show(tokenizer, min(shared))}")
+        position = len(clean) - 1 if record.position is None else record.position
+        position += len(clean) if position < 0 else 0
+        if not 0 <= position < len(clean):
+            raise HeadlabError(f"{record.where}: position {record.position} is outside the {len(clean)}-token prompt")
+        return Encoded(
+            clean,
+            _tokens(record.corrupted, tokenizer, vocab, record.where, "corrupted"),
+            clean
+            if record.reference is None
+            else _tokens(record.reference, tokenizer, vocab, record.where, "reference"),
+            answer,
+            wrong,
+            position,
+        )
+
+    def _answer_ids(self, answer: Answer, tokenizer: Any, vocab: int, where: str, field: str) -> list[int]:
+        ids: list[int] = []
+        for alternative in answer:
+            if isinstance(alternative, int):
+                token = alternative
+            else:
+                pieces = tokenizer(alternative, add_special_tokens=False)["input_ids"]
+                if not pieces:
+                    raise HeadlabError(f"{where}: {field} {alternative!r} tokenizes to nothing")
+                if len(pieces) > 1 and self.cfg.multi_token == "refuse":
+                    raise HeadlabError(
+                        f"{where}: {field} {short(alternative, 30)!r} is {len(pieces)} tokens; "
+                        "give one-token answers or set task.multi_token=first"
+                    )
+                token = pieces[0]
+            if not 0 <= token < vocab:
+                raise HeadlabError(f"{where}: {field} token id {token} is outside the vocabulary (0..{vocab - 1})")
+            if token not in ids:
+                ids.append(token)
+        return ids
+
+
+def from_file(path: str | Path, **options: Any) -> PromptsTask:
+    """task=prompts on a file (JSONL, CSV, auto-circuit JSON, EAP-IG CSV, MIB rows). Options are the task's
+    config keys: format, multi_token, counterfactual, n_prompts."""
+    return PromptsTask(_config(path=str(path), **options))
+
+
+def from_records(records: Iterable[Any], **options: Any) -> PromptsTask:
+    """task=prompts on records given in Python: mappings with clean, corrupted, answer, wrong_answer and
+    optionally position, reference, group. Options: multi_token, n_prompts."""
+    rows = [to_record(r, f"records[{i}]") for i, r in enumerate(records)]
+    if not rows:
+        raise HeadlabError("from_records: no records given")
+    return PromptsTask(_config(**options), rows)
+
+
+def _config(**options: Any) -> PromptsConfig:
+    known = sorted({f.name for f in dataclasses.fields(PromptsConfig)} - {"name"})
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise UsageError(f"unknown task option {', '.join(unknown)}; choose from: {', '.join(known)}")
+    return PromptsConfig(**options)
+
+
+def _tokens(prompt: Prompt, tokenizer: Any, vocab: int, where: str, field: str) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if max(prompt) >= vocab:
+        raise HeadlabError(f"{where}: {field} token id {max(prompt)} is outside the vocabulary (0..{vocab - 1})")
+    return list(prompt)
+
+
+def _padded(rows: list[list[int]], width: int, pad: int) -> Inputs:
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _ragged(rows: list[list[int]]) -> Tensor:
+    """[n, longest] token ids, -1 after each row's own."""
+    out = torch.full((len(rows), max(map(len, rows))), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r)
+    return out
+
+
+def _group_ids(groups: list[str | int | None]) -> Tensor | None:
+    if all(g is None for g in groups):
+        return None
+    index: dict[str | int | None, int] = {}
+    return torch.tensor([index.setdefault(g, len(index)) for g in groups])
+
+
+def _logit_diffs(model: Any, inputs: Inputs, positions: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:
+    """Each prompt's logit_diff in a plain forward pass of the model (no hooks)."""
+    n, width = inputs["input_ids"].shape
+    device = next(model.module.parameters()).device
+    out = []
+    with torch.inference_mode():
+        per_pass = max(1, int(BASELINE_MB * 2**20 // (width * len(model.tokenizer) * 4)))
+        for s in range(0, n, per_pass):
+            logits = model.forward({k: v[s : s + per_pass].to(device) for k, v in inputs.items()})
+            at = logits[torch.arange(logits.shape[0], device=device), positions[s : s + per_pass, 0].to(device)]
+            out.append(quantities_at(at, answer[s : s + per_pass], wrong[s : s + per_pass])[:, 0].cpu())
+    return torch.cat(out)
+
+
+def _show(tokenizer: Any, token: int) -> str:
+    return f"{token} ({short(tokenizer.decode([token]), 30)!r})"
