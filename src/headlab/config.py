@@ -440,6 +440,7 @@ def option_overrides(options: dict[str, Any], prefer: Sequence[str] = ()) -> lis
     fields_of = {"": {f.name for f in dataclasses.fields(Config)}}
     for section, schema in {**SCHEMAS, "task": TaskConfig, "engine": EngineConfig, "output": OutputConfig}.items():
         fields_of[section] = {f.name for f in dataclasses.fields(schema)}
+    fields_of["task"] |= {f.name for schema in TASK_SCHEMAS.values() for f in dataclasses.fields(schema)}
     out = []
     for key, value in options.items():
         path = key.replace("__", ".")

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
 from ..models.hooked import HookedModel
 from ..models.sites import Hook
 from ..tasks import Task, TaskData
@@ -28,9 +29,9 @@ PROMPTS_PER_PASS = 32  # prompts are independent: backward passes over slices bo
 
 def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequence[Intervention]) -> list[Tensor]:
     if task.smooth_quantity is None:
-        raise ValueError(f"task {task.name} names no smooth quantity for attribution patching")
+        raise UsageError(f"task {task.name} names no smooth quantity for attribution patching")
     if data.counterfactual is None:
-        raise ValueError("this task provides no counterfactual prompts for patching")
+        raise UsageError("this task provides no counterfactual prompts for patching")
     if data.counterfactual_positions:
         # the estimate pairs each clean activation with the counterfactual one at the same position
         raise ValueError("attribution patching needs counterfactual prompts laid out like the clean ones")

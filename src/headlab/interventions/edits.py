@@ -3,12 +3,14 @@
 The engine, path patching and attribution patching all run a batch that stacks g copies of the prompts
 ([g*n, ...]), copy i edited as its interventions say. This module holds what they share:
   Sources           replacement values per (source, site, layer), recorded once per sweep
+  position_axis     the positions' dimension in a site's layout
   site_index        the index of (prompts, positions, heads) in a site's layout
   edit_heads        the heads an edit touches on a site (k and v: key/value heads)
   apply_edit        one edit on one copy, in place
   edit_hooks        per-site hooks that edit copy i of a stacked batch as chunk[i] says
   copy_edit_hooks   the same with several interventions per copy
   chunk_size        how many copies fit in a memory budget
+  read_quantities   task quantities of a stacked batch, its logits read out a few copies at a time
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config import MeanOver, option
+from ..errors import UsageError
 from ..models.hooked import HookedModel
 from ..models.sites import Hook
-from ..tasks import Inputs, TaskData
-from ..vocabulary import KV_SITES, Site, Source
+from ..tasks import Inputs, Task, TaskData
+from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
 from .plan import Edit, Intervention
 
 Position = int | Tensor | None  # every position | one index | one per prompt [n]
@@ -35,18 +39,33 @@ class Sources:
     """Replacement values per (source, site, layer), recorded once per sweep and only when needed.
 
     A value is stored with as few rows as it needs (the reference set once, one mean per group) and
-    `rows[source]` ([n]) says which stored row stands in for each prompt."""
+    `rows[source]` ([n]) says which stored row stands in for each prompt.
 
-    def __init__(self, model: HookedModel, data: TaskData, needed: Iterable[tuple[str, str]], seed: int = 0) -> None:
+    Mean ablation's mean (`mean_over`): "positions", one mean per position over the reference prompts
+    that have a real token there (an `attention_mask` in the reference inputs says which; padding never
+    counts); "tokens", one mean per head (per site) over every real token of every reference prompt, the
+    same at every position. Either is taken per group where the task groups its prompts."""
+
+    def __init__(
+        self,
+        model: HookedModel,
+        data: TaskData,
+        needed: Iterable[tuple[str, str]],
+        seed: int = 0,
+        mean_over: str = MeanOver.positions.value,
+    ) -> None:
+        if option(mean_over) not in {m.value for m in MeanOver}:
+            raise UsageError(f"unknown mean_over '{mean_over}'; choose from: {', '.join(m.value for m in MeanOver)}")
         self.data = data
+        self.mean_over = MeanOver(option(mean_over))
         self.kv_head_of = model.sites.kv_head_of
         self.values: dict[tuple[str, str], dict[int, Tensor]] = {}
         self.rows: dict[str, Tensor] = {Source.counterfactual: torch.arange(data.n), Source.clean: torch.arange(data.n)}
         wanted = {(src, site) for src, site in needed if src not in UNRECORDED}
         if any(src in (Source.mean, Source.reference) for src, _ in wanted) and data.reference is None:
-            raise ValueError("this task provides no reference set for mean/resample ablation")
+            raise UsageError("this task provides no reference set for mean/resample ablation")
         if any(src == Source.counterfactual for src, _ in wanted) and data.counterfactual is None:
-            raise ValueError("this task provides no counterfactual prompts for patching")
+            raise UsageError("this task provides no counterfactual prompts for patching")
         if data.reference is not None:
             n_ref = next(iter(data.reference.values())).shape[0]
             if n_ref == data.n:
@@ -69,17 +88,30 @@ class Sources:
             self.values[(src, site)] = model.record(inputs[src], site)  # type: ignore[arg-type]
         for _, site in sorted(w for w in wanted if w[0] == Source.mean):
             recorded = self.values.get((Source.reference, site)) or model.record(data.reference, site)  # type: ignore[arg-type]
-            self.values[(Source.mean, site)] = {layer: self._means(t) for layer, t in recorded.items()}
+            self.values[(Source.mean, site)] = {layer: self._means(t, site) for layer, t in recorded.items()}
 
-    def _means(self, t: Tensor) -> Tensor:
-        """[groups, ...]: the mean over the reference prompts of each group (one group if none)."""
-        if self.data.groups is None or self.data.reference_groups is None:
-            return t.mean(0, keepdim=True)
-        groups = self.data.reference_groups.to(t.device)
-        size = int(max(groups.max(), self.data.groups.max())) + 1
-        sums = t.new_zeros(size, *t.shape[1:]).index_add_(0, groups, t)
-        counts = torch.bincount(groups, minlength=size).clamp_min(1).to(t.dtype)
-        return sums / counts.view(-1, *([1] * (t.dim() - 1)))
+    def _means(self, t: Tensor, site: str) -> Tensor:
+        """[groups, ...]: the mean over the reference prompts of each group (one group if none), per
+        position or over every real token as `mean_over` says."""
+        mask = (self.data.reference or {}).get("attention_mask")
+        if self.mean_over == MeanOver.positions and mask is None:  # every reference prompt counts everywhere
+            if self.data.groups is None or self.data.reference_groups is None:
+                return t.mean(0, keepdim=True)
+            counts = _group_sums(t.new_ones(t.shape[0], *([1] * (t.dim() - 1))), self.data)
+            return _group_sums(t, self.data) / counts.clamp_min(1)
+        if self.mean_over == MeanOver.tokens and site == Site.pattern:
+            raise UsageError("mean_over=tokens has no meaning for attention patterns (their key axis is positional)")
+        axis = position_axis(site)
+        real = torch.ones(t.shape[0], t.shape[axis], device=t.device) if mask is None else mask.to(t.device)
+        # low-precision activations are summed in float32, then stored in their own dtype
+        wide = torch.promote_types(t.dtype, torch.float32)
+        weights = real.to(wide).view(t.shape[0], *(t.shape[d] if d == axis else 1 for d in range(1, t.dim())))
+        sums, counts = t.to(wide) * weights, weights
+        if self.mean_over == MeanOver.tokens:
+            sums, counts = sums.sum(axis, keepdim=True), counts.sum(axis, keepdim=True)
+        # a position that no reference prompt of a group reaches keeps a zero mean (nothing edits it there)
+        means = _group_sums(sums, self.data) / _group_sums(counts, self.data).clamp_min(1)
+        return means.to(t.dtype).expand(*means.shape[:axis], t.shape[axis], *means.shape[axis + 1 :])
 
     def value(self, source: str, site: str, layer: int) -> tuple[Tensor, Tensor]:
         """(stored values [rows, ...], row of each prompt [n])."""
@@ -100,6 +132,21 @@ class Sources:
         if source == Source.counterfactual and iv.token in moved:
             return moved[iv.token]
         return self.position(iv)
+
+
+def _group_sums(t: Tensor, data: TaskData) -> Tensor:
+    """[groups, ...]: t [n_reference, ...] summed over the reference prompts of each group (one group if
+    the task has none)."""
+    if data.groups is None or data.reference_groups is None:
+        return t.sum(0, keepdim=True)
+    groups = data.reference_groups.to(t.device)
+    size = int(max(groups.max(), data.groups.max())) + 1
+    return t.new_zeros(size, *t.shape[1:]).index_add_(0, groups, t)
+
+
+def position_axis(site: str) -> int:
+    """The positions' dimension in a site's layout (see site_index; pattern: its query positions)."""
+    return 1 if site in (Site.z, *MLP_SITES) else 2
 
 
 def site_index(site: str, rows: Tensor, pos: Position, heads: Tensor | None) -> tuple:
@@ -175,3 +222,19 @@ def chunk_size(model: HookedModel, data: TaskData, chunk_mb: float) -> int:
     n, seq_len = next(iter(data.inputs.values())).shape[:2]
     bytes_per_copy = n * seq_len * model.width * next(model.module.parameters()).element_size()
     return max(1, int(chunk_mb * 2**20 // bytes_per_copy))
+
+
+def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:
+    """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read`: the logits
+    of as many copies as fit in `chunk_mb` at a time (copies x prompts x positions x vocabulary would not
+    fit when a task reads every position, as next-token loss does)."""
+    n, copies = data.n, h.shape[0] // data.n
+    parts: list[Tensor] = []
+    done, step = 0, 1  # one copy first: its logits' size sets how many go together after it
+    while done < copies:
+        rows = slice(done * n, (done + step) * n)
+        logits = model.readout(h[rows], read[rows]).unflatten(0, (-1, n))
+        parts.append(task.per_prompt(logits, data))
+        done += logits.shape[0]
+        step = max(1, int(chunk_mb * 2**20 // (logits[0].numel() * logits.element_size())))
+    return torch.cat(parts)

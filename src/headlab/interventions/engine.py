@@ -20,12 +20,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from ..config import MeanOver, option
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
-from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks
+from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, read_quantities
 from .path import run_path
 from .plan import Intervention
 
@@ -58,11 +59,14 @@ def execute(
     naive: bool = False,
     show_progress: bool = False,
     seed: int = 0,
+    mean_over: str = "positions",
 ) -> Tensor:
     """Per-prompt task quantities for every intervention: [n_interventions, n_prompts, n_quantities].
+    `mean_over` (positions | tokens): what mean ablation's mean is taken over (edits.Sources).
 
     Path patching and attribution patching rows go to their own executors (path.py, attribution.py)."""
-    data = _through_last_read(data)
+    if option(mean_over) != MeanOver.tokens:  # a mean over every token needs the tokens after the last read one
+        data = _through_last_read(data)
     out: list[Tensor | None] = [None] * len(interventions)
     attributed = [i for i, iv in enumerate(interventions) if iv.method == Method.attribution]
     paths = [i for i, iv in enumerate(interventions) if iv.method == Method.path]
@@ -74,7 +78,7 @@ def execute(
         needed = {(e.source, e.site) for i in exact for e in interventions[i].edits(model.n_heads)}
         if paths:
             needed |= {(Source.reference, Site.z), (Source.clean, Site.z)}
-        sources = Sources(model, data, needed, seed)
+        sources = Sources(model, data, needed, seed, mean_over)
         exact_ivs = [interventions[i] for i in exact]
         if naive:
             results = _run_naive(model, task, data, exact_ivs, sources, show_progress)
@@ -124,7 +128,7 @@ def _run_stacked(
             only_read = None if any(s in fns for s in MLP_SITES) and layer == model.n_layers - 1 else read
             with model.hooks(layer, **fns):
                 h = model.run_blocks(h, layer, trace, copies=len(chunk), read=only_read)
-            quantities = task.per_prompt(model.readout(h, read).unflatten(0, (len(chunk), n)), data)
+            quantities = read_quantities(model, task, h, read, data, chunk_mb)
             for j, i in enumerate(idx):
                 out[i] = quantities[j]
             bar.update(done)

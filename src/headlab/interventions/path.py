@@ -24,7 +24,7 @@ from ..models.sites import Hook
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import Site, Source
-from .edits import Sources, chunk_size, edit_heads, edit_hooks
+from .edits import Sources, chunk_size, edit_heads, edit_hooks, read_quantities
 from .plan import LOGITS, Intervention, receiver_heads
 
 
@@ -82,7 +82,7 @@ def run_path(
                         index = edit_heads(site, heads, sources)
                         stack.enter_context(model.hooks(l, **{site: _patched(recorded[l], index)}))
                     h = model.run_blocks(trace.resid_pre[first].repeat(g, 1, 1), first, trace, copies=g, read=read)
-            quantities = task.per_prompt(model.readout(h, read).unflatten(0, (g, n)), data)
+            quantities = read_quantities(model, task, h, read, data, chunk_mb)
             for j, i in enumerate(idx):
                 out[i] = quantities[j]
             bar.update(done)

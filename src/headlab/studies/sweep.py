@@ -48,6 +48,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             cfg.engine.naive,
             show_progress=ctx.show_progress,
             seed=cfg.seed,
+            mean_over=cfg.ablate.mean_over,
         )
     with ctx.timed("tidy"):
         info = run_info(cfg)

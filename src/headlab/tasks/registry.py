@@ -16,6 +16,7 @@ def registry() -> dict[str, Callable[[Any], Task]]:
     from .markov import MarkovTask
     from .prompts import PromptsTask
     from .recall_reasoning import RecallReasoningTask
+    from .text import TextTask
 
     return {
         "counting": CountingTask,
@@ -23,6 +24,7 @@ def registry() -> dict[str, Callable[[Any], Task]]:
         "markov": MarkovTask,
         "prompts": PromptsTask,
         "recall_reasoning": RecallReasoningTask,
+        "text": TextTask,
     }
 
 

@@ -1,0 +1,132 @@
+"""Next-token cross-entropy over your text: which heads, layers and MLPs a language model's loss needs.
+
+`task.path` is a file (one document per non-empty line) or a directory (one document per `.txt` file,
+in name order). Each document is one sequence, tokenized as the model's tokenizer does by default (its
+BOS included where it adds one) and cut to `task.seq_len` tokens; a document of fewer than 2 tokens
+predicts nothing and is left out. Documents are right-padded to the longest one, with an
+`attention_mask`; every real token but the first is predicted from the ones before it.
+
+Per document the quantities are the sum of its token losses and the number of tokens it predicts; the
+metric `ce_loss` is the sum of the sums over the sum of the counts (the mean over every predicted token
+of the corpus), so the bootstrap resamples documents. The reference set of mean and resample ablation
+is the corpus itself, in a shuffled cyclic order (document i's resample source is another document).
+Mean ablation for text wants `ablate.mean_over=tokens` (one mean per head over every real token).
+
+Memory: the metric reads logits at every position, seq_len - 1 per document. The engine reads out one
+intervention's copy of the corpus at a time when they do not fit in `engine.chunk_mb` together, so a
+sweep holds about n_documents x (seq_len - 1) x vocabulary x 4 bytes of logits at once (64 documents
+of 128 GPT-2 tokens: 1.6 GB), besides the stacked activations that `engine.chunk_mb` bounds. Lower
+`task.n_prompts` or `task.seq_len` where that is too much; the loss itself is computed a slice at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import HeadlabError, UsageError
+from .base import Task, TaskData
+
+log = logging.getLogger("headlab")
+
+IGNORE = -100  # target of a padded position: no loss there
+LOSS_SLICE_ELEMENTS = 2**24  # logits per slice of the loss (64 MB in float32)
+
+
+def mean_loss(quantities: np.ndarray, _answers: dict[str, np.ndarray]) -> np.ndarray:
+    """Mean loss per predicted token over the documents: sum of loss sums / sum of token counts."""
+    return quantities[..., 0].sum(-1, dtype=np.float64) / quantities[..., 1].sum(-1, dtype=np.float64)
+
+
+class TextTask(Task):
+    name = "text"
+    quantities = ("loss_sum", "n_tokens")
+    smooth_quantity = "loss_sum"
+    needs_tokenizer = True
+    default_models = (("model=gpt2",),)
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.aggregates = {"ce_loss": mean_loss}
+        if cfg.seq_len < 2:
+            raise UsageError(f"task.seq_len must be at least 2 (a token and the one it predicts), not {cfg.seq_len}")
+
+    def documents(self) -> list[str]:
+        """The texts under task.path, in order (empty lines and files left out)."""
+        if not self.cfg.path:
+            raise UsageError("task text needs task.path=<a text file, one document per line, or a directory of .txt>")
+        path = Path(self.cfg.path).expanduser()
+        if not path.exists():
+            raise HeadlabError(f"task text: {path} does not exist")
+        files = sorted(p for p in path.glob("*.txt") if p.is_file()) if path.is_dir() else [path]
+        if not files:
+            raise HeadlabError(f"task text: {path} holds no .txt file")
+        try:
+            texts = [f.read_text(encoding="utf-8") for f in files]
+        except (OSError, UnicodeDecodeError) as e:
+            raise HeadlabError(f"task text: cannot read {path} as UTF-8 text: {e}") from e
+        docs = texts if path.is_dir() else texts[0].splitlines()
+        return [d for d in docs if d.strip()]
+
+    def build(self, n: int, seed: int, model: Any = None) -> TaskData:
+        tok = getattr(model, "tokenizer", None)
+        if tok is None:
+            raise HeadlabError("task text needs the model's tokenizer (set model.tokenizer=<name or dir>)")
+        docs = self.documents()
+        encoded = tok(docs, truncation=True, max_length=self.cfg.seq_len)["input_ids"] if docs else []
+        rows = [list(ids) for ids in encoded if len(ids) >= 2]
+        if len(rows) < len(encoded):
+            log.warning(
+                "text: %d of %d documents have fewer than 2 tokens, left out", len(encoded) - len(rows), len(encoded)
+            )
+        if not rows:
+            raise HeadlabError(f"task text: no document in {self.cfg.path} has 2 tokens or more")
+        rows = rows[:n] if n > 0 else rows
+        width = max(map(len, rows))
+        # a learned position table has no row past its end: one line here, not an IndexError mid-sweep
+        context = getattr(getattr(getattr(model, "module", None), "config", None), "max_position_embeddings", None)
+        if isinstance(context, int) and width > context:
+            raise UsageError(
+                f"task text: documents of {width} tokens exceed the model's {context} positions "
+                f"(set task.seq_len={context} or less)"
+            )
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE)
+        # a cycle through the documents in random order: each one's resample source is another document,
+        # and the set (hence every mean over it) is the corpus itself
+        order = np.random.default_rng(seed).permutation(len(rows))
+        source = torch.empty(len(rows), dtype=torch.long)
+        source[order] = torch.from_numpy(np.roll(order, -1))
+        return TaskData(
+            inputs={"input_ids": ids, "attention_mask": mask},
+            positions=torch.arange(width - 1).expand(len(rows), -1).contiguous(),
+            answers={"target": target},
+            reference={"input_ids": ids[source], "attention_mask": mask[source]},
+        )
+
+    def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
+        target = data.answers["target"].to(logits.device).expand(logits.shape[:-1])
+        flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        step = max(1, LOSS_SLICE_ELEMENTS // logits.shape[-1])
+        wide = torch.promote_types(logits.dtype, torch.float32)  # half-precision logits: the loss in float32
+        losses = torch.cat(
+            [
+                F.cross_entropy(
+                    flat_logits[s : s + step].to(wide), flat_target[s : s + step], ignore_index=IGNORE, reduction="none"
+                )
+                for s in range(0, flat_target.shape[0], step)
+            ]
+        ).view(target.shape)
+        counted = (target != IGNORE).to(losses.dtype)
+        return torch.stack([losses.sum(-1), counted.sum(-1)], dim=-1)
