@@ -237,4 +237,5 @@ def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, dat
         parts.append(task.per_prompt(logits, data))
         done += logits.shape[0]
         step = max(1, int(chunk_mb * 2**20 // (logits[0].numel() * logits.element_size())))
+        del logits  # else the next readout is made while this one is still held: twice the memory
     return torch.cat(parts)
