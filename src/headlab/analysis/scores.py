@@ -114,6 +114,15 @@ def induction_scores(
     return torch.cat(chunks, dim=1).transpose(1, 2).cpu()
 
 
+IOI_ROLES = ("IO", "S1", "S2", "END")
+
+
+def has_ioi_roles(data: TaskData) -> bool:
+    """The IOI scores need the IO, S1, S2 and END positions and the IO answer (task ioi has them)."""
+    roles = data.token_positions or {}
+    return all(r in roles for r in IOI_ROLES) and "io" in data.answers
+
+
 def ioi_scores(model: HookedModel, data: TaskData, batch_size: int = 16) -> Tensor:
     """[layer, head, n, 5] per-prompt IOI_SCORES.
 
@@ -125,9 +134,9 @@ def ioi_scores(model: HookedModel, data: TaskData, batch_size: int = 16) -> Tens
     MLP layer; here the input is the real residual entering the head's layer at IO (through that layer's
     norm and W_V, value bias included), which for a late head already carries earlier heads' writes. The
     output bias of the layer is left out, since it is not the head's."""
-    roles = data.token_positions or {}
-    if any(r not in roles for r in ("IO", "S1", "S2", "END")) or "io" not in data.answers:
+    if not has_ioi_roles(data):
         raise HeadlabError("scores: the task data needs IO, S1, S2 and END positions and an 'io' answer (task ioi)")
+    roles = data.token_positions or {}
     kv = torch.tensor([model.sites.kv_head_of(h) for h in range(model.n_heads)])
     chunks = []
     with torch.inference_mode():
@@ -177,17 +186,20 @@ def score_table(
     vocab_high: int | None = None,
 ) -> pd.DataFrame:
     """Tidy rows (intervention "none", method "score", per layer and head) for SEQ_SCORES over n_seq random
-    sequences (made with `seed`) and IOI_SCORES over the task's prompts, with bootstrap intervals."""
+    sequences (made with `seed`) and, where the task's prompts have IOI's roles, IOI_SCORES over them,
+    with bootstrap intervals."""
     labels = [
         {"intervention": "none", "method": "score", "layer": layer, "head": head}
         for layer in range(model.n_layers)
         for head in range(model.n_heads)
     ]
     frames = []
-    for scores, names in (
-        (induction_scores(model, n_seq, seq_len, seed, vocab_low, vocab_high), SEQ_SCORES),
-        (ioi_scores(model, data), IOI_SCORES),
-    ):
+    # a task's own small vocabulary (Count01 has 7 tokens) holds fewer distinct tokens than seq_len
+    seq_len = max(2, min(seq_len, len(ordinary_ids(model, vocab_low, vocab_high))))
+    sets = [(induction_scores(model, n_seq, seq_len, seed, vocab_low, vocab_high), SEQ_SCORES)]
+    if has_ioi_roles(data):
+        sets.append((ioi_scores(model, data), IOI_SCORES))
+    for scores, names in sets:
         quantities = scores.numpy().reshape(len(labels), scores.shape[2], len(names)).astype(np.float64)
         metrics = {name: mean_of(j) for j, name in enumerate(names)}
         frames.append(results.tidy(run_info, labels, quantities, names, {}, metrics, n_boot=n_boot))

@@ -3,6 +3,7 @@ uses, each built on first use (or handed in by the Python API)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,10 +13,11 @@ from typing import Any
 
 import torch
 
-from ..config import Config
+from ..config import Config, option
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData, build_task
 
+log = logging.getLogger("headlab")
 EVAL_SEED_OFFSET = 20_000  # sweep prompts are drawn apart from training batches and training evals
 
 
@@ -38,18 +40,29 @@ class RunContext:
         finally:
             self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - start
 
+    def note(self, text: str) -> None:
+        """Something the user should know about this run: logged now, kept in meta.json's notes."""
+        log.warning("note: %s", text)
+        self.meta.setdefault("notes", []).append(text)
+
     def get_task(self) -> Task:
         if self.task is None:
             self.task = build_task(self.cfg.task)
         return self.task
 
     def get_model(self) -> HookedModel:
+        """The model, refused in one line (before it is trained, where it would be) if the task cannot
+        run on it."""
+        task = self.get_task()
         if self.model is None:
-            from ..train.obtain import obtain_model
+            from ..train.obtain import is_trained_here, obtain_model
 
-            task = self.get_task()
+            wanted = self.cfg.model
+            if is_trained_here(self.cfg):
+                task.refuse_model(wanted.name, option(wanted.kind) == "hf", task.vocab_size)
             with self.timed("load_model"):
                 self.model = obtain_model(self.cfg, task, self.show_progress)
+        task.refuse_model(self.model.name, self.model.tokenizer is not None, self.model.vocab_size)
         return self.model
 
     def get_data(self) -> TaskData:

@@ -31,6 +31,13 @@ def run(ctx: RunContext) -> pd.DataFrame:
     scales = None
     if option(cfg.ablate.sweep) == "uniform":
         scales = uniform_scales(head_output_norms(model, data))
+    if cfg.head_scores:
+        from ..analysis.scores import has_ioi_roles
+
+        if not has_ioi_roles(data):  # said before the sweep, not discovered after it
+            ctx.note(
+                f"head_scores: task {task.name} has no IOI roles; the IOI scores (END attention, copy) are left out"
+            )
     interventions = plan(cfg, model.n_layers, model.n_heads, scales)
     unknown = sorted({iv.token for iv in interventions if iv.token} - set(data.token_positions or {}))
     if unknown:

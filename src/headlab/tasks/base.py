@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import UsageError
+
 Inputs = dict[str, Tensor]
 # (per-prompt quantities [..., n, Q], answers [n]-arrays indexed like the prompts) -> metric [...]
 Aggregate = Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]
@@ -90,6 +92,24 @@ class Task:
     # Models trained from scratch on the task
     vocab_size: int = 0
     max_len: int = 0
+    # Override lists, in order of preference, for the model that runs the task when the user names none
+    # and no toy model can serve it (task_models.py picks the first that can be had).
+    default_models: tuple[tuple[str, ...], ...] = ()
+
+    def refuse_model(self, name: str, has_tokenizer: bool, vocab_size: int | None) -> None:
+        """A one-line UsageError when this task cannot run on the model `name` (with a tokenizer or not,
+        with this many unembedding rows); called before any work."""
+        if self.needs_tokenizer and not has_tokenizer:
+            raise UsageError(
+                f"task {self.name} encodes words with a model's tokenizer and model {name} has none: "
+                "choose a pretrained model (model=gpt2, or model=hf model.path=<dir>)"
+            )
+        own_vocabulary = not self.needs_tokenizer and self.vocab_size > 0
+        if own_vocabulary and (has_tokenizer or vocab_size != self.vocab_size):
+            raise UsageError(
+                f"task {self.name} has its own {self.vocab_size}-token vocabulary and model {name} was not "
+                f"trained on it: train a toy model on it (model=toy-attn-1l task={self.name})"
+            )
 
     def train_batch(self, generator: Any, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
         """(input_ids [batch, pos], targets [batch, pos] with -100 where no loss is taken); `step` lets a

@@ -76,6 +76,8 @@ class IOITask(Task):
     quantities = ("logit_diff", "io_prob", "correct")
     smooth_quantity = "logit_diff"
     needs_tokenizer = True
+    # GPT-2 small, else the small GPT-2 trained here as experiment=ioi_trained trains it
+    default_models = (("model=gpt2",), ("model=gpt2-ioi", "train=ioi", "task.train_names=vocab"))
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
