@@ -34,11 +34,13 @@ from .config import (
 from .config import compose as compose_config
 from .errors import UsageError
 from .io import atomic_write_bytes
+from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .studies.context import RunContext, apply_threads
 from .studies.registry import study_for
 from .studies.runner import execute_run
 from .tasks import Task, build_task
+from .train.obtain import obtain_model
 
 
 @dataclass(frozen=True)
@@ -79,18 +81,7 @@ def load_model(
     and reused when trained before. Options are model, train and top-level config keys, e.g.
     `load_model("toy-attn-2l", n_heads=8, train__steps=500, seed=1, root="outputs")`. The model's
     config is `model.config`; `model.n_layers`, `model.n_heads`, `model.sites` (HeadSites) describe it."""
-    if name_or_path in group_options("model"):
-        chosen = [f"model={name_or_path}"]
-    else:
-        name = Path(name_or_path).name or name_or_path
-        chosen = ["model=hf", f"model.path={name_or_path}", f"model.name={name}"]
-    task_name = task.name if isinstance(task, Task) else task
-    overrides = [
-        *chosen,
-        *([f"task={task_name}"] if task_name else []),
-        *option_overrides(options, prefer=("model", "train")),
-    ]
-    cfg = compose_config(overrides)
+    cfg = compose_config(model_overrides(name_or_path, task, options))
     task_obj = task if isinstance(task, Task) else build_task(cfg.task)
     if isinstance(task, Task):
         cfg.task = task.cfg
@@ -99,6 +90,40 @@ def load_model(
     model = ctx.get_model()
     model.config = cfg.model
     return model
+
+
+def model_overrides(name_or_path: str, task: str | Task | None, options: dict[str, Any]) -> list[str]:
+    """The overrides that choose a model by config name, local directory or hub id (load_model's)."""
+    if name_or_path in group_options("model"):
+        chosen = [f"model={name_or_path}"]
+    else:
+        name = Path(name_or_path).name or name_or_path
+        chosen = ["model=hf", f"model.path={name_or_path}", f"model.name={name}"]
+    task_name = task.name if isinstance(task, Task) else task
+    return [
+        *chosen,
+        *([f"task={task_name}"] if task_name else []),
+        *option_overrides(options, prefer=("model", "train")),
+    ]
+
+
+def check(model: HookedModel | str | Config, show_progress: bool = False, **options: Any) -> list[Verdict]:
+    """Does headlab's view of `model` agree with the model itself? One Verdict per check
+    (models/check.py): idle hooks against transformers' eager and default attention, zeroing a head's z
+    against zeroing its slice of W_O, k/v edits against the query heads that share the kv head.
+
+    `model`: a HookedModel; a name or path, chosen as load_model chooses it (with `options`); or a
+    composed config (`headlab.compose("model=hf", "model.path=...")`), which `headlab check` passes."""
+    if isinstance(model, str):
+        model = compose_config(model_overrides(model, None, options))
+    if isinstance(model, Config):
+        cfg = model
+        apply_threads(cfg)
+        # any model has heads to check: the task only says what a model trained here is trained on
+        model = obtain_model(cfg, build_task(cfg.task), show_progress)
+        model.config = cfg.model
+        model.module.to(cfg.device)
+    return check_model(model)
 
 
 def sweep(

@@ -218,6 +218,18 @@ def sae(
         _single("sae", ctx.args)
 
 
+@app.command(context_settings=PASS_THROUGH)
+def check(ctx: typer.Context) -> None:
+    """Check that headlab's hooks agree with the model itself: `headlab check model=hf model.path=DIR`."""
+    from . import api
+
+    verdicts = api.check(api.compose(*ctx.args), show_progress=sys.stderr.isatty())
+    for verdict in verdicts:
+        out.print(verdict.line(), highlight=False, soft_wrap=True)
+    if not all(v.ok for v in verdicts):
+        raise SystemExit(1)
+
+
 @app.command("list")
 def list_(group: str | None = typer.Argument(None, help="One of: " + ", ".join(GROUPS))) -> None:
     """List config groups and their options."""

@@ -44,6 +44,27 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+@dataclass(frozen=True)
+class Pretrained:
+    """Where from_pretrained found a model: enough to load another copy of it."""
+
+    path: str
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def load(self, attn_implementation: str | None, dtype: torch.dtype) -> PreTrainedModel:
+        """attn_implementation None: the model's own default (sdpa where transformers has it)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            self.path,
+            revision=self.revision,
+            trust_remote_code=self.trust_remote_code,
+            attn_implementation=attn_implementation,
+            dtype=dtype,
+        )
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -75,7 +96,7 @@ def load_hf(
     dtype: str = "float32",
     need_tokenizer: bool = True,
 ) -> HookedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     register_attention()
@@ -94,14 +115,9 @@ def load_hf(
         raise HeadlabError(
             f"unsupported architecture '{config.model_type}' ({where}); supported: {', '.join(sorted(FAMILIES))}"
         )
+    source = Pretrained(path, revision, trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            dtype=getattr(torch, dtype),
-        )
+        model = source.load(ATTN_IMPLEMENTATION, getattr(torch, dtype))
     except Exception as e:
         raise HeadlabError(f"cannot load weights of {where}: {_first_line(e)}") from e
     model.eval()
@@ -122,7 +138,9 @@ def load_hf(
                 f"no usable tokenizer for {where}: it has {len(tok)} tokens, the model embeds {rows} "
                 "(set model.tokenizer=<name or dir>)"
             )
-    return hook_hf(model, name or path, family, tok)
+    hooked = hook_hf(model, name or path, family, tok)
+    hooked.source = source
+    return hooked
 
 
 def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = None) -> HookedModel:

@@ -94,6 +94,7 @@ class HookedModel:
         self.down_projs = down_projs or [None] * len(blocks)  # per layer: the module whose input is "neurons"
         self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
         self.config: ModelConfig | None = None  # the config it was loaded from, where headlab.load_model set it
+        self.source: object = None  # what its loader needs to load it again (hf.Pretrained); None: built here
 
     @property
     def n_layers(self) -> int:
