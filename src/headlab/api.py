@@ -13,6 +13,7 @@ section (`train__steps=300`). Bad input raises the same one-line HeadlabError th
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,11 @@ from .models.hooked import HookedModel
 from .studies.context import RunContext, apply_threads
 from .studies.registry import study_for
 from .studies.runner import execute_run
+from .task_models import choose_model
 from .tasks import Task, build_task
 from .train.obtain import obtain_model
+
+log = logging.getLogger("headlab")
 
 
 @dataclass(frozen=True)
@@ -199,9 +203,12 @@ def run(*overrides: str, command: str = "run", show_progress: bool = False) -> R
     dir given by hydra.run.dir=... that already holds this config's complete result is reused
     (`skipped`)."""
     validate_overrides(overrides)
-    raw = compose_raw(overrides, hydra_config=True)
+    chosen, note = choose_model(overrides)
+    if note:
+        log.warning("%s", note)
+    raw = compose_raw(chosen, hydra_config=True)
     run_dir = Path(str(raw.hydra.run.dir))
-    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+    if not any(o.startswith("hydra.run.dir=") for o in chosen):
         run_dir = _unused(run_dir)
     cfg = typed(raw)
     table = execute_run(command, cfg, run_dir, show_progress)
@@ -210,5 +217,5 @@ def run(*overrides: str, command: str = "run", show_progress: bool = False) -> R
         saved = run_dir / ".hydra"
         saved.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(saved / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())
-        atomic_write_bytes(saved / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(list(overrides))).encode())
+        atomic_write_bytes(saved / "overrides.yaml", OmegaConf.to_yaml(OmegaConf.create(chosen)).encode())
     return RunResult(table, run_dir, skipped, cfg)

@@ -96,6 +96,16 @@ def _job(command: str, cfg: DictConfig) -> str:
     return "done"
 
 
+def _with_task_model(overrides: list[str]) -> list[str]:
+    """The task's default model where the user named none and the configured one cannot serve it."""
+    from .task_models import choose_model
+
+    chosen, note = choose_model(overrides)
+    if note:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+    return chosen
+
+
 def _single(command: str, overrides: list[str]) -> None:
     """One run in this process, through the Python API (headlab.run)."""
     from . import api
@@ -187,7 +197,7 @@ def run(
     """Run an experiment: `headlab run model=... task=... ablate=heads [key=value ...]`."""
     validate_overrides(ctx.args)
     if multirun:
-        _hydra_run(ctx.args, run_task)
+        _hydra_run(_with_task_model(ctx.args), run_task)
     else:
         _single("run", ctx.args)
 
@@ -200,7 +210,7 @@ def train(
     """Train a toy model from scratch: `headlab train model=toy-attn-1l task=counting train.steps=2000`."""
     validate_overrides(ctx.args)
     if multirun:
-        _hydra_run(ctx.args, train_task)
+        _hydra_run(_with_task_model(ctx.args), train_task)
     else:
         _single("train", ctx.args)
 
@@ -213,7 +223,7 @@ def sae(
     """Fit a sparse autoencoder on one layer's head outputs z: `headlab sae sae=topk sae.layer=1 [key=value ...]`."""
     validate_overrides(ctx.args)
     if multirun:
-        _hydra_run(ctx.args, sae_task)
+        _hydra_run(_with_task_model(ctx.args), sae_task)
     else:
         _single("sae", ctx.args)
 

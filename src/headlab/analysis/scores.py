@@ -196,7 +196,9 @@ def score_table(
     frames = []
     # a task's own small vocabulary (Count01 has 7 tokens) holds fewer distinct tokens than seq_len
     seq_len = max(2, min(seq_len, len(ordinary_ids(model, vocab_low, vocab_high))))
-    sets = [(induction_scores(model, n_seq, seq_len, seed, vocab_low, vocab_high), SEQ_SCORES)]
+    sets: list[tuple[Tensor, tuple[str, ...]]] = [
+        (induction_scores(model, n_seq, seq_len, seed, vocab_low, vocab_high), SEQ_SCORES)
+    ]
     if has_ioi_roles(data):
         sets.append((ioi_scores(model, data), IOI_SCORES))
     for scores, names in sets:

@@ -101,6 +101,13 @@ class HookedModel:
         return len(self.blocks)
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the unembedding (a Qwen-style padded one has more than its tokenizer)."""
+        weight = self.unembed.weight
+        assert isinstance(weight, Tensor)
+        return int(weight.shape[0])
+
+    @property
     def n_heads(self) -> int:
         return self.sites.n_heads
 
