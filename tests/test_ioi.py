@@ -85,6 +85,10 @@ def test_multi_token_names_are_refused_by_name(gpt2_tokenizer):
     few = ioi_task(names=["Mary", "John", "Anna", *multi], min_names=5)
     with pytest.raises(HeadlabError, match="Xzyqwv.*Bartholomewina.*Qwertyuiopa"):
         few.use_tokenizer(gpt2_tokenizer)
+    many = [f"Zq{c}xv{c}wy" for c in "abcdefghij"]
+    with pytest.raises(HeadlabError) as refused:  # a long list stays out of the one line
+        ioi_task(names=["Mary", *many], min_names=5).use_tokenizer(gpt2_tokenizer)
+    assert len(str(refused.value)) < 200 and "and 6 more (listed in the warning above)" in str(refused.value)
     enough = ioi_task(names=["Mary", "John", "Anna", "Tom", *multi], min_names=4)
     data = enough.build(40, seed=0, model=SimpleNamespace(tokenizer=gpt2_tokenizer))
     used = set(data.answers["io"].tolist()) | set(data.answers["s"].tolist())

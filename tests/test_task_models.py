@@ -75,3 +75,8 @@ def test_head_scores_run_on_any_task_and_leave_the_ioi_scores_out_where_there_ar
     scores = table[table["method"] == "score"]
     assert set(scores["metric"]) == {"prev_token_score", "duplicate_token_score", "induction_score"}
     assert len(scores) == 3 * model.n_heads and scores["value"].between(0, 1).all()
+
+
+def test_a_sweep_keeps_its_overrides_for_hydra():
+    assert choose_model(["ablate.method=zero,mean"]) == (["ablate.method=zero,mean"], None)
+    assert choose_model(["task=ioi,counting"]) == (["task=ioi,counting"], None)

@@ -27,10 +27,9 @@ def choose_model(overrides: Sequence[str]) -> tuple[list[str], str | None]:
     model runs and how to choose another, or None when nothing was added)."""
     if any(o.lstrip("+~").startswith(CHOSEN_ELSEWHERE) for o in overrides):
         return list(overrides), None
-    try:
-        cfg = compose(overrides)
-    except UsageError:  # a sweep over tasks or a bad override: each job (or the validation) speaks for itself
+    if _is_sweep(overrides):  # each job of a sweep is one config; Hydra composes them one by one
         return list(overrides), None
+    cfg = compose(overrides)
     task = build_task(cfg.task)
     if not (option(cfg.model.kind) == "toy" and task.needs_tokenizer):
         return list(overrides), None
@@ -46,6 +45,15 @@ def choose_model(overrides: Sequence[str]) -> tuple[list[str], str | None]:
         f"task={task.name} needs a pretrained model with a tokenizer, and none of {', '.join(tried) or 'its defaults'}"
         " can be had offline: give model=hf model.path=<dir> (and model.tokenizer=<dir>)"
     )
+
+
+def _is_sweep(overrides: Sequence[str]) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(list(overrides)))
+    except Exception:  # a malformed override: compose() below reports it in one line
+        return False
 
 
 def can_be_had(model: ModelConfig) -> bool:

@@ -105,7 +105,8 @@ class IOITask(Task):
         if len(kept) < self.cfg.min_names:
             raise HeadlabError(
                 f"ioi: only {len(kept)} of {len(names)} names are single tokens for this tokenizer "
-                f"(need {self.cfg.min_names}); multi-token names: {', '.join(refused)}"
+                f"(need {self.cfg.min_names}); multi-token: {', '.join(refused[:4])}"
+                + (f" and {len(refused) - 4} more (listed in the warning above)" if len(refused) > 4 else "")
             )
         places, bad_places = _single_tokens(tokenizer, list(PLACES))
         objects, bad_objects = _single_tokens(tokenizer, list(OBJECTS))
