@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..config import option
+from ..config import Config, option
 from ..errors import UsageError
 from ..vocabulary import HEAD_SITES, SOURCE_OF_METHOD, Kind, Method, Site, Source
 
@@ -92,7 +92,7 @@ class Intervention:
 CLEAN = Intervention(Kind.none)
 
 
-def plan(cfg: Any, n_layers: int, n_heads: int, scales: dict[int, list[float]] | None = None) -> list[Intervention]:
+def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]] | None = None) -> list[Intervention]:
     """The clean baseline first, then the ablation sweep, then the patching sweep.
 
     `scales` (layer -> per-head factors) is needed by the uniform sweep only."""

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import cast
 
-from ..config import option
+from ..config import ModelConfig, option
 from ..errors import HeadlabError
 from .hooked import HookedModel
 
 
-def load(cfg: Any, need_tokenizer: bool = False) -> HookedModel:
+def load(cfg: ModelConfig, need_tokenizer: bool = False) -> HookedModel:
     """A model from its config: HF by hub name or local path, or a trained toy checkpoint directory."""
     kind = option(cfg.kind)
     if kind == "hf":
         from .hf import load_hf
 
+        # no runtime check here, as before: obtain_model sends an hf model without a path to training
         return load_hf(
-            cfg.path,
+            cast(str, cfg.path),
             name=cfg.name,
             tokenizer=cfg.tokenizer,
             revision=cfg.revision,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..config import option
+from ..config import SaeConfig, option
 from .base import SparseAutoencoder
 from .relu_l1 import ReluL1SAE
 from .topk import TopKSAE
@@ -12,7 +10,7 @@ from .topk import TopKSAE
 ARCHITECTURES: dict[str, type[SparseAutoencoder]] = {"relu_l1": ReluL1SAE, "topk": TopKSAE}
 
 
-def build_sae(sc: Any, d_in: int, seed: int = 0) -> SparseAutoencoder:
+def build_sae(sc: SaeConfig, d_in: int, seed: int = 0) -> SparseAutoencoder:
     arch = option(sc.architecture)
     d_sae = sc.expansion * d_in
     if arch == "relu_l1":

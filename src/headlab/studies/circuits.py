@@ -24,6 +24,8 @@ from ..config import Config, option, run_info
 from ..errors import UsageError
 from ..interventions import CLEAN, Intervention
 from ..interventions.engine import execute, execute_joint
+from ..models.hooked import HookedModel
+from ..tasks import Task, TaskData
 from ..tasks.recall_reasoning import other_kind
 from .context import RunContext
 
@@ -61,7 +63,7 @@ def component_label(iv: Intervention) -> str:
     return f"L{iv.layer} {iv.group}"
 
 
-def neuron_groups(model, data, method: str) -> list[Intervention]:
+def neuron_groups(model: HookedModel, data: TaskData, method: str) -> list[Intervention]:
     """Per layer with an MLP: groups of neurons most active on recall (resp. reasoning) prompts."""
     kind = data.answers["kind"]
     rows = torch.arange(data.n)
@@ -87,7 +89,9 @@ def neuron_groups(model, data, method: str) -> list[Intervention]:
     return out
 
 
-def plan(model, data, method: str) -> tuple[list[Intervention], list[Intervention], list[Intervention]]:
+def plan(
+    model: HookedModel, data: TaskData, method: str
+) -> tuple[list[Intervention], list[Intervention], list[Intervention]]:
     """(ablations, patches from the same kind's counterfactual, patches from the other kind); the clean
     run is not included."""
     layers, heads = range(model.n_layers), range(model.n_heads)
@@ -108,7 +112,9 @@ def plan(model, data, method: str) -> tuple[list[Intervention], list[Interventio
     return ablations, [] if data.counterfactual is None else patch(None), patch(OTHER_KIND)
 
 
-def measure(cfg, model, task, data, info: dict, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
+def measure(
+    cfg: Config, model: HookedModel, task: Task, data: TaskData, info: dict, show_progress: bool = False
+) -> tuple[pd.DataFrame, dict]:
     """The study's table and its meta.json counts (classes per component kind)."""
     method = option(cfg.ablate.method)
     ablations, patches, crossed = plan(model, data, method)
@@ -188,7 +194,15 @@ def _drop_rows(per_component: pd.DataFrame, info: dict, n: int) -> pd.DataFrame:
     return pd.DataFrame(rows).assign(**info)
 
 
-def _knockouts(cfg, model, task, data, ablations, per_component, show_progress) -> list[dict]:
+def _knockouts(
+    cfg: Config,
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    ablations: list[Intervention],
+    per_component: pd.DataFrame,
+    show_progress: bool,
+) -> list[dict]:
     """Joint ablation of the top-k recall / reasoning components and of k random ones."""
     pool = [i for i, iv in enumerate(ablations) if iv.intervention in ("ablate_head", "ablate_mlp")]
     table = per_component.iloc[pool].assign(index=pool)

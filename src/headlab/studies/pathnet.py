@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from .. import results
 from ..analysis import paths as theory
-from ..config import Config, option, run_info
+from ..config import Config, MarkovConfig, PathNetConfig, option, run_info
 from ..errors import UsageError
 from ..models.pathnet import PathNet
 from ..progress import progress_bar
@@ -52,15 +53,16 @@ def run(ctx: RunContext) -> pd.DataFrame:
     return df
 
 
-def build(cfg) -> tuple[PathNet, MarkovTask]:
+def build(cfg: Config) -> tuple[PathNet, MarkovTask]:
     if cfg.task.name != "markov":
         raise UsageError(f"model=pathnet runs task=markov only, not task={cfg.task.name}")
-    task = MarkovTask(cfg.task)
-    m = cfg.model
+    # the config's sections as composed: model=pathnet gives a PathNetConfig, task=markov a MarkovConfig
+    markov, m = cast(MarkovConfig, cfg.task), cast(PathNetConfig, cfg.model)
+    task = MarkovTask(markov)
     variances = list(m.variances) if m.variances is not None else [1.0] * (len(m.heads) + 2)
     net = PathNet.build(
         m.heads,
-        cfg.task.n_features,
+        markov.n_features,
         task.n_tokens,
         m.width,
         m.beta,
@@ -83,10 +85,10 @@ def parse_paths(net: PathNet, spec: list[str]) -> list[int]:
 class PathNetRun:
     """The arrays of one run, and the table rows they become."""
 
-    def __init__(self, cfg, show_progress: bool = False):
+    def __init__(self, cfg: Config, show_progress: bool = False):
         self.cfg, self.show_progress = cfg, show_progress
         self.net, self.task = build(cfg)
-        train = self.task.sample(cfg.task.n_train, cfg.seed)
+        train = self.task.sample(cast(MarkovConfig, cfg.task).n_train, cfg.seed)
         test = self.task.sample(cfg.task.n_prompts, cfg.seed + TEST_SEED_OFFSET)
         self.y, self.y_test = train.y, test.y
         self.x_train, self.x_test = self.net.path_inputs(train.x), self.net.path_inputs(test.x)
@@ -97,6 +99,11 @@ class PathNetRun:
         self.labels = [self.net.path_label(p) for p in self.net.paths()]
         self.info: dict = {}
 
+    @property
+    def model_cfg(self) -> PathNetConfig:
+        """cfg.model: a PathNetConfig, the one model this study runs (run() refuses any other kind)."""
+        return cast(PathNetConfig, self.cfg.model)
+
     # -------------------------------------------------------------- predictors
 
     def kernel_outputs(self, u: Tensor, subset: list[int] | None = None) -> Tensor:
@@ -105,7 +112,7 @@ class PathNetRun:
         if subset is not None:
             s = torch.tensor(subset)
             c_train, c_cross = c_train[s][:, s], c_cross[s][:, s]  # u is given over the subset
-        return theory.path_predictions(c_train, c_cross, u, self.y, self.cfg.model.temperature)[None]
+        return theory.path_predictions(c_train, c_cross, u, self.y, self.model_cfg.temperature)[None]
 
     def network_outputs(self, weights: dict[str, Tensor]) -> Tensor:
         """Each path's share of a network's f on the test set [paths, n_test]."""
@@ -136,7 +143,7 @@ class PathNetRun:
     # -------------------------------------------------------------- stages
 
     def run_theory(self) -> None:
-        cfg = self.cfg.model
+        cfg = self.model_cfg
         with progress_bar("theory: minimising the action", cfg.theory_steps, enabled=self.show_progress) as bar:
             order = theory.solve_order(
                 self.c_train,
@@ -168,7 +175,7 @@ class PathNetRun:
     def run_samples(self) -> None:
         """HMC draws; with model.collapse_input (default) V0 is integrated out and each draw's outputs are
         its exact conditional mean given the other weights (Rao-Blackwellised)."""
-        cfg, net = self.cfg.model, self.net
+        cfg, net = self.model_cfg, self.net
         if cfg.samples <= 0:
             return
         collapsed = cfg.collapse_input
@@ -223,7 +230,7 @@ class PathNetRun:
         gen = torch.Generator().manual_seed(self.cfg.seed + 1)
         init = self.net.init_weights(gen)
         names = list(init)
-        temperature = self.cfg.model.temperature
+        temperature = self.model_cfg.temperature
         likelihood = self.likelihood(names, self.x_train, self.y, temperature)
         variances = [self.net.prior_variance(n) for n in names]
         with progress_bar(f"gradient descent, N={self.net.width}", train.steps, enabled=self.show_progress) as bar:
@@ -335,7 +342,7 @@ class PathNetRun:
                     "method": "sample",
                     "metric": "u_rel_error_vs_theory",
                     "value": float(diff),
-                    "n": self.cfg.model.samples,
+                    "n": self.model_cfg.samples,
                 }
             )
         return pd.DataFrame(rows)
@@ -360,7 +367,7 @@ class PathNetRun:
 
     def _alignment_rows(self) -> pd.DataFrame:
         rows = []
-        top = min(self.cfg.model.alignment_top, len(self.y))
+        top = min(self.model_cfg.alignment_top, len(self.y))
         for method in ("theory", "gp"):
             k = theory.kernel(self.c_train, self.u[method])
             for rank, value in enumerate(theory.alignment(k, self.y, top).tolist(), 1):
@@ -383,7 +390,7 @@ def _prior(params: list[Tensor], variances: list[float]) -> Tensor:
     return total
 
 
-def measure(cfg, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
+def measure(cfg: Config, show_progress: bool = False) -> tuple[pd.DataFrame, dict]:
     """The run's table and what to keep in meta.json (solver, sampler and training diagnostics)."""
     study = PathNetRun(cfg, show_progress)
     timings = {}

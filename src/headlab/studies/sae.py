@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from .. import results
-from ..config import config_hash, option, run_info, to_plain
+from ..config import Config, config_hash, option, run_info, to_plain
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
@@ -37,6 +37,7 @@ from ..sae.attribution import decoder_head_shares, direct_feature_attribution, h
 from ..sae.export import CFG, WEIGHTS, hook_name, load_sae, save_sae
 from ..sae.fit import fit
 from ..sae.metrics import ce_recovered, reconstruction_metrics
+from ..tasks import Task
 from .context import RunContext
 
 DONE = "headlab.json"
@@ -48,7 +49,7 @@ DISPLAY_KEYS = ("eval_sequences", "top_contexts", "context_window", "dominance")
 NAME = "sae"
 
 
-def sae_dir(cfg: Any) -> Path:
+def sae_dir(cfg: Config) -> Path:
     plain = to_plain(cfg)
     plain["task"] = {k: v for k, v in plain["task"].items() if k not in ("n_reference",)}
     plain["sae"] = {k: v for k, v in plain["sae"].items() if k not in DISPLAY_KEYS}
@@ -57,7 +58,7 @@ def sae_dir(cfg: Any) -> Path:
     return Path(cfg.output.root) / "saes" / name
 
 
-def corpora(cfg: Any, task: Any, model: HookedModel):
+def corpora(cfg: Config, task: Task, model: HookedModel):
     """(passes: i -> the corpus of training pass i, held-out corpus)."""
     sc = cfg.sae
     if sc.corpus:
@@ -72,7 +73,7 @@ def corpora(cfg: Any, task: Any, model: HookedModel):
     )
 
 
-def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
+def obtain_sae(cfg: Config, model: HookedModel, passes, show_progress: bool):
     """The fitted SAE of this config and its fit record: fitted now, resumed, or reused."""
     sc, directory = cfg.sae, sae_dir(cfg)
     if (directory / DONE).is_file():
@@ -105,7 +106,7 @@ def obtain_sae(cfg: Any, model: HookedModel, passes, show_progress: bool):
     return sae.eval(), record
 
 
-def token_text(model: HookedModel, task: Any) -> Callable[[Any], str]:
+def token_text(model: HookedModel, task: Task) -> Callable[[Any], str]:
     if model.tokenizer is not None:
         return lambda i: model.tokenizer.decode([int(i)])
     strings = getattr(task, "token_strings", None)

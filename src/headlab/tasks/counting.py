@@ -14,6 +14,7 @@ import torch
 from scipy.stats import rankdata
 from torch import Tensor
 
+from ..config import CountingConfig
 from .base import Task, TaskData, mean_of
 
 ZERO, ONE, NOISE, SEP, EOS, BOS, PAD = range(7)
@@ -35,8 +36,9 @@ class CountingTask(Task):
     quantities = ("label_correct", "eos_correct", "label_margin", "signed_margin")
     vocab_size = len(TOKENS)
     token_names = {ZERO: "0", ONE: "1", NOISE: "2", SEP: "sep", BOS: "bos"}
+    cfg: CountingConfig
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: CountingConfig):
         self.cfg = cfg
         self.max_len = cfg.max_len + 3
         self.aggregates = {

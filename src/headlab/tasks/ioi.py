@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config import IOIConfig
 from ..errors import HeadlabError
 from .base import Task, TaskData, mean_of
 
@@ -78,8 +79,9 @@ class IOITask(Task):
     needs_tokenizer = True
     # GPT-2 small, else the small GPT-2 trained here as experiment=ioi_trained trains it
     default_models = (("model=gpt2",), ("model=gpt2-ioi", "train=ioi", "task.train_names=vocab"))
+    cfg: IOIConfig
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: IOIConfig):
         self.cfg = cfg
         self.aggregates = {"logit_diff": mean_of(0), "io_prob": mean_of(1), "accuracy": mean_of(2)}
         which = {"baba": BABA_TEMPLATES, "abba": ABBA_TEMPLATES, "both": BABA_TEMPLATES + ABBA_TEMPLATES}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..config import MarkovConfig
 from ..errors import UsageError
 from .base import Task
 
@@ -37,8 +38,9 @@ class MarkovTask(Task):
     name = "markov"
     quantities = ()
     aggregates: dict = {}
+    cfg: MarkovConfig
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: MarkovConfig):
         self.cfg = cfg
         if cfg.n_features % 2 or cfg.n_features < 2:
             raise UsageError(f"task.n_features must be even and positive, not {cfg.n_features}")

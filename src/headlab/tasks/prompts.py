@@ -75,8 +75,9 @@ class PromptsTask(Task):
     smooth_quantity = "logit_diff"
     needs_tokenizer = True
     default_models = (("model=gpt2",),)
+    cfg: PromptsConfig
 
-    def __init__(self, cfg: Any, records: Sequence[Record] | None = None):
+    def __init__(self, cfg: PromptsConfig, records: Sequence[Record] | None = None):
         self.cfg = cfg
         if cfg.multi_token not in MULTI_TOKEN:
             raise UsageError(f"unknown task.multi_token '{cfg.multi_token}'; choose from: {', '.join(MULTI_TOKEN)}")

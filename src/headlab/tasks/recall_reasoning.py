@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config import RecallReasoningConfig
 from ..errors import HeadlabError, UsageError
 from .base import Task, TaskData
 
@@ -67,8 +68,9 @@ class RecallReasoningTask(Task):
     name = "recall_reasoning"
     quantities = ("correct", "margin")
     smooth_quantity = "margin"
+    cfg: RecallReasoningConfig
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: RecallReasoningConfig):
         self.cfg = cfg
         self.aggregates = {
             "recall_acc": _kind_mean(0, RECALL),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..config import TaskConfig
 from ..errors import UsageError
 from .base import Task
 
@@ -32,7 +33,7 @@ def task_names() -> list[str]:
     return sorted(registry())
 
 
-def build_task(cfg: Any) -> Task:
+def build_task(cfg: TaskConfig) -> Task:
     """The task a config names (cfg.name), built from that config."""
     known = registry()
     if cfg.name not in known:

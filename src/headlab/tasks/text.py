@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..config import TextConfig
 from ..errors import HeadlabError, UsageError
 from .base import Task, TaskData
 
@@ -50,8 +51,9 @@ class TextTask(Task):
     smooth_quantity = "loss_sum"
     needs_tokenizer = True
     default_models = (("model=gpt2",),)
+    cfg: TextConfig
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: TextConfig) -> None:
         self.cfg = cfg
         self.aggregates = {"ce_loss": mean_loss}
         if cfg.seq_len < 2:

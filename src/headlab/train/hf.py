@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from ..config import ModelConfig, TrainConfig
 from ..errors import HeadlabError
 from ..io import atomic_write_bytes
 from ..tasks import Task
@@ -18,7 +19,7 @@ from .loop import adamw, fit_loop
 HF_DONE = "training.json"  # the completion marker of an hf checkpoint directory
 
 
-def load_tokenizer(model_cfg: Any) -> Any:
+def load_tokenizer(model_cfg: ModelConfig) -> Any:
     """The tokenizer a model trained here uses: model.tokenizer, a hub name or a local directory."""
     if not model_cfg.tokenizer:
         raise HeadlabError(
@@ -34,7 +35,7 @@ def load_tokenizer(model_cfg: Any) -> Any:
         raise HeadlabError(f"cannot load tokenizer '{model_cfg.tokenizer}' for model {model_cfg.name}: {first}") from e
 
 
-def gpt2_config(model_cfg: Any, task: Task, tokenizer: Any) -> Any:
+def gpt2_config(model_cfg: ModelConfig, task: Task, tokenizer: Any) -> Any:
     """A GPT2Config from headlab's model fields; vocabulary = the tokenizer's, no dropout (exact resume)."""
     from transformers import GPT2Config
 
@@ -82,9 +83,9 @@ def evaluate_hf(model: nn.Module, task: Task, data) -> dict[str, float]:
 
 
 def train_hf(
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     task: Task,
-    tc: Any,
+    tc: TrainConfig,
     seed: int,
     directory: Path,
     show_progress: bool = True,

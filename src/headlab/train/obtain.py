@@ -8,10 +8,9 @@ weights; a finished directory is reused, an unfinished one resumed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from .. import models
-from ..config import config_hash, option, to_plain
+from ..config import Config, config_hash, option, to_plain
 from ..errors import HeadlabError
 from ..models.hooked import HookedModel
 from ..tasks import Task
@@ -21,7 +20,7 @@ CHECKPOINT_KEYS = ("model", "task", "train", "seed")
 EVALUATION_KEYS = ("n_prompts", "n_reference")
 
 
-def checkpoint_dir(cfg: Any) -> Path:
+def checkpoint_dir(cfg: Config) -> Path:
     """Where the model for this (model, task, train, seed) lives under output.root."""
     plain = to_plain(cfg)
     plain["task"] = {k: v for k, v in plain["task"].items() if k not in EVALUATION_KEYS}
@@ -29,12 +28,12 @@ def checkpoint_dir(cfg: Any) -> Path:
     return Path(cfg.output.root) / "checkpoints" / f"{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{digest}"
 
 
-def is_trained_here(cfg: Any) -> bool:
+def is_trained_here(cfg: Config) -> bool:
     """A toy model, or an hf model without a path: its weights come from training on the task."""
     return option(cfg.model.kind) in ("toy", "hf") and not cfg.model.path
 
 
-def obtain_model(cfg: Any, task: Task, show_progress: bool = True) -> HookedModel:
+def obtain_model(cfg: Config, task: Task, show_progress: bool = True) -> HookedModel:
     """The configured model; one trained here is trained now, resumed, or reused if finished."""
     from . import load_or_train, train_toy
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from ..config import option
+from ..config import ModelConfig, TrainConfig, option
 from ..errors import HeadlabError
 from ..models.hooked import HookedModel
 from ..models.toy import ToyConfig, ToyTransformer, hooked_toy, load_toy, save_toy
@@ -17,7 +17,7 @@ from .hf import train_hf
 from .loop import adamw, fit_loop
 
 
-def toy_config(model_cfg: Any, task: Task) -> ToyConfig:
+def toy_config(model_cfg: ModelConfig, task: Task) -> ToyConfig:
     if task.vocab_size == 0:
         raise HeadlabError(f"task {task.name} has no vocabulary of its own to train a toy model on")
     if task.max_len > model_cfg.n_ctx:
@@ -44,9 +44,9 @@ def evaluate(model: ToyTransformer, task: Task, data) -> dict[str, float]:
 
 
 def train_toy(
-    model_cfg: Any,
+    model_cfg: ModelConfig,
     task: Task,
-    tc: Any,
+    tc: TrainConfig,
     seed: int,
     directory: Path,
     show_progress: bool = True,
@@ -105,7 +105,7 @@ def train_toy(
 
 
 def load_or_train(
-    model_cfg: Any, task: Task, tc: Any, seed: int, directory: Path, show_progress: bool = True
+    model_cfg: ModelConfig, task: Task, tc: TrainConfig, seed: int, directory: Path, show_progress: bool = True
 ) -> HookedModel:
     model, _ = train_toy(model_cfg, task, tc, seed, directory, show_progress)
     return hooked_toy(cast(ToyTransformer, model), model_cfg.name)
