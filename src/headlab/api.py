@@ -22,17 +22,9 @@ from typing import Any
 import pandas as pd
 from omegaconf import OmegaConf
 
-from .config import (
-    Config,
-    ModelConfig,
-    ModelKind,
-    compose_raw,
-    group_options,
-    option_overrides,
-    typed,
-    validate_overrides,
-)
-from .config import compose as compose_config
+from .composition import compose as compose_config
+from .composition import compose_raw, group_options, option_overrides, typed, validate_overrides
+from .config import Config, ModelConfig, ModelKind
 from .errors import UsageError
 from .io import atomic_write_bytes
 from .models.check import Verdict, check_model

@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .config import GROUPS, config_dir, group_options, typed, validate_overrides
+from .composition import group_options, typed, validate_overrides
+from .config import GROUPS, config_dir
 from .errors import HeadlabError, UsageError
 from .io import atomic_write_bytes
 

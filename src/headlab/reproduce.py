@@ -37,7 +37,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from . import results
-from .config import compose, config_dir
+from .composition import compose
+from .config import config_dir
 from .errors import HeadlabError, UsageError
 from .figures import FIGURES
 from .io import atomic_write_bytes

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .config import ModelConfig, compose, option
+from .composition import compose
+from .config import ModelConfig, option
 from .errors import UsageError
 from .tasks import build_task
 
