@@ -23,7 +23,7 @@ from torch import Tensor
 from ..config import MeanOver, option
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
-from ..tasks import Task, TaskData
+from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
 from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, read_quantities
@@ -38,15 +38,15 @@ def _through_last_read(data: TaskData) -> TaskData:
     seq_len = next(iter(data.inputs.values())).shape[1]
     if keep >= seq_len:
         return data
-    cut = lambda inputs: (
-        inputs
-        and {
-            k: v[:, :keep] if v.dim() >= 2 and v.shape[1] == seq_len else v  # noqa: E731
-            for k, v in inputs.items()
-        }
-    )
+
+    def cut(inputs: Inputs) -> Inputs:
+        return {k: v[:, :keep] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in inputs.items()}
+
     return replace(
-        data, inputs=cut(data.inputs), counterfactual=cut(data.counterfactual), reference=cut(data.reference)
+        data,
+        inputs=cut(data.inputs),
+        counterfactual=data.counterfactual and cut(data.counterfactual),
+        reference=data.reference and cut(data.reference),
     )
 
 

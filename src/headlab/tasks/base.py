@@ -7,7 +7,7 @@ same function serves point estimates and bootstrap resamples.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,19 @@ class TaskData:
 
     def answers_np(self) -> dict[str, np.ndarray]:
         return {k: v.cpu().numpy() for k, v in self.answers.items()}
+
+
+def right_padded(rows: Sequence[Sequence[int]], tokenizer: Any, width: int | None = None) -> Inputs:
+    """Token rows right-padded to `width` (default: the longest) with the tokenizer's pad token (else its
+    EOS, else 0): {"input_ids", "attention_mask"}, the mask 1 on real tokens and 0 on padding."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    width = max(map(len, rows)) if width is None else width
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 def mean_of(column: int) -> Aggregate:

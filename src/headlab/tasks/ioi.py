@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..config import IOIConfig
 from ..errors import HeadlabError
-from .base import Task, TaskData, mean_of
+from .base import Task, TaskData, mean_of, right_padded
 
 log = logging.getLogger("headlab")
 
@@ -166,11 +166,7 @@ class IOITask(Task):
                 roles[role].append(len(bos) + at[0])
             roles["END"].append(len(bos) + len(ids) - 1)
             rows.append(bos + ids)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        width = max(map(len, rows))
-        padded = torch.full((len(rows), width), pad, dtype=torch.long)
-        for i, r in enumerate(rows):
-            padded[i, : len(r)] = torch.tensor(r)
+        padded = right_padded(rows, tok)["input_ids"]  # no mask: each prompt reads at its own END
         token = lambda names: torch.tensor([_token_id(tok, x) for x in names])  # noqa: E731
         return Prompts(padded, {r: torch.tensor(v) for r, v in roles.items()}, token(a), token(b))
 

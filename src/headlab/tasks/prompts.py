@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..config import PromptsConfig
 from ..errors import HeadlabError, UsageError
-from .base import Inputs, Task, TaskData, mean_of
+from .base import Inputs, Task, TaskData, mean_of, right_padded
 from .formats import Answer, Prompt, Record, read, short, to_record
 
 MULTI_TOKEN = ("refuse", "first")
@@ -108,11 +108,10 @@ class PromptsTask(Task):
                 f"{', '.join(misaligned[:2])}{more}: clean and corrupted prompts tokenize to different "
                 "lengths; patching needs them aligned"
             )
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         width = max(max(len(e.clean), len(e.reference)) for e in encoded)
-        clean = _padded([e.clean for e in encoded], width, pad)
-        corrupted = _padded([e.corrupted for e in encoded], width, pad)
-        reference = _padded([e.reference for e in encoded], width, pad)
+        clean = right_padded([e.clean for e in encoded], tokenizer, width)
+        corrupted = right_padded([e.corrupted for e in encoded], tokenizer, width)
+        reference = right_padded([e.reference for e in encoded], tokenizer, width)
         positions = torch.tensor([e.position for e in encoded]).unsqueeze(1)
         answer, wrong = _ragged([e.answer for e in encoded]), _ragged([e.wrong for e in encoded])
         groups = _group_ids([r.group for r in records])
@@ -209,15 +208,6 @@ def _tokens(prompt: Prompt, tokenizer: Any, vocab: int, where: str, field: str) 
     if max(prompt) >= vocab:
         raise HeadlabError(f"{where}: {field} token id {max(prompt)} is outside the vocabulary (0..{vocab - 1})")
     return list(prompt)
-
-
-def _padded(rows: list[list[int]], width: int, pad: int) -> Inputs:
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 def _ragged(rows: list[list[int]]) -> Tensor:

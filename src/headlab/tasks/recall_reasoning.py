@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..config import RecallReasoningConfig
 from ..errors import HeadlabError, UsageError
-from .base import Task, TaskData
+from .base import Task, TaskData, right_padded
 
 PAD, BOS, IS, ARROW, SEP, QUERY, QUERY1 = range(7)
 SPECIAL = ("[PAD]", "[BOS]", "=", ">", ".", "?", "?1")  # ?1: a one-hop question, a training curriculum only
@@ -258,11 +258,7 @@ class RecallReasoningTask(Task):
             candidates.append(others)
         bos = [tok.bos_token_id] if self.cfg.prepend_bos and tok.bos_token_id is not None else []
         encoded = [bos + tok(r, add_special_tokens=False)["input_ids"] for r in rows]
-        width = max(len(e) for e in encoded)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        for i, e in enumerate(encoded):
-            ids[i, : len(e)] = torch.tensor(e)
+        ids = right_padded(encoded, tok)["input_ids"]  # no mask: each prompt reads at its own last token
         read = torch.tensor([len(e) - 1 for e in encoded])
         one = lambda w: tok(w, add_special_tokens=False)["input_ids"][0]  # noqa: E731
         c_width = max(len(c) for c in candidates)

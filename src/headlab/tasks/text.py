@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..config import TextConfig
 from ..errors import HeadlabError, UsageError
-from .base import Task, TaskData
+from .base import Task, TaskData, right_padded
 
 log = logging.getLogger("headlab")
 
@@ -98,12 +98,8 @@ class TextTask(Task):
                 f"task text: documents of {width} tokens exceed the model's {context} positions "
                 f"(set task.seq_len={context} or less)"
             )
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
+        padded = right_padded(rows, tok, width)
+        ids, mask = padded["input_ids"], padded["attention_mask"]
         target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE)
         # a cycle through the documents in random order: each one's resample source is another document,
         # and the set (hence every mean over it) is the corpus itself
