@@ -90,3 +90,12 @@ def test_compose_is_typed():
     cfg = headlab.compose("model=toy-attn-2l", "task=ioi", "ablate.method=mean")
     assert type(cfg).__name__ == "Config" and type(cfg.task).__name__ == "IOIConfig"
     assert cfg.model.n_layers == 2 and cfg.ablate.method.value == "mean"
+
+
+def test_a_pretrained_model_loads_by_path_and_the_task_it_is_swept_on_decides(tiny_hf_dir, demo_root):
+    model = headlab.load_model(str(tiny_hf_dir("gpt2")))  # no task named: any pretrained model loads
+    assert (model.n_layers, model.n_heads) == (3, 4) and model.config.kind.value == "hf"
+    with pytest.raises(headlab.UsageError, match="task counting has its own 7-token vocabulary"):
+        headlab.sweep(model, headlab.load_task("counting"))
+    with pytest.raises(headlab.UsageError, match="task counting has its own 7-token vocabulary"):
+        headlab.load_model(str(tiny_hf_dir("gpt2")), task="counting")

@@ -34,7 +34,7 @@ from .studies.registry import study_for
 from .studies.runner import execute_run
 from .task_models import choose_model
 from .tasks import Task, build_task
-from .train.obtain import obtain_model
+from .train.obtain import is_trained_here, obtain_model
 
 log = logging.getLogger("headlab")
 
@@ -78,13 +78,23 @@ def load_model(
     `load_model("toy-attn-2l", n_heads=8, train__steps=500, seed=1, root="outputs")`. The model's
     config is `model.config`; `model.n_layers`, `model.n_heads`, `model.sites` (HeadSites) describe it."""
     cfg = compose_config(model_overrides(name_or_path, task, options))
-    task_obj = task if isinstance(task, Task) else build_task(cfg.task)
     if isinstance(task, Task):
         cfg.task = task.cfg
+    # a pretrained model serves whatever task it is later swept on; one trained here serves its own
+    named = task is not None or is_trained_here(cfg)
+    return _loaded(cfg, (task if isinstance(task, Task) else build_task(cfg.task)) if named else None, show_progress)
+
+
+def _loaded(cfg: Config, task: Task | None, show_progress: bool) -> HookedModel:
+    """The model `cfg` names, on cfg.device; refused in one line if `task` cannot run on it (no task:
+    nothing to refuse)."""
     apply_threads(cfg)
-    ctx = RunContext(cfg, show_progress=show_progress, task=task_obj)
-    model = ctx.get_model()
+    if task is None:
+        model = obtain_model(cfg, build_task(cfg.task), show_progress)
+    else:
+        model = RunContext(cfg, show_progress=show_progress, task=task).get_model()
     model.config = cfg.model
+    model.module.to(cfg.device)
     return model
 
 
@@ -113,12 +123,8 @@ def check(model: HookedModel | str | Config, show_progress: bool = False, **opti
     if isinstance(model, str):
         model = compose_config(model_overrides(model, None, options))
     if isinstance(model, Config):
-        cfg = model
-        apply_threads(cfg)
         # any model has heads to check: the task only says what a model trained here is trained on
-        model = obtain_model(cfg, build_task(cfg.task), show_progress)
-        model.config = cfg.model
-        model.module.to(cfg.device)
+        model = _loaded(model, None, show_progress)
     return check_model(model)
 
 
