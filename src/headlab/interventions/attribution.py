@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -40,7 +39,7 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
     deltas: dict[tuple[str, int], list[Tensor]] = {}
     clean: list[Tensor] = []
     for start in range(0, data.n, PROMPTS_PER_PASS):
-        part = _rows(data, slice(start, start + PROMPTS_PER_PASS))
+        part = data.take(slice(start, start + PROMPTS_PER_PASS))
         with torch.inference_mode():
             patched = {site: model.record(part.counterfactual, site) for site in sites}  # type: ignore[arg-type]
         store: dict[tuple[str, int], Tensor] = {}
@@ -80,19 +79,3 @@ def _keep(store: dict[tuple[str, int], Tensor], site: str, layer: int) -> Hook:
         return t
 
     return hook
-
-
-def _rows(data: TaskData, rows: slice) -> TaskData:
-    """The prompts `rows` of a task's data (answers, roles and sets sliced alike)."""
-    cut = lambda d: d and {k: v[rows] for k, v in d.items()}  # noqa: E731
-    return replace(
-        data,
-        inputs=cut(data.inputs),
-        positions=data.positions[rows],
-        answers=cut(data.answers),
-        counterfactual=cut(data.counterfactual),
-        reference=cut(data.reference),
-        token_positions=cut(data.token_positions),
-        groups=None if data.groups is None else data.groups[rows],
-        reference_groups=None,
-    )

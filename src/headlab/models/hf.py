@@ -32,16 +32,22 @@ class Family:
     final_norm: str
     mlp: str = "mlp"  # position-wise feed-forward inside a block
     down_proj: str = "mlp.down_proj"  # inside a block: the MLP's output projection (its input is "neurons")
+    attn_norm: str = "input_layernorm"  # inside a block: the norm the attention reads the residual stream through
+    mlp_norm: str = "post_attention_layernorm"  # the same for the MLP
 
 
 _LLAMA_LIKE = Family("model.layers", "self_attn", "o_proj", "model.norm", down_proj="mlp.down_proj")
 FAMILIES: dict[str, Family] = {
-    "gpt2": Family("transformer.h", "attn", "c_proj", "transformer.ln_f", down_proj="mlp.c_proj"),
+    "gpt2": Family(
+        "transformer.h", "attn", "c_proj", "transformer.ln_f", down_proj="mlp.c_proj", attn_norm="ln_1", mlp_norm="ln_2"
+    ),
     "gpt_neox": Family(
         "gpt_neox.layers", "attention", "dense", "gpt_neox.final_layer_norm", down_proj="mlp.dense_4h_to_h"
     ),
     **{t: _LLAMA_LIKE for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo", "olmo2")},
 }
+# a norm on each component's output before the residual sum: no edges between components there
+POST_NORM = {"gemma2", "gemma3", "olmo2"}
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,10 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         mlps=[getattr(b, family.mlp, None) for b in blocks],
         width=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
         down_projs=[_find(b, family.down_proj) for b in blocks],
+        attn_inputs=[_get(b, family.attn_norm) for b in blocks],
+        mlp_inputs=[_find(b, family.mlp_norm) for b in blocks],
+        parallel=bool(getattr(cfg, "use_parallel_residual", False)),
+        residual_sum=cfg.model_type not in POST_NORM,
     )
 
 

@@ -79,6 +79,10 @@ class HookedModel:
         mlps: list[nn.Module | None] | None = None,
         width: int = 0,
         down_projs: list[nn.Module | None] | None = None,
+        attn_inputs: list[nn.Module] | None = None,
+        mlp_inputs: list[nn.Module | None] | None = None,
+        parallel: bool = False,
+        residual_sum: bool = True,
     ):
         self.name = name
         self.module = module
@@ -92,6 +96,13 @@ class HookedModel:
         self.logit_softcap = logit_softcap
         self.mlps = mlps or [None] * len(blocks)
         self.down_projs = down_projs or [None] * len(blocks)  # per layer: the module whose input is "neurons"
+        # per layer: the module whose input is the residual stream the attention (MLP) reads, its norm
+        self.attn_inputs = attn_inputs
+        self.mlp_inputs = mlp_inputs or [None] * len(blocks)
+        self.parallel = parallel  # attention and MLP both read the block's input (GPT-NeoX, GPT-J)
+        # False where a norm sits on a component's output (Gemma 2, OLMo 2): the residual stream is then
+        # no sum of the components' outputs, and edges between them are not defined
+        self.residual_sum = residual_sum
         self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
         self.config: ModelConfig | None = None  # the config it was loaded from, where headlab.load_model set it
         self.source: object = None  # what its loader needs to load it again (hf.Pretrained); None: built here
@@ -187,10 +198,33 @@ class HookedModel:
                 down_proj = self.down_projs[layer]
                 if down_proj is None:
                     raise ValueError(f"layer {layer} of {self.name} has no MLP (no down projection for neurons)")
-                edit_input = lambda _m, args: (neurons_fn(args[0]), *args[1:])  # noqa: E731
-                handles.append(down_proj.register_forward_pre_hook(edit_input))
+                handles.append(down_proj.register_forward_pre_hook(_first_arg(neurons_fn)))
             with self.sites.hooks(layer, **fns):
                 yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextmanager
+    def input_hooks(
+        self,
+        layer: int,
+        attn_in: Callable[[Tensor], Tensor] | None = None,
+        mlp_in: Callable[[Tensor], Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Hooks on the residual stream as the attention (attn_in) and the MLP (mlp_in) of one layer read
+        it, before their norms: fn may return a different tensor, which that component alone then reads
+        (the residual stream itself is unchanged)."""
+        handles = []
+        try:
+            for fn, modules, what in ((attn_in, self.attn_inputs, "attention"), (mlp_in, self.mlp_inputs, "MLP")):
+                if fn is None:
+                    continue
+                module = None if modules is None else modules[layer]
+                if module is None:
+                    raise ValueError(f"layer {layer} of {self.name} has no known {what} input")
+                handles.append(module.register_forward_pre_hook(_first_arg(fn)))
+            yield
         finally:
             for handle in handles:
                 handle.remove()
@@ -249,6 +283,10 @@ class HookedModel:
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
+
+
+def _first_arg(fn: Callable[[Tensor], Tensor]) -> Callable:
+    return lambda _module, args: (fn(args[0]), *args[1:])
 
 
 class _Stop(Exception):

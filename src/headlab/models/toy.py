@@ -165,6 +165,8 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
         mlps=[b.mlp for b in blocks],
         width=cfg.d_mlp,
         down_projs=[None if b.mlp is None else b.mlp[2] for b in blocks],  # Linear(d_mlp, d_model)
+        attn_inputs=[b.ln1 for b in blocks],
+        mlp_inputs=[b.ln2 if b.mlp is not None else None for b in blocks],
     )
 
 

@@ -8,7 +8,7 @@ same function serves point estimates and bootstrap resamples.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,22 @@ class TaskData:
     @property
     def n(self) -> int:
         return self.positions.shape[0]
+
+    def take(self, rows: slice) -> TaskData:
+        """The prompts `rows` (answers, roles and groups sliced alike; the reference set is kept whole,
+        its groups dropped)."""
+        cut = lambda d: d and {k: v[rows] for k, v in d.items()}  # noqa: E731
+        return replace(
+            self,
+            inputs=cut(self.inputs),
+            positions=self.positions[rows],
+            answers=cut(self.answers),
+            counterfactual=cut(self.counterfactual),
+            token_positions=cut(self.token_positions),
+            groups=None if self.groups is None else self.groups[rows],
+            reference_groups=None,
+            counterfactual_positions=cut(self.counterfactual_positions),
+        )
 
     def to(self, device: str) -> TaskData:
         move = lambda d: d and {k: v.to(device) for k, v in d.items()}  # noqa: E731

@@ -1,0 +1,210 @@
+"""Edge attribution: EAP (Syed et al. 2023), EAP-IG (Hanna et al. 2024) and EAP-IG over activations.
+
+The score of edge U -> R is (out_U(corrupt) - out_U(clean)) . dm/d in_R, summed over positions and
+averaged over prompts: the first-order estimate of the change in the mean metric m when that one edge is
+patched from the corrupted run. in_R is R's own copy of the residual stream (as if each receiver read a
+private copy), so its gradient is that of the receiver alone:
+  eap                 the gradient on the clean run;
+  eap_ig              its mean over `steps` runs whose input embeddings are interpolated from the
+                      corrupted to the clean ones (alpha = k/steps, k = 1..steps; the paper's sum);
+  eap_ig_activations  its mean over runs in which one node at a time (the input, a layer's attention,
+                      a layer's MLP) outputs the interpolation of its clean and corrupted outputs.
+
+Gradients are taken one layer at a time, from the logits down: the forward pass keeps only each block's
+input; each block is run again with autograd, its receivers' gradients are turned into scores at once,
+and only its input's gradient goes on. Beside the residual cache, one layer's activations are held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+from ..models.hooked import HookedModel, Trace
+from ..progress import progress_bar
+from ..tasks import Task, TaskData
+from ..vocabulary import Site
+from .graph import EdgeGraph
+from .record import Recording, check_pairs, metric, metric_column, record, sender_outputs
+
+METHODS = ("eap", "eap_ig", "eap_ig_activations")
+
+
+@dataclass(frozen=True)
+class Interpolation:
+    """One gradient run's edit: node `what` (input | attn | mlp) of `layer` outputs clean*alpha +
+    corrupt*(1-alpha); what=None: the clean run."""
+
+    what: str | None = None
+    layer: int = 0
+    alpha: float = 1.0
+
+
+def runs_of(method: str, graph: EdgeGraph, steps: int) -> list[Interpolation]:
+    if method == "eap":
+        return [Interpolation()]
+    alphas = [k / steps for k in range(1, steps + 1)]
+    if method == "eap_ig":
+        return [Interpolation("input", 0, a) for a in alphas]
+    if method == "eap_ig_activations":
+        nodes = [("input", 0)] + [
+            (what, layer)
+            for layer in range(graph.n_layers)
+            for what in ("attn", "mlp")
+            if what == "attn" or layer in graph.mlp_layers
+        ]
+        return [Interpolation(what, layer, a) for what, layer in nodes for a in alphas]
+    raise UsageError(f"unknown attribution method '{method}'; choose from: {', '.join(METHODS)}")
+
+
+def scores(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    method: str = "eap",
+    steps: int = 5,
+    prompts_per_pass: int = 16,
+    show_progress: bool = False,
+) -> Tensor:
+    """[senders, receivers] float64: each edge's score (NaN where there is no edge)."""
+    check_pairs(data)
+    column = metric_column(task)
+    runs = runs_of(method, graph, steps)
+    total = torch.zeros(graph.real.shape, dtype=torch.float64)
+    slices = [slice(s, s + prompts_per_pass) for s in range(0, data.n, prompts_per_pass)]
+    with progress_bar(f"edges ({method})", total=len(slices) * len(runs), enabled=show_progress) as bar:
+        for i, rows in enumerate(slices):
+            part = data.take(rows)
+            with torch.no_grad():  # not inference_mode: these tensors meet autograd below
+                clean = record(model, graph, part.inputs)
+                corrupt = record(model, graph, part.counterfactual)  # type: ignore[arg-type]
+                delta = (sender_outputs(model, graph, corrupt) - sender_outputs(model, graph, clean)).clone()
+            for j, run in enumerate(runs):
+                _accumulate(total, model, task, part, graph, delta, clean, corrupt, run, column)
+                bar.update(i * len(runs) + j + 1)
+    total /= data.n * len(runs)
+    return total.masked_fill(~graph.real, float("nan"))
+
+
+def _accumulate(
+    total: Tensor,
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    delta: Tensor,
+    clean: Recording,
+    corrupt: Recording,
+    run: Interpolation,
+    column: int,
+) -> None:
+    """Add one gradient run's scores (summed over its prompts) to total."""
+    trace = clean.trace
+    with torch.no_grad():
+        h = trace.resid_pre[0]
+        if run.what == "input":
+            h = corrupt.trace.resid_pre[0] + run.alpha * (h - corrupt.trace.resid_pre[0])
+        cache = []
+        for layer in range(model.n_layers):
+            cache.append(h)
+            with _interpolated(model, run, layer, clean, corrupt):
+                h = model.run_blocks(h, layer, trace, stop=layer + 1)
+    with torch.enable_grad():
+        final = h.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(metric(model, task, data, final, column).sum(), final)
+        flat_delta = delta.flatten(1).to(torch.float64)
+        logits = len(graph.receivers) - 1
+        total[:, logits] += flat_delta @ grad.flatten().to(torch.float64)
+        for layer in reversed(range(model.n_layers)):
+            receivers, grad = _layer_gradients(model, graph, trace, layer, cache[layer], grad, run, clean, corrupt)
+            cols = graph.layer_receivers(layer)
+            total[:, cols] += flat_delta @ receivers.flatten(1).to(torch.float64).T
+
+
+def _layer_gradients(
+    model: HookedModel,
+    graph: EdgeGraph,
+    trace: Trace,
+    layer: int,
+    x: Tensor,
+    grad_out: Tensor,
+    run: Interpolation,
+    clean: Recording,
+    corrupt: Recording,
+) -> tuple[Tensor, Tensor]:
+    """(gradients at the layer's receivers' inputs [receivers, n, pos, d] in graph order, gradient at
+    the block's input)."""
+    x = x.detach().requires_grad_()
+    kept: dict[str, Tensor] = {}
+
+    def copy(name: str) -> Callable[[Tensor], Tensor]:
+        def hook(t: Tensor) -> Tensor:
+            kept[name] = t.clone()  # a node of its own: its gradient is that of this reader alone
+            return kept[name]
+
+        return hook
+
+    def keep(name: str) -> Callable[[Tensor], Tensor]:
+        def hook(t: Tensor) -> Tensor:
+            kept[name] = t
+            return t
+
+        return hook
+
+    has_mlp = layer in graph.mlp_layers
+    with ExitStack() as stack:
+        stack.enter_context(
+            model.input_hooks(layer, attn_in=copy("attn_in"), mlp_in=copy("mlp_in") if has_mlp else None)
+        )
+        stack.enter_context(model.hooks(layer, q=keep("q"), k=keep("k"), v=keep("v")))
+        stack.enter_context(_interpolated(model, run, layer, clean, corrupt))
+        out = model.run_blocks(x, layer, trace, stop=layer + 1)
+    names = ["q", "k", "v"] + (["mlp_in"] if has_mlp else [])
+    wanted = [x] + [kept[n] for n in names]
+    grads = torch.autograd.grad(out, wanted, grad_out, retain_graph=True, allow_unused=True)
+    grad_x, per_site = grads[0], dict(zip(names, grads[1:]))
+    parts = []
+    for site in ("q", "k", "v"):
+        parts.append(_per_head(kept[site], kept["attn_in"], per_site[site]))
+    if has_mlp:
+        g = per_site["mlp_in"]
+        parts.append((torch.zeros_like(x) if g is None else g).unsqueeze(0))
+    assert grad_x is not None
+    return torch.cat(parts), grad_x
+
+
+def _per_head(site: Tensor, reader: Tensor, grad: Tensor | None) -> Tensor:
+    """[heads, n, pos, d]: the gradient at the attention's input from each head of `site` alone
+    ([n, head, pos, d_head]) : one vector-Jacobian product per head, batched."""
+    heads = site.shape[1]
+    if grad is None:  # the layer's output does not depend on this site (an interpolated attention)
+        return reader.new_zeros(heads, *reader.shape)
+    eye = torch.eye(heads, dtype=grad.dtype, device=grad.device).view(heads, 1, heads, 1, 1)
+    cotangents = eye * grad.unsqueeze(0)
+    try:
+        (out,) = torch.autograd.grad(site, reader, cotangents, retain_graph=True, is_grads_batched=True)
+    except RuntimeError:  # an op without a batching rule: one product per head
+        out = torch.stack([torch.autograd.grad(site, reader, c, retain_graph=True)[0] for c in cotangents])
+    return out
+
+
+@contextmanager
+def _interpolated(
+    model: HookedModel, run: Interpolation, layer: int, clean: Recording, corrupt: Recording
+) -> Iterator[None]:
+    """Hooks that make the run's node output its interpolated value, where it is in this layer."""
+    if run.what not in ("attn", "mlp") or run.layer != layer:
+        yield
+        return
+    site, store_clean, store_corrupt = (
+        (Site.z, clean.z, corrupt.z) if run.what == "attn" else (Site.mlp, clean.mlp, corrupt.mlp)
+    )
+    value = store_corrupt[layer] + run.alpha * (store_clean[layer] - store_corrupt[layer])
+    with model.hooks(layer, **{site: lambda _t: value}):
+        yield

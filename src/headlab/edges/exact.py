@@ -1,0 +1,232 @@
+"""Exact edge patching, and the metric of a circuit.
+
+`exact_scores`: edge U -> R patched alone: R reads the clean residual stream plus U's activation
+difference (out_U(corrupt) - out_U(clean)); every other reader reads clean values. All edges into one
+layer run together as stacked copies of the prompts, started from the clean residual cached at that
+layer (as the sweep engine does): the copy's attention reads the patched stream, and hooks keep every
+query, key and value clean except the receiver's own; an MLP receiver's copy patches the MLP's input;
+the logits' copies add the difference to the final residual.
+
+`circuit_metric`: every edge outside the circuit patched at once (EAP-IG's evaluate_graph): each
+receiver reads the current residual stream plus, for each sender whose edge into it is not in the
+circuit, out_U(corrupt) - out_U(current run). Each layer runs one copy per attention receiver (its own
+input), and each head takes its query from its q copy and its key and value from its kv head's copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import torch
+from torch import Tensor
+
+from ..models.hooked import HookedModel
+from ..progress import progress_bar
+from ..tasks import Task, TaskData
+from .graph import EdgeGraph
+from .record import check_pairs, head_outputs, metric, metric_column, record, sender_outputs
+
+Hook = Callable[[Tensor], Tensor]
+
+
+def exact_scores(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    which: Tensor | None = None,
+    chunk_mb: float = 64.0,
+    show_progress: bool = False,
+) -> Tensor:
+    """[senders, receivers] float64: the change in the mean metric when each edge (of `which`, default
+    all) is patched alone; NaN elsewhere."""
+    check_pairs(data)
+    column = metric_column(task)
+    which = graph.real if which is None else which & graph.real
+    out = torch.full(graph.real.shape, float("nan"), dtype=torch.float64)
+    with torch.inference_mode():
+        clean = record(model, graph, data.inputs)
+        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
+        delta = sender_outputs(model, graph, corrupt) - sender_outputs(model, graph, clean)
+        trace = clean.trace
+        base = metric(model, task, data, trace.resid_final, column)
+        n, seq, d = trace.resid_final.shape
+        per_chunk = max(1, int(chunk_mb * 2**20 // (3 * n * seq * max(d, model.width) * delta.element_size())))
+        groups = [(layer, which[:, graph.layer_receivers(layer)]) for layer in range(graph.n_layers)]
+        logits = len(graph.receivers) - 1
+        work = sum(int(w.sum()) for _, w in groups) + int(which[:, logits].sum())
+        with progress_bar("exact edges", total=work, enabled=show_progress) as bar:
+            done = 0
+            senders = which[:, logits].nonzero().flatten().tolist()
+            for start in range(0, len(senders), per_chunk):
+                chunk = senders[start : start + per_chunk]
+                h = trace.resid_final.repeat(len(chunk), 1, 1) + delta[chunk].flatten(0, 1)
+                values = metric(model, task, data, h, column).view(len(chunk), n)
+                out[chunk, logits] = (values - base).mean(1).double().cpu()
+                done += len(chunk)
+                bar.update(done)
+            for layer, mask in groups:
+                cols = graph.layer_receivers(layer)
+                edges = mask.nonzero().tolist()
+                for start in range(0, len(edges), per_chunk):
+                    chunk = [(s, cols[r]) for s, r in edges[start : start + per_chunk]]
+                    values = _patched_layer(model, task, data, graph, trace, layer, delta, chunk, column)
+                    for (s, r), v in zip(chunk, values):
+                        out[s, r] = float((v - base).mean())
+                    done += len(chunk)
+                    bar.update(done)
+    return out
+
+
+def _patched_layer(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    trace,
+    layer: int,
+    delta: Tensor,
+    chunk: list[tuple[int, int]],
+    column: int,
+) -> Tensor:
+    """[copies, n]: the metric with edge chunk[i] patched in copy i (every receiver in `layer`)."""
+    n = data.n
+    copies = len(chunk)
+    x = trace.resid_pre[layer]
+    kinds = [graph.receivers[r] for _, r in chunk]
+    attn_delta = torch.zeros(copies, *x.shape, dtype=x.dtype, device=x.device)
+    mlp_delta = torch.zeros_like(attn_delta)
+    keep = {
+        site: torch.zeros(copies, graph.n_heads if site == "q" else graph.n_kv_heads, dtype=torch.bool)
+        for site in ("q", "k", "v")
+    }
+    for c, ((s, _), r) in enumerate(zip(chunk, kinds)):
+        if r.kind == "mlp":
+            mlp_delta[c] = delta[s]
+        else:
+            attn_delta[c] = delta[s]
+            keep[r.kind][c, r.head] = True
+    clean_sites = _clean_qkv(model, trace, layer, x)
+    fns: dict[str, Hook] = {site: _select(keep[site].to(x.device), clean_sites[site], n) for site in ("q", "k", "v")}
+    has_mlp_edge = any(r.kind == "mlp" for r in kinds)
+    with ExitStack() as stack:
+        stack.enter_context(
+            model.input_hooks(
+                layer,
+                attn_in=lambda t: t + attn_delta.flatten(0, 1),
+                mlp_in=(lambda t: t + mlp_delta.flatten(0, 1)) if has_mlp_edge else None,
+            )
+        )
+        stack.enter_context(model.hooks(layer, **fns))
+        h = model.run_blocks(x.repeat(copies, 1, 1), layer, trace, copies=copies, read=data.positions.repeat(copies, 1))
+    return metric(model, task, data, h, column).view(copies, n)
+
+
+def _clean_qkv(model: HookedModel, trace, layer: int, x: Tensor) -> dict[str, Tensor]:
+    kept: dict[str, Tensor] = {}
+
+    def keep(site: str) -> Hook:
+        def hook(t: Tensor) -> Tensor:
+            kept[site] = t
+            return t
+
+        return hook
+
+    with model.hooks(layer, q=keep("q"), k=keep("k"), v=keep("v")):
+        model.run_blocks(x, layer, trace, stop=layer + 1)
+    return kept
+
+
+def _select(keep: Tensor, clean: Tensor, n: int) -> Hook:
+    """A q/k/v hook over stacked copies: head j of copy c keeps its value where keep[c, j], else clean."""
+
+    def hook(t: Tensor) -> Tensor:
+        stacked = t.unflatten(0, (keep.shape[0], n))
+        chosen = torch.where(keep.view(keep.shape[0], 1, -1, 1, 1), stacked, clean.unsqueeze(0))
+        return chosen.flatten(0, 1)
+
+    return hook
+
+
+def circuit_metric(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, circuit: Tensor) -> Tensor:
+    """[n]: the metric per prompt with every edge outside `circuit` ([senders, receivers] bool) patched
+    from the corrupted run."""
+    check_pairs(data)
+    column = metric_column(task)
+    with torch.inference_mode():
+        clean = record(model, graph, data.inputs)
+        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
+        corrupt_out = sender_outputs(model, graph, corrupt)
+        trace = clean.trace
+        current = torch.zeros_like(corrupt_out)
+        current[0] = trace.resid_pre[0]
+        cut = (graph.real & ~circuit).to(corrupt_out.dtype)  # [senders, receivers]
+        index = {s.name: i for i, s in enumerate(graph.senders)}
+        h = trace.resid_pre[0]
+        for layer in range(graph.n_layers):
+            h = _circuit_layer(model, graph, trace, layer, h, corrupt_out, current, cut, index)
+        logits = len(graph.receivers) - 1
+        final = h + torch.einsum("s,snpd->npd", cut[:, logits], corrupt_out - current)
+        return metric(model, task, data, final, column)
+
+
+def _circuit_layer(
+    model: HookedModel,
+    graph: EdgeGraph,
+    trace,
+    layer: int,
+    h: Tensor,
+    corrupt_out: Tensor,
+    current: Tensor,
+    cut: Tensor,
+    index: dict[str, int],
+) -> Tensor:
+    """Block `layer` with each receiver reading its own input; fills in current[] for its senders."""
+    cols = graph.layer_receivers(layer)
+    attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
+    copies, n = len(attn_cols), h.shape[0]
+    deltas = torch.einsum("sr,snpd->rnpd", cut[:, attn_cols], corrupt_out - current)
+    first = index[f"a{layer}.h0"]
+    heads = slice(first, first + graph.n_heads)
+    z_now: list[Tensor] = []
+
+    def assemble(site: str, offset: int) -> Hook:
+        def hook(t: Tensor) -> Tensor:
+            stacked = t.unflatten(0, (copies, n))
+            count = stacked.shape[2]
+            picked = stacked[offset + torch.arange(count), :, torch.arange(count)]  # [heads, n, pos, d_head]
+            return picked.transpose(0, 1).repeat(copies, 1, 1, 1)
+
+        return hook
+
+    def keep_z(t: Tensor) -> Tensor:
+        z_now.append(t[:n])
+        return t
+
+    def mlp_input(t: Tensor) -> Tensor:
+        current[heads] = head_outputs(model, layer, z_now[0])
+        mlp_col = next(c for c in cols if graph.receivers[c].kind == "mlp")
+        return t + torch.einsum("s,snpd->npd", cut[:, mlp_col], corrupt_out - current).repeat(copies, 1, 1)
+
+    def keep_mlp(t: Tensor) -> Tensor:
+        current[index[f"m{layer}"]] = t[:n]
+        return t
+
+    has_mlp = layer in graph.mlp_layers
+    fns: dict[str, Hook] = {
+        "q": assemble("q", 0),
+        "k": assemble("k", graph.n_heads),
+        "v": assemble("v", graph.n_heads + graph.n_kv_heads),
+        "z": keep_z,
+    }
+    if has_mlp:
+        fns["mlp"] = keep_mlp
+    with ExitStack() as stack:
+        stack.enter_context(
+            model.input_hooks(layer, attn_in=lambda t: t + deltas.flatten(0, 1), mlp_in=mlp_input if has_mlp else None)
+        )
+        stack.enter_context(model.hooks(layer, **fns))
+        out = model.run_blocks(h.repeat(copies, 1, 1), layer, trace, copies=copies, stop=layer + 1)
+    current[heads] = head_outputs(model, layer, z_now[0])
+    return out[:n]

@@ -1,0 +1,235 @@
+"""The computational graph of a model at the level of edges (the EAP-IG / MIB convention).
+
+Senders, in forward order: `input` (the residual stream entering block 0), every attention head
+`a{l}.h{h}` (its output z_h W_O[h] into the residual stream) and every MLP `m{l}`. Receivers: each head's
+query input `a{l}.h{h}<q>`, each key/value head's key and value inputs (`a{l}.h{j}<k>`; under GQA the kv
+heads are receivers of their own, `a{l}.kv{j}<k>`, never ungrouped), each MLP's input `m{l}`, and
+`logits` (the final residual stream). An edge carries one sender's output into one receiver's input;
+it exists when the sender is upstream of the receiver.
+
+Scores and circuits are [senders, receivers] matrices over this graph; `real` says which entries are
+edges. A circuit is a boolean matrix: the edges that keep their clean values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..models.hooked import HookedModel
+
+QKV = ("q", "k", "v")
+
+
+@dataclass(frozen=True)
+class Sender:
+    name: str
+    kind: str  # input | head | mlp
+    layer: int  # -1 for the input
+    head: int | None = None
+
+    @property
+    def order(self) -> int:
+        """Position in the forward pass: a receiver of order o reads every sender of order < o."""
+        return -1 if self.kind == "input" else 2 * self.layer + (self.kind == "mlp")
+
+
+@dataclass(frozen=True)
+class Receiver:
+    name: str
+    kind: str  # q | k | v | mlp | logits
+    layer: int  # n_layers for the logits
+    head: int | None = None  # the query head (q) or the key/value head (k, v)
+
+
+@dataclass
+class EdgeGraph:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_model: int
+    parallel: bool
+    mlp_layers: tuple[int, ...]
+    senders: list[Sender] = field(init=False)
+    receivers: list[Receiver] = field(init=False)
+    real: Tensor = field(init=False)  # [senders, receivers] bool: which entries are edges
+
+    def __post_init__(self) -> None:
+        grouped = self.n_kv_heads != self.n_heads
+        self.senders = [Sender("input", "input", -1)]
+        self.receivers = []
+        for layer in range(self.n_layers):
+            self.senders += [Sender(f"a{layer}.h{h}", "head", layer, h) for h in range(self.n_heads)]
+            self.receivers += [Receiver(f"a{layer}.h{h}<q>", "q", layer, h) for h in range(self.n_heads)]
+            for letter in ("k", "v"):
+                node = "kv" if grouped else "h"
+                self.receivers += [
+                    Receiver(f"a{layer}.{node}{j}<{letter}>", letter, layer, j) for j in range(self.n_kv_heads)
+                ]
+            if layer in self.mlp_layers:
+                self.senders.append(Sender(f"m{layer}", "mlp", layer))
+                self.receivers.append(Receiver(f"m{layer}", "mlp", layer))
+        self.receivers.append(Receiver("logits", "logits", self.n_layers))
+        reads = torch.tensor([self._reads_below(r) for r in self.receivers])
+        orders = torch.tensor([s.order for s in self.senders])
+        self.real = orders[:, None] < reads[None, :]
+
+    @classmethod
+    def of(cls, model: HookedModel) -> EdgeGraph:
+        if not model.residual_sum:
+            raise UsageError(
+                f"{model.name} normalises each component's output before the residual sum ({model.family}): "
+                "its edges are not defined"
+            )
+        if model.attn_inputs is None:
+            raise UsageError(f"{model.name}: headlab does not know where its attention reads the residual stream")
+        sites = model.sites
+        mlps = tuple(layer for layer, m in enumerate(model.mlp_inputs) if m is not None and model.mlps[layer])
+        return cls(model.n_layers, sites.n_heads, sites.n_kv_heads, sites.d_model, model.parallel, mlps)
+
+    def _reads_below(self, r: Receiver) -> int:
+        if r.kind == "logits":
+            return 2 * self.n_layers + 1
+        if r.kind == "mlp" and not self.parallel:
+            return 2 * r.layer + 1  # the heads of its own layer come first
+        return 2 * r.layer
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.real.sum())
+
+    def layer_receivers(self, layer: int) -> list[int]:
+        return [i for i, r in enumerate(self.receivers) if r.layer == layer]
+
+    def upstream(self, receiver: int) -> list[int]:
+        return self.real[:, receiver].nonzero().flatten().tolist()
+
+    def edge_names(self, mask: Tensor | None = None) -> list[str]:
+        """Names of the edges in `mask` (default: every edge), sender-major."""
+        rows, cols = (self.real if mask is None else mask & self.real).nonzero(as_tuple=True)
+        return [f"{self.senders[s].name}->{self.receivers[r].name}" for s, r in zip(rows.tolist(), cols.tolist())]
+
+    def owners(self) -> Tensor:
+        """[senders, receivers] bool: which sender node each receiver belongs to (a kv receiver belongs
+        to every query head of its group)."""
+        own = torch.zeros(len(self.senders), len(self.receivers), dtype=torch.bool)
+        group = self.n_heads // self.n_kv_heads
+        for j, r in enumerate(self.receivers):
+            for i, s in enumerate(self.senders):
+                if s.layer != r.layer or r.kind == "logits":
+                    continue
+                if (r.kind == "mlp" and s.kind == "mlp") or (r.kind == "q" and s.kind == "head" and s.head == r.head):
+                    own[i, j] = True
+                elif r.kind in ("k", "v") and s.kind == "head" and s.head // group == r.head:  # type: ignore[operator]
+                    own[i, j] = True
+        return own
+
+    # --- circuits -------------------------------------------------------------------------------
+    def top_n(self, scores: Tensor, n: int, absolute: bool = True, prune: bool = True) -> Tensor:
+        """The circuit of the n edges with the highest (absolute) scores, pruned of dangling edges."""
+        ranked = self.ranking(scores, absolute)
+        mask = torch.zeros_like(self.real)
+        chosen = ranked[:n]
+        mask.view(-1)[chosen] = True
+        return self.prune(mask) if prune else mask
+
+    def ranking(self, scores: Tensor, absolute: bool = True) -> Tensor:
+        """Flat indices of the edges, best first (ties broken by position, so the order is stable)."""
+        key = scores.abs() if absolute else scores
+        key = torch.where(self.real, key.double(), torch.tensor(float("-inf"), dtype=torch.float64))
+        flat = torch.argsort(key.flatten(), descending=True, stable=True)
+        return flat[: self.n_edges]
+
+    def greedy(self, scores: Tensor, n: int, absolute: bool = True, prune: bool = True) -> Tensor:
+        """EAP-IG's greedy circuit: grown from the logits upward, each step taking the best edge into a
+        receiver whose node is already in the circuit."""
+        key = (scores.abs() if absolute else scores).double()
+        own = self.owners()
+        in_node = torch.zeros(len(self.senders), dtype=torch.bool)
+        open_receivers = torch.zeros(len(self.receivers), dtype=torch.bool)
+        open_receivers[-1] = True  # the logits
+        mask = torch.zeros_like(self.real)
+        for _ in range(min(n, self.n_edges)):
+            candidates = self.real & ~mask & open_receivers[None, :]
+            if not candidates.any():
+                break
+            best = int(torch.where(candidates, key, torch.tensor(float("-inf"))).flatten().argmax())
+            s, r = divmod(best, len(self.receivers))
+            mask[s, r] = True
+            if not in_node[s]:
+                in_node[s] = True
+                open_receivers |= own[s]
+        return self.prune(mask) if prune else mask
+
+    def prune(self, mask: Tensor) -> Tensor:
+        """Drop edges that cannot matter: from a sender no circuit edge reaches (the input always
+        counts as reached), or into a node whose output goes nowhere in the circuit; to a fixed point."""
+        own = self.owners()
+        mask = mask & self.real
+        while True:
+            has_out = mask.any(1)
+            has_in = (own & mask.any(0)[None, :]).any(1)
+            has_in[0] = True
+            alive = has_out & has_in
+            receiver_alive = (own & alive[:, None]).any(0)
+            receiver_alive[-1] = True
+            pruned = mask & alive[:, None] & receiver_alive[None, :]
+            if torch.equal(pruned, mask):
+                return mask
+            mask = pruned
+
+    # --- files ----------------------------------------------------------------------------------
+    def to_json(self, scores: Tensor, mask: Tensor | None = None) -> dict[str, Any]:
+        """The graph in EAP-IG's JSON layout (Graph.to_json / from_json, read by MIB's tools): cfg, nodes
+        with in_graph, edges with score and in_graph. GQA models add cfg.n_key_value_heads and name their
+        key/value receivers a{l}.kv{j}<k|v>."""
+        mask = torch.zeros_like(self.real) if mask is None else mask & self.real
+        own = self.owners()
+        in_graph = mask.any(1) | (own & mask.any(0)[None, :]).any(1)
+        cfg: dict[str, Any] = {
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "parallel_attn_mlp": self.parallel,
+            "d_model": self.d_model,
+        }
+        if self.n_kv_heads != self.n_heads:
+            cfg["n_key_value_heads"] = self.n_kv_heads
+        nodes = {s.name: {"in_graph": bool(in_graph[i])} for i, s in enumerate(self.senders)}
+        nodes["logits"] = {"in_graph": True}
+        rows, cols = self.real.nonzero(as_tuple=True)
+        edges = {
+            f"{self.senders[s].name}->{self.receivers[r].name}": {
+                "score": float(scores[s, r]),
+                "in_graph": bool(mask[s, r]),
+            }
+            for s, r in zip(rows.tolist(), cols.tolist())
+        }
+        return {"cfg": cfg, "nodes": nodes, "edges": edges}
+
+    def from_json(self, document: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """(scores, circuit) from a JSON graph of this model's shape (ours, EAP-IG's or MIB's)."""
+        index = {
+            f"{s.name}->{r.name}": (i, j) for i, s in enumerate(self.senders) for j, r in enumerate(self.receivers)
+        }
+        scores = torch.full(self.real.shape, float("nan"), dtype=torch.float64)
+        mask = torch.zeros_like(self.real)
+        for name, entry in document.get("edges", {}).items():
+            if name not in index:
+                raise UsageError(f"edge '{name}' of the JSON graph does not exist in this model's graph")
+            i, j = index[name]
+            scores[i, j] = float(entry.get("score", float("nan")))
+            mask[i, j] = bool(entry.get("in_graph", False))
+        return scores, mask
+
+
+def write_json(path: Any, document: dict[str, Any]) -> None:
+    from ..io import atomic_write_bytes
+
+    atomic_write_bytes(path, json.dumps(document).encode())
