@@ -6,6 +6,7 @@ The Python API (api.py) is the front door; the `headlab` command is a shell over
 from .api import RunResult as RunResult
 from .api import Verdict as Verdict
 from .api import check as check
+from .api import circuit as circuit
 from .api import compose as compose
 from .api import load_model as load_model
 from .api import load_task as load_task

@@ -163,6 +163,45 @@ def sweep(
         *patching,
         *option_overrides(options, prefer=("output", "engine", "ablate", "patch")),
     ]
+    return _run_study(model, task, overrides, n_prompts, show_progress)
+
+
+def circuit(
+    model: HookedModel,
+    task: Task,
+    method: str = "eap_ig",
+    level: str = "edges",
+    n_prompts: int | None = None,
+    seed: int = 0,
+    show_progress: bool = False,
+    **options: Any,
+) -> pd.DataFrame:
+    """Circuit discovery on `task`'s clean and counterfactual prompts; its tidy table, nothing written.
+
+    method: eap | eap_ig | eap_ig_activations | exact; level: edges | nodes. Other options: circuit
+    config keys (config.py's CircuitConfig), e.g. `steps=10`, `selection="greedy"`, `target=0.9`,
+    `faithfulness=False`, `exact_check=500`.
+
+    Edge rows (intervention "edge") hold each edge's score, the change in the task's smooth metric
+    (IOI: logit_diff) when that edge alone is patched from the counterfactual run (estimated, or exact
+    for method=exact), with columns edge, sender, receiver, receiver_input and in_circuit; rows with
+    intervention "circuit" hold the faithfulness curve (fraction, n_edges, ranking), cpr, cmd and
+    target_edges. Node rows (level="nodes", intervention "node") hold each node's score. It equals the
+    table `headlab run task=... circuit=<method>` writes for the same config and seed."""
+    overrides = [
+        f"task={task.name}",
+        f"circuit={method}",
+        f"circuit.level={level}",
+        f"seed={seed}",
+        *option_overrides(options, prefer=("circuit", "engine", "output")),
+    ]
+    return _run_study(model, task, overrides, n_prompts, show_progress)
+
+
+def _run_study(
+    model: HookedModel, task: Task, overrides: list[str], n_prompts: int | None, show_progress: bool
+) -> pd.DataFrame:
+    """The table of the run study the overrides choose, on this model and task, nothing written."""
     cfg = compose_config(overrides)
     cfg.task = _task_config(task, n_prompts)
     cfg.model = getattr(model, "config", None) or ModelConfig(name=model.name, kind=ModelKind.hf)

@@ -94,7 +94,7 @@ def validate_overrides(overrides: Sequence[str]) -> None:
 
 
 # Sections searched for a bare option name (`n_boot` -> output.n_boot), in this order.
-SECTIONS = ("", "output", "engine", "ablate", "patch", "task", "model", "train", "sae")
+SECTIONS = ("", "output", "engine", "ablate", "patch", "circuit", "task", "model", "train", "sae")
 
 
 def option_overrides(options: dict[str, Any], prefer: Sequence[str] = ()) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-GROUPS = ("model", "task", "ablate", "patch", "train", "sae", "experiment")
+GROUPS = ("model", "task", "ablate", "patch", "circuit", "train", "sae", "experiment")
 
 
 def config_dir() -> Path:
@@ -280,6 +280,39 @@ class SaeConfig:
     dominance: float = 0.5  # a head dominates a feature that has this share of its decoder norm
 
 
+class CircuitMethod(str, Enum):
+    none = "none"
+    eap = "eap"  # edge attribution patching: one clean and one corrupted forward, one backward
+    eap_ig = "eap_ig"  # EAP with integrated gradients over interpolated input embeddings
+    eap_ig_activations = "eap_ig_activations"  # ... over each node's interpolated output in turn
+    exact = "exact"  # every edge patched alone: exact, and the method for small graphs
+
+
+class CircuitLevel(str, Enum):
+    edges = "edges"
+    nodes = "nodes"
+
+
+class CircuitSelection(str, Enum):
+    top_n = "top_n"  # the n edges of highest score, pruned of dangling edges
+    greedy = "greedy"  # grown from the logits up (EAP-IG's apply_greedy)
+
+
+@dataclass
+class CircuitConfig:
+    """`circuit=<method>`: circuit discovery on edges (or nodes) from the task's counterfactual prompts."""
+
+    method: CircuitMethod = CircuitMethod.none
+    level: CircuitLevel = CircuitLevel.edges
+    steps: int = 5  # eap_ig*: interpolation steps (Hanna et al. use 5)
+    selection: CircuitSelection = CircuitSelection.top_n
+    faithfulness: bool = True  # the faithfulness curve, CPR, CMD and the smallest circuit reaching target
+    target: float = 0.8  # share of the clean-corrupted gap the reported circuit recovers
+    fractions: list[float] = field(default_factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0])
+    exact_check: int = 0  # also patch this many edges exactly (the top half by |score|, the rest at random)
+    prompts_per_pass: int = 16  # prompts per gradient pass: bounds the memory of the activation differences
+
+
 @dataclass
 class EngineConfig:
     # Size of the widest activation (tokens x max(d_model, d_mlp) floats) in one batched pass of stacked
@@ -304,6 +337,7 @@ class Config:
     ablate: AblateConfig = MISSING
     patch: PatchConfig = MISSING
     train: TrainConfig = MISSING
+    circuit: CircuitConfig = field(default_factory=CircuitConfig)
     sae: SaeConfig = field(default_factory=SaeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -321,6 +355,7 @@ SCHEMAS: dict[str, type] = {
     "patch": PatchConfig,
     "train": TrainConfig,
     "sae": SaeConfig,
+    "circuit": CircuitConfig,
 }
 TASK_SCHEMAS: dict[str, type] = {
     "prompts": PromptsConfig,
@@ -351,6 +386,8 @@ def config_hash(cfg: Any, keys: tuple[str, ...] | None = None) -> str:
     """Stable short hash of (a part of) a resolved config; output paths never enter it."""
     data = to_plain(cfg)
     data = {k: v for k, v in data.items() if k not in ("output", "hydra")}
+    if data.get("circuit", {}).get("method") == CircuitMethod.none.name:
+        del data["circuit"]  # no circuit: the hash of every run from before circuits existed still holds
     if keys is not None:
         data = {k: data[k] for k in keys if k in data}
     blob = json.dumps(data, sort_keys=True, default=str)

@@ -61,6 +61,17 @@ DTYPES = {
     "sequence": "Int64",
     "query_position": "Int64",
     "context": "string",
+    "edge": "string",
+    "sender": "string",
+    "receiver": "string",
+    "sender_layer": "Int64",
+    "sender_head": "Int64",
+    "receiver_input": "string",
+    "in_circuit": "boolean",
+    "node": "string",
+    "fraction": "float64",
+    "n_edges": "Int64",
+    "ranking": "string",
 }
 TABLE, CSV, META = "results.parquet", "results.csv", "meta.json"
 

@@ -230,3 +230,42 @@ def _circuit_layer(
         out = model.run_blocks(h.repeat(copies, 1, 1), layer, trace, copies=copies, stop=layer + 1)
     current[heads] = head_outputs(model, layer, z_now[0])
     return out[:n]
+
+
+def exact_node_scores(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph) -> Tensor:
+    """[senders] float64: the change in the mean metric when each node's output is patched from the
+    corrupted run into every receiver at once (activation patching of the node): heads through z, MLPs
+    through their output, the input node by the whole corrupted run."""
+    check_pairs(data)
+    column = metric_column(task)
+    out = torch.full((len(graph.senders),), float("nan"), dtype=torch.float64)
+    index = {s.name: i for i, s in enumerate(graph.senders)}
+    with torch.inference_mode():
+        clean = record(model, graph, data.inputs)
+        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
+        trace, n = clean.trace, data.n
+        base = metric(model, task, data, trace.resid_final, column)
+        out[0] = float((metric(model, task, data, corrupt.trace.resid_final, column) - base).mean())
+        for layer in range(graph.n_layers):
+            has_mlp = layer in graph.mlp_layers
+            copies = graph.n_heads + has_mlp
+
+            def patch_z(t: Tensor, layer: int = layer) -> Tensor:
+                stacked = t.unflatten(0, (-1, n)).clone()
+                heads = torch.arange(graph.n_heads)
+                stacked[heads, :, :, heads] = corrupt.z[layer].permute(2, 0, 1, 3)
+                return stacked.flatten(0, 1)
+
+            def patch_mlp(t: Tensor, layer: int = layer) -> Tensor:
+                stacked = t.unflatten(0, (-1, n)).clone()
+                stacked[-1] = corrupt.mlp[layer]
+                return stacked.flatten(0, 1)
+
+            fns: dict[str, Hook] = {"z": patch_z, **({"mlp": patch_mlp} if has_mlp else {})}
+            with model.hooks(layer, **fns):
+                h = model.run_blocks(trace.resid_pre[layer].repeat(copies, 1, 1), layer, trace, copies=copies)
+            values = (metric(model, task, data, h, column).view(copies, n) - base).mean(1).double().cpu()
+            out[index[f"a{layer}.h0"] : index[f"a{layer}.h0"] + graph.n_heads] = values[: graph.n_heads]
+            if has_mlp:
+                out[index[f"m{layer}"]] = values[-1]
+    return out

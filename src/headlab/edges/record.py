@@ -66,7 +66,10 @@ def sender_outputs(model: HookedModel, graph: EdgeGraph, rec: Recording) -> Tens
 
 def metric_column(task: Task) -> int:
     if task.smooth_quantity is None:
-        raise UsageError(f"task {task.name} names no smooth quantity to score circuits by")
+        raise UsageError(
+            f"task {task.name} has no smooth metric (a logit difference or a loss) to score circuits by; "
+            "tasks that have one: ioi, prompts, recall_reasoning"
+        )
     return task.quantities.index(task.smooth_quantity)
 
 

@@ -25,4 +25,6 @@ def _lazy(name: str) -> Draw:
     return lambda table, out: _draw(name, table, out)
 
 
-FIGURES: dict[str, Draw] = {name: _lazy(name) for name in ("attn_sae", "count01", "ioi", "markov", "recall_reasoning")}
+FIGURES: dict[str, Draw] = {
+    name: _lazy(name) for name in ("attn_sae", "circuit", "count01", "ioi", "markov", "recall_reasoning")
+}

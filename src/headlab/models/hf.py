@@ -102,7 +102,7 @@ def load_hf(
     dtype: str = "float32",
     need_tokenizer: bool = True,
 ) -> HookedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     register_attention()
@@ -129,21 +129,12 @@ def load_hf(
     model.eval()
     tok = None
     if need_tokenizer or tokenizer:
+        tok = _tokenizer(model, tokenizer or path, None if tokenizer else revision, where)
+    elif Path(path).is_dir():  # a directory's own tokenizer, where it has a usable one: tasks asked for later need it
         try:
-            tok = AutoTokenizer.from_pretrained(tokenizer or path, revision=None if tokenizer else revision)
-        except Exception as e:
-            raise HeadlabError(
-                f"cannot load a tokenizer for {where} (set model.tokenizer=...): {_first_line(e)}"
-            ) from e
-        embedding = model.get_input_embeddings().weight
-        assert isinstance(embedding, Tensor)  # a Parameter; nn.Module's __getattr__ is typed Tensor | Module
-        rows = embedding.shape[0]
-        # transformers builds an empty tokenizer from the config alone when a directory has none
-        if len(tok) <= 1 or len(tok) > rows:
-            raise HeadlabError(
-                f"no usable tokenizer for {where}: it has {len(tok)} tokens, the model embeds {rows} "
-                "(set model.tokenizer=<name or dir>)"
-            )
+            tok = _tokenizer(model, path, revision, where)
+        except HeadlabError:
+            tok = None
     hooked = hook_hf(model, name or path, family, tok)
     hooked.source = source
     return hooked
@@ -184,6 +175,25 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         parallel=bool(getattr(cfg, "use_parallel_residual", False)),
         residual_sum=cfg.model_type not in POST_NORM,
     )
+
+
+def _tokenizer(model: PreTrainedModel, source: str, revision: str | None, where: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source, revision=revision)
+    except Exception as e:
+        raise HeadlabError(f"cannot load a tokenizer for {where} (set model.tokenizer=...): {_first_line(e)}") from e
+    embedding = model.get_input_embeddings().weight
+    assert isinstance(embedding, Tensor)  # a Parameter; nn.Module's __getattr__ is typed Tensor | Module
+    rows = embedding.shape[0]
+    # transformers builds an empty tokenizer from the config alone when a directory has none
+    if len(tok) <= 1 or len(tok) > rows:
+        raise HeadlabError(
+            f"no usable tokenizer for {where}: it has {len(tok)} tokens, the model embeds {rows} "
+            "(set model.tokenizer=<name or dir>)"
+        )
+    return tok
 
 
 def _call_hf(module: nn.Module, inputs: dict[str, Tensor]) -> Tensor:

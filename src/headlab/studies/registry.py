@@ -16,9 +16,9 @@ COMMANDS = ("run", "train", "sae")
 
 
 def run_studies() -> list[ModuleType]:
-    from . import circuits, pathnet, sweep
+    from . import circuits, edges, pathnet, sweep
 
-    return [pathnet, circuits, sweep]
+    return [pathnet, edges, circuits, sweep]
 
 
 def study_for(command: str, cfg: Config) -> ModuleType:

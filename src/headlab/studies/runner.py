@@ -53,8 +53,9 @@ def execute_run(command: str, cfg: Config, run_dir: Path, show_progress: bool = 
     ctx = RunContext(cfg, Path(run_dir), show_progress)
     df = study.run(ctx)
     results.write(df, run_dir, results.run_meta(config_hash(cfg), ctx.timings, ctx.meta))
-    if cfg.output.figures:
-        draw_figures(cfg.output.figures, df, Path(run_dir))
+    figures = cfg.output.figures or getattr(study, "DEFAULT_FIGURES", None)
+    if figures:
+        draw_figures(figures, df, Path(run_dir))
     return df
 
 

@@ -1,0 +1,168 @@
+"""circuit=<method>: circuit discovery on the task's clean and counterfactual prompts (edges/).
+
+Scores every edge (or node) of the model's graph, then, for edges, the faithfulness curve, CPR, CMD and
+the smallest circuit reaching circuit.target; writes <run>/circuit.json (EAP-IG's graph layout, the
+reported circuit marked in_graph) beside the table, and the circuit's figure.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from .. import results
+from ..config import Config, option, run_info
+from ..edges.attribution import scores as attribution_scores
+from ..edges.exact import exact_node_scores, exact_scores
+from ..edges.faithfulness import Faithfulness, measure
+from ..edges.graph import EdgeGraph, write_json
+from .context import RunContext
+
+NAME = "edges"
+DEFAULT_FIGURES = "circuit"
+CIRCUIT_FILE = "circuit.json"
+MIN_GAP = 0.01  # a clean-corrupted gap in the metric below which faithfulness is noise
+
+
+def serves(cfg: Config) -> bool:
+    return option(cfg.circuit.method) != "none"
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    cfg, c = ctx.cfg, ctx.cfg.circuit
+    model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
+    graph = EdgeGraph.of(model)
+    method, info = option(c.method), run_info(cfg)
+    info.update(metric=task.smooth_quantity, n=data.n)
+    ctx.meta.update(n_prompts=data.n, n_edges=graph.n_edges, n_nodes=len(graph.senders), model_family=model.family)
+    if option(c.level) == "nodes":
+        with ctx.timed(method):
+            if method == "exact":
+                node_scores = exact_node_scores(model, task, data, graph)
+            else:
+                edge = attribution_scores(model, task, data, graph, method, c.steps, c.prompts_per_pass)
+                node_scores = torch.nan_to_num(edge).sum(1)
+        return results.conform(node_rows(graph, node_scores, method, info))
+    with ctx.timed(method):
+        scores = edge_scores(ctx, graph, method)
+    tables = [edge_rows(graph, scores, method, info)]
+    circuit = torch.zeros_like(graph.real)
+    if c.exact_check and method != "exact":
+        with ctx.timed("exact_check"):
+            tables.append(exact_check(ctx, graph, scores, info))
+    if c.faithfulness:
+        with ctx.timed("faithfulness"):
+            f = measure(
+                model, task, data, graph, scores, tuple(c.fractions), c.target, option(c.selection), ctx.show_progress
+            )
+        circuit = f.target_circuit
+        if abs(f.clean - f.corrupted) < MIN_GAP:
+            ctx.note(
+                f"the clean and corrupted runs differ by {abs(f.clean - f.corrupted):.2g} in {task.smooth_quantity}: "
+                "faithfulness (a share of that gap) means little here"
+            )
+        tables.append(faithfulness_rows(f, method, info))
+        ctx.meta.update(cpr=f.cpr, cmd=f.cmd, target_edges=f.target_edges, clean=f.clean, corrupted=f.corrupted)
+    tables[0]["in_circuit"] = [bool(circuit[s, r]) for s, r in graph.real.nonzero().tolist()]
+    if ctx.run_dir is not None:
+        write_json(ctx.run_dir / CIRCUIT_FILE, graph.to_json(torch.nan_to_num(scores), circuit))
+    return results.conform(pd.concat(tables, ignore_index=True))
+
+
+def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str) -> Tensor:
+    c = ctx.cfg.circuit
+    model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
+    if method == "exact":
+        return exact_scores(model, task, data, graph, chunk_mb=ctx.cfg.engine.chunk_mb, show_progress=ctx.show_progress)
+    return attribution_scores(model, task, data, graph, method, c.steps, c.prompts_per_pass, ctx.show_progress)
+
+
+def exact_check(ctx: RunContext, graph: EdgeGraph, scores: Tensor, info: dict) -> pd.DataFrame:
+    """Exact scores of a sample of edges (the top half by |score|, the rest drawn at random), and the
+    Pearson r between the method's scores and the exact ones on it (meta.json: exact_check_pearson)."""
+    k = min(ctx.cfg.circuit.exact_check, graph.n_edges)
+    ranked = graph.ranking(torch.nan_to_num(scores)).tolist()
+    top = ranked[: k // 2]
+    rest = random.Random(ctx.cfg.seed).sample(ranked[k // 2 :], k - len(top))
+    which = torch.zeros_like(graph.real)
+    which.view(-1)[top + rest] = True
+    exact = exact_scores(ctx.get_model(), ctx.get_task(), ctx.get_data(), graph, which, ctx.cfg.engine.chunk_mb)
+    sample = which & graph.real
+    r = float(np.corrcoef(scores[sample].numpy(), exact[sample].numpy())[0, 1]) if k > 1 else float("nan")
+    ctx.meta["exact_check_pearson"] = r
+    ctx.meta["exact_check_edges"] = int(sample.sum())
+    rows = edge_rows(graph, exact, "exact", info, sample)
+    return rows
+
+
+def edge_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict, mask: Tensor | None = None) -> pd.DataFrame:
+    pairs = (graph.real if mask is None else mask & graph.real).nonzero().tolist()
+    rows = []
+    for s, r in pairs:
+        sender, receiver = graph.senders[s], graph.receivers[r]
+        rows.append(
+            {
+                **info,
+                "intervention": "edge",
+                "method": method,
+                "layer": None if receiver.kind == "logits" else receiver.layer,
+                "head": receiver.head,
+                "position": None,
+                "value": float(scores[s, r]),
+                "edge": f"{sender.name}->{receiver.name}",
+                "sender": sender.name,
+                "receiver": receiver.name,
+                "sender_layer": None if sender.kind == "input" else sender.layer,
+                "sender_head": sender.head,
+                "receiver_input": receiver.kind,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def node_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict) -> pd.DataFrame:
+    rows = [
+        {
+            **info,
+            "intervention": "node",
+            "method": method,
+            "layer": None if s.kind == "input" else s.layer,
+            "head": s.head,
+            "position": None,
+            "value": float(scores[i]),
+            "node": s.name,
+        }
+        for i, s in enumerate(graph.senders)
+    ]
+    return pd.DataFrame(rows)
+
+
+def faithfulness_rows(f: Faithfulness, method: str, info: dict) -> pd.DataFrame:
+    base = {**info, "intervention": "circuit", "method": method, "layer": None, "head": None, "position": None}
+    rows = [
+        {
+            **base,
+            "metric": "faithfulness",
+            "value": p.faithfulness,
+            "fraction": p.fraction,
+            "n_edges": p.n_edges,
+            "ranking": p.ranking,
+        }
+        for p in f.points
+    ]
+    rows += [
+        {**base, "metric": name, "value": value}
+        for name, value in (
+            ("cpr", f.cpr),
+            ("cmd", f.cmd),
+            ("target_edges", f.target_edges),
+            ("target_faithfulness", f.target_faithfulness),
+            ("clean", f.clean),
+            ("corrupted", f.corrupted),
+        )
+    ]
+    return pd.DataFrame(rows)
