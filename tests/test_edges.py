@@ -529,11 +529,6 @@ def test_a_post_normed_model_is_refused():
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.xfail(
-    raises=AttributeError,
-    strict=True,
-    reason="hook_hf reads family.attn_norm='input_layernorm', which OLMo2 blocks lack (post-norm only)",
-)
 def test_olmo2_is_hooked_and_its_edges_refused():
     from transformers import AutoModelForCausalLM, Olmo2Config
 

@@ -79,7 +79,7 @@ class HookedModel:
         mlps: list[nn.Module | None] | None = None,
         width: int = 0,
         down_projs: list[nn.Module | None] | None = None,
-        attn_inputs: list[nn.Module] | None = None,
+        attn_inputs: list[nn.Module | None] | None = None,
         mlp_inputs: list[nn.Module | None] | None = None,
         parallel: bool = False,
         residual_sum: bool = True,
