@@ -20,6 +20,7 @@ from ..edges.attribution import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
 from ..edges.graph import EdgeGraph, write_json
+from ..edges.record import metric_column
 from .context import RunContext
 
 NAME = "edges"
@@ -34,6 +35,7 @@ def serves(cfg: Config) -> bool:
 
 def run(ctx: RunContext) -> pd.DataFrame:
     cfg, c = ctx.cfg, ctx.cfg.circuit
+    metric_column(ctx.get_task())  # a task without a smooth metric is refused before any model is trained
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
     graph = EdgeGraph.of(model)
     method, info = option(c.method), run_info(cfg)
@@ -69,6 +71,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         ctx.meta.update(cpr=f.cpr, cmd=f.cmd, target_edges=f.target_edges, clean=f.clean, corrupted=f.corrupted)
     tables[0]["in_circuit"] = [bool(circuit[s, r]) for s, r in graph.real.nonzero().tolist()]
     if ctx.run_dir is not None:
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(ctx.run_dir / CIRCUIT_FILE, graph.to_json(torch.nan_to_num(scores), circuit))
     return results.conform(pd.concat(tables, ignore_index=True))
 
