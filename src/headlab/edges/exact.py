@@ -25,7 +25,7 @@ from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from .graph import EdgeGraph
-from .record import check_pairs, head_outputs, metric, metric_column, record, sender_outputs
+from .record import Recording, check_pairs, head_outputs, metric, metric_column, record, sender_outputs
 
 Hook = Callable[[Tensor], Tensor]
 
@@ -149,15 +149,20 @@ def _select(keep: Tensor, clean: Tensor, n: int) -> Hook:
     return hook
 
 
-def circuit_metric(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, circuit: Tensor) -> Tensor:
+def circuit_metric(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    circuit: Tensor,
+    runs: tuple[Recording, Tensor] | None = None,
+) -> Tensor:
     """[n]: the metric per prompt with every edge outside `circuit` ([senders, receivers] bool) patched
-    from the corrupted run."""
-    check_pairs(data)
+    from the corrupted run. `runs`: the clean recording and the corrupted senders' outputs
+    (clean_and_corrupted), where several circuits are measured on the same prompts."""
     column = metric_column(task)
     with torch.inference_mode():
-        clean = record(model, graph, data.inputs)
-        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
-        corrupt_out = sender_outputs(model, graph, corrupt)
+        clean, corrupt_out = runs or clean_and_corrupted(model, graph, data)
         trace = clean.trace
         current = torch.zeros_like(corrupt_out)
         current[0] = trace.resid_pre[0]
@@ -169,6 +174,14 @@ def circuit_metric(model: HookedModel, task: Task, data: TaskData, graph: EdgeGr
         logits = len(graph.receivers) - 1
         final = h + torch.einsum("s,snpd->npd", cut[:, logits], corrupt_out - current)
         return metric(model, task, data, final, column)
+
+
+def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData) -> tuple[Recording, Tensor]:
+    check_pairs(data)
+    with torch.inference_mode():
+        clean = record(model, graph, data.inputs)
+        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
+        return clean, sender_outputs(model, graph, corrupt)
 
 
 def _circuit_layer(

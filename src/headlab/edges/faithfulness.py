@@ -18,7 +18,7 @@ from torch import Tensor
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
-from .exact import circuit_metric
+from .exact import circuit_metric, clean_and_corrupted
 from .graph import EdgeGraph
 
 FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB's circuit sizes
@@ -50,11 +50,12 @@ class Evaluator:
 
     def __init__(self, model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, selection: str = "top_n"):
         self.model, self.task, self.data, self.graph, self.selection = model, task, data, graph, selection
+        self.runs = clean_and_corrupted(model, graph, data)
         self.clean = self._mean(graph.real.clone())
         self.corrupted = self._mean(torch.zeros_like(graph.real))
 
     def _mean(self, circuit: Tensor) -> float:
-        return float(circuit_metric(self.model, self.task, self.data, self.graph, circuit).double().mean())
+        return float(circuit_metric(self.model, self.task, self.data, self.graph, circuit, self.runs).double().mean())
 
     def circuit(self, scores: Tensor, n: int, absolute: bool) -> Tensor:
         pick = self.graph.greedy if self.selection == "greedy" else self.graph.top_n

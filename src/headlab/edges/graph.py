@@ -13,6 +13,7 @@ edges. A circuit is a boolean matrix: the edges that keep their clean values.
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ class EdgeGraph:
     senders: list[Sender] = field(init=False)
     receivers: list[Receiver] = field(init=False)
     real: Tensor = field(init=False)  # [senders, receivers] bool: which entries are edges
+    _owners: Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         grouped = self.n_kv_heads != self.n_heads
@@ -119,6 +121,11 @@ class EdgeGraph:
     def owners(self) -> Tensor:
         """[senders, receivers] bool: which sender node each receiver belongs to (a kv receiver belongs
         to every query head of its group)."""
+        if self._owners is None:
+            self._owners = self._find_owners()
+        return self._owners
+
+    def _find_owners(self) -> Tensor:
         own = torch.zeros(len(self.senders), len(self.receivers), dtype=torch.bool)
         group = self.n_heads // self.n_kv_heads
         for j, r in enumerate(self.receivers):
@@ -153,19 +160,24 @@ class EdgeGraph:
         key = (scores.abs() if absolute else scores).double()
         own = self.owners()
         in_node = torch.zeros(len(self.senders), dtype=torch.bool)
-        open_receivers = torch.zeros(len(self.receivers), dtype=torch.bool)
-        open_receivers[-1] = True  # the logits
         mask = torch.zeros_like(self.real)
+        frontier: list[tuple[float, int, int]] = []  # (-key, sender, receiver): a heap of open edges
+
+        def open_receiver(r: int) -> None:
+            for s in self.upstream(r):
+                heapq.heappush(frontier, (-float(key[s, r]), s, r))
+
+        open_receiver(len(self.receivers) - 1)  # the logits
         for _ in range(min(n, self.n_edges)):
-            candidates = self.real & ~mask & open_receivers[None, :]
-            if not candidates.any():
+            if not frontier:
                 break
-            best = int(torch.where(candidates, key, torch.tensor(float("-inf"))).flatten().argmax())
-            s, r = divmod(best, len(self.receivers))
+            _, s, r = heapq.heappop(frontier)
             mask[s, r] = True
             if not in_node[s]:
                 in_node[s] = True
-                open_receivers |= own[s]
+                for owned in own[s].nonzero().flatten().tolist():
+                    if not (own[:, owned] & in_node).sum() > 1:  # a kv receiver opens with its group's first head
+                        open_receiver(owned)
         return self.prune(mask) if prune else mask
 
     def prune(self, mask: Tensor) -> Tensor:
