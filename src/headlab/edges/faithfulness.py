@@ -4,7 +4,8 @@ faithfulness(C) = (m(C) - m(empty)) / (m(model) - m(empty)): the metric with onl
 clean values (every other edge patched from the corrupted run), as a share of the clean-corrupted gap.
 Over circuits of growing size (the top k% of edges, pruned), the curve's areas (trapezoids over the
 fractions, divided by the largest) give CPR, the area under the curve with edges ranked by signed
-score (higher is better), and CMD, the area between the curve and 1 with edges ranked by absolute score
+score (higher is better; first the edges whose patching lowers the metric most, as MIB ranks by the
+rise in a loss), and CMD, the area between the curve and 1 with edges ranked by absolute score
 (lower is better).
 """
 
@@ -82,7 +83,10 @@ def measure(
     with progress_bar("faithfulness", total=2 * len(fractions), enabled=show_progress) as bar:
         for ranking in ("signed", "absolute"):
             for f in fractions:
-                circuit = ev.circuit(scores, int(f * graph.n_edges), absolute=ranking == "absolute")
+                # signed: the edges whose patching lowers the metric most come first (a score is the
+                # metric's change, and the task's metric is higher where the task is done)
+                key = scores if ranking == "absolute" else -scores
+                circuit = ev.circuit(key, int(f * graph.n_edges), absolute=ranking == "absolute")
                 points.append(Point(f, int(circuit.sum()), ev.of(circuit), ranking))
                 bar.update(len(points))
     signed = [p for p in points if p.ranking == "signed"]
