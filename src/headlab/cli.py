@@ -126,6 +126,9 @@ def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
     if (agg["intervention"] == "sae").all():
         _print_sae(agg)
         return
+    if "edge" in agg or "node" in agg:
+        _print_circuit(agg, max_rows)
+        return
     if (agg["method"] == "train").all():
         last = agg[agg["step"] == agg["step"].max()]
         table = Table(title=f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]}: step {int(last['step'].iloc[0])}")
@@ -158,6 +161,35 @@ def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
 
 
 # ---------------------------------------------------------------- commands
+
+
+def _print_circuit(df: pd.DataFrame, max_rows: int) -> None:
+    """The strongest edges (or nodes) per method, then each method's faithfulness summary."""
+    column = "edge" if "edge" in df else "node"
+    items = df[df["intervention"] == column]
+    for method, rows in items.groupby("method", sort=False):
+        top = rows.assign(_size=rows["value"].abs()).nlargest(max_rows, "_size")
+        table = Table(
+            title=f"{df['model'].iloc[0]} on {df['task'].iloc[0]} ({int(df['n'].iloc[0])} prompts): {method}, "
+            f"{len(top)} of {len(rows)} {column}s by |change in {rows['metric'].iloc[0]}|"
+        )
+        shown = [column, "value"] + (["in_circuit"] if "in_circuit" in rows else [])
+        for col in shown:
+            table.add_column(col, justify="left" if col == column else "right")
+        for _, r in top.iterrows():
+            table.add_row(
+                str(r[column]), f"{r['value']:.4f}", *([str(r["in_circuit"])] if "in_circuit" in rows else [])
+            )
+        out.print(table)
+    summary = df[(df["intervention"] == "circuit") & (df["metric"] != "faithfulness")]
+    for method, rows in summary.groupby("method", sort=False):
+        values = dict(zip(rows["metric"], rows["value"]))
+        out.print(
+            f"{method}: CPR {values['cpr']:.3f}, CMD {values['cmd']:.3f}; {int(values['target_edges'])} edges "
+            f"recover {values['target_faithfulness']:.3f} of the clean-corrupted gap "
+            f"({values['clean']:.3f} vs {values['corrupted']:.3f})",
+            highlight=False,
+        )
 
 
 def _print_sae(df: pd.DataFrame) -> None:
