@@ -53,8 +53,8 @@ def execute_run(command: str, cfg: Config, run_dir: Path, show_progress: bool = 
     ctx = RunContext(cfg, Path(run_dir), show_progress)
     df = study.run(ctx)
     results.write(df, run_dir, results.run_meta(config_hash(cfg), ctx.timings, ctx.meta))
-    figures = cfg.output.figures or getattr(study, "DEFAULT_FIGURES", None)
-    if figures:
+    # a study's own figure set (DEFAULT_FIGURES) is always drawn; output.figures adds a set
+    for figures in dict.fromkeys(f for f in (getattr(study, "DEFAULT_FIGURES", None), cfg.output.figures) if f):
         draw_figures(figures, df, Path(run_dir))
     return df
 
@@ -71,4 +71,7 @@ def draw_figures(name: str, table: pd.DataFrame, run_dir: Path) -> None:
     from ..figures import FIGURES
 
     numbers = FIGURES[name](table, run_dir / "figures")
-    atomic_write_bytes(run_dir / "figures" / "numbers.json", json.dumps(numbers, indent=2).encode())
+    path = run_dir / "figures" / "numbers.json"
+    if path.exists():  # another set drawn into the same run: its numbers stay beside these
+        numbers = {**json.loads(path.read_text()), **numbers}
+    atomic_write_bytes(path, json.dumps(numbers, indent=2).encode())
