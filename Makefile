@@ -39,6 +39,10 @@ bench: $(VENV)/.headlab-bench
 sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer (sae-lens is in the test extra), ~7 min
 	$(BIN)/python benchmarks/sae_speed.py
 
+.PHONY: circuit-bench
+circuit-bench: $(VENV)/.headlab-bench  # edge attribution (eap, eap_ig, exact) vs a per-edge TransformerLens patching loop, 4-10 min
+	$(BIN)/python benchmarks/circuit_speed.py
+
 .PHONY: ioi-crosscheck
 ioi-crosscheck: $(VENV)/.headlab-bench
 	$(BIN)/python benchmarks/ioi_crosscheck.py
