@@ -84,7 +84,8 @@ def scores(
             with torch.no_grad():  # not inference_mode: these tensors meet autograd below
                 clean = record(model, graph, part.inputs)
                 corrupt = record(model, graph, part.counterfactual)  # type: ignore[arg-type]
-                delta = (sender_outputs(model, graph, corrupt) - sender_outputs(model, graph, clean)).clone()
+                delta = sender_outputs(model, graph, corrupt)
+                delta -= sender_outputs(model, graph, clean)
             for j, run in enumerate(runs):
                 _accumulate(total, model, task, part, graph, delta, clean, corrupt, run, column)
                 bar.update(i * len(runs) + j + 1)
@@ -118,13 +119,15 @@ def _accumulate(
     with torch.enable_grad():
         final = h.detach().requires_grad_()
         (grad,) = torch.autograd.grad(metric(model, task, data, final, column).sum(), final)
-        flat_delta = delta.flatten(1).to(torch.float64)
+        # products in the model's dtype (a float64 copy of the differences would double their memory),
+        # sums over runs and prompt slices in float64
+        flat_delta = delta.flatten(1)
         logits = len(graph.receivers) - 1
-        total[:, logits] += flat_delta @ grad.flatten().to(torch.float64)
+        total[:, logits] += (flat_delta @ grad.flatten().to(flat_delta.dtype)).double().cpu()
         for layer in reversed(range(model.n_layers)):
             receivers, grad = _layer_gradients(model, graph, trace, layer, cache[layer], grad, run, clean, corrupt)
             cols = graph.layer_receivers(layer)
-            total[:, cols] += flat_delta @ receivers.flatten(1).to(torch.float64).T
+            total[:, cols] += (flat_delta @ receivers.flatten(1).to(flat_delta.dtype).T).double().cpu()
 
 
 def _layer_gradients(

@@ -195,20 +195,30 @@ def _circuit_layer(
     cut: Tensor,
     index: dict[str, int],
 ) -> Tensor:
-    """Block `layer` with each receiver reading its own input; fills in current[] for its senders."""
+    """Block `layer` with each receiver reading its own input; fills in current[] for its senders.
+
+    A head with no edge out of it in the circuit needs no input of its own: every reader of its output
+    gets its corrupted output instead (the current one cancels). Only the q/k/v receivers of the other
+    heads get a copy; the rest read copy 0."""
     cols = graph.layer_receivers(layer)
     attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
-    copies, n = len(attn_cols), h.shape[0]
-    deltas = torch.einsum("sr,snpd->rnpd", cut[:, attn_cols], corrupt_out - current)
     first = index[f"a{layer}.h0"]
     heads = slice(first, first + graph.n_heads)
+    live = (graph.real[heads] & (cut[heads] == 0)).any(1)  # heads with an edge out in the circuit
+    owned = graph.owners()[heads]
+    kept = [c for c in attn_cols if (owned[:, c] & live).any()] or attn_cols[:1]
+    copy_of = {c: i for i, c in enumerate(kept)}
+    copies, n = len(kept), h.shape[0]
+    deltas = torch.einsum("sr,snpd->rnpd", cut[:, kept], corrupt_out - current)
     z_now: list[Tensor] = []
 
-    def assemble(site: str, offset: int) -> Hook:
+    def assemble(kind: str) -> Hook:
+        sources = torch.tensor([copy_of.get(c, 0) for c in attn_cols if graph.receivers[c].kind == kind])
+
         def hook(t: Tensor) -> Tensor:
             stacked = t.unflatten(0, (copies, n))
             count = stacked.shape[2]
-            picked = stacked[offset + torch.arange(count), :, torch.arange(count)]  # [heads, n, pos, d_head]
+            picked = stacked[sources.to(t.device), :, torch.arange(count, device=t.device)]  # [heads, n, pos, d]
             return picked.transpose(0, 1).repeat(copies, 1, 1, 1)
 
         return hook
@@ -228,9 +238,9 @@ def _circuit_layer(
 
     has_mlp = layer in graph.mlp_layers
     fns: dict[str, Hook] = {
-        "q": assemble("q", 0),
-        "k": assemble("k", graph.n_heads),
-        "v": assemble("v", graph.n_heads + graph.n_kv_heads),
+        "q": assemble("q"),
+        "k": assemble("k"),
+        "v": assemble("v"),
         "z": keep_z,
     }
     if has_mlp:
