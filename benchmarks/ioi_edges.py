@@ -15,41 +15,22 @@ recovering 80% of the clean-corrupted gap. Prints `eap_ig_vs_exact_pearson: ...`
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from headlab import compose
 from headlab.edges.attribution import scores
 from headlab.edges.exact import exact_scores
 from headlab.edges.faithfulness import measure
 from headlab.edges.graph import EdgeGraph
-from headlab.studies.context import EVAL_SEED_OFFSET, apply_threads
-from headlab.tasks import build_task
-from headlab.train.obtain import obtain_model
-
-TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
+from ioi_trained import arguments, trained_model  # benchmarks/ is the script's folder
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=100)
-    ap.add_argument("--root", default="outputs")
-    ap.add_argument("--tokenizer", default=str(TOKENIZER))
-    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.steps=3000")
-    args = ap.parse_args()
-    cfg = compose(
-        *["experiment=ioi_trained", f"model.tokenizer={args.tokenizer}", f"output.root={args.root}", *args.overrides]
-    )
-    apply_threads(cfg)
-    task = build_task(cfg.task)
-    model = obtain_model(cfg, task)
-    data = task.build(args.prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model)
+    _, model, task, data = trained_model(arguments(__doc__.splitlines()[0], 100))
     graph = EdgeGraph.of(model)
-    print(f"model: {cfg.model.name} ({model.n_layers} layers x {model.n_heads} heads); prompts: {data.n}")
+    print(f"prompts: {data.n}")
     print(f"edges: {graph.n_edges}")
     found: dict[str, torch.Tensor] = {}
     for method in ("eap", "eap_ig", "exact"):

@@ -22,22 +22,28 @@ import torch
 
 from headlab import compose
 from headlab.analysis.scores import ioi_scores
+from headlab.config import Config
 from headlab.interventions import CLEAN, Intervention
 from headlab.interventions.engine import execute
+from headlab.models.hooked import HookedModel
 from headlab.studies.context import EVAL_SEED_OFFSET, apply_threads
-from headlab.tasks import build_task
+from headlab.tasks import Task, TaskData, build_task
 from headlab.train.obtain import obtain_model
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=200)
+def arguments(description: str, prompts: int) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--root", default="outputs")
     ap.add_argument("--tokenizer", default=str(TOKENIZER))
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. train.steps=3000")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def trained_model(args: argparse.Namespace) -> tuple[Config, HookedModel, Task, TaskData]:
+    """gpt2-ioi as experiment=ioi_trained trains it (or its checkpoint), its task and evaluation prompts."""
     cfg = compose(
         *["experiment=ioi_trained", f"model.tokenizer={args.tokenizer}", f"output.root={args.root}", *args.overrides]
     )
@@ -49,7 +55,12 @@ def main() -> None:
         f"model: {cfg.model.name} ({model.n_layers} layers x {model.n_heads} heads), ready in "
         f"{time.perf_counter() - started:.1f} s"
     )
-    data = task.build(args.prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model)
+    return cfg, model, task, task.build(args.prompts, seed=cfg.seed + EVAL_SEED_OFFSET, model=model)
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0], 200)
+    cfg, model, task, data = trained_model(args)
     L, H = model.n_layers, model.n_heads
     cells = [(l, h) for l in range(L) for h in range(H)]
 
