@@ -166,7 +166,7 @@ def circuit_metric(
         trace = clean.trace
         current = torch.zeros_like(corrupt_out)
         current[0] = trace.resid_pre[0]
-        cut = (graph.real & ~circuit).to(corrupt_out.dtype)  # [senders, receivers]
+        cut = (graph.real & ~circuit.cpu()).to(corrupt_out.device, corrupt_out.dtype)  # [senders, receivers]
         index = {s.name: i for i, s in enumerate(graph.senders)}
         h = trace.resid_pre[0]
         for layer in range(graph.n_layers):
@@ -204,7 +204,7 @@ def _circuit_layer(
     attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
     first = index[f"a{layer}.h0"]
     heads = slice(first, first + graph.n_heads)
-    live = (graph.real[heads] & (cut[heads] == 0)).any(1)  # heads with an edge out in the circuit
+    live = (graph.real[heads] & (cut[heads] == 0).cpu()).any(1)  # heads with an edge out in the circuit
     owned = graph.owners()[heads]
     kept = [c for c in attn_cols if (owned[:, c] & live).any()] or attn_cols[:1]
     copy_of = {c: i for i, c in enumerate(kept)}
