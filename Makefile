@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.headlab-installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint browser bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,17 @@ lint: $(STAMP)  # what CI enforces besides the tests: ruff's lint and format, my
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: lint
+test: lint browser
 	$(BIN)/python -m pytest -q
+
+# Debian's chromium, so that the HTML report's test runs in a real browser: installed where we are root and
+# apt can fetch it; elsewhere that one test is skipped, saying why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { timeout 600 apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { timeout 300 apt-get update -qq >/dev/null 2>&1 && \
+	      timeout 600 apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
+	  echo "chromium not installed (needs root and apt): the report's browser test will be skipped"
 
 $(VENV)/.headlab-bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]' 'torch==2.13.0'
