@@ -23,7 +23,7 @@ SWEEP = [
 ]
 
 
-def _headlab(args, cwd, **kw):
+def start_headlab(args, cwd, **kw):
     return subprocess.Popen(
         [sys.executable, "-m", "headlab", *args],
         cwd=cwd,
@@ -35,7 +35,7 @@ def _headlab(args, cwd, **kw):
     )
 
 
-def _collect(sweep: Path) -> pd.DataFrame:
+def collected_table(sweep: Path) -> pd.DataFrame:
     from headlab.results import collect
 
     df = collect(sweep).drop(columns=["run_dir", "output.root"])
@@ -45,7 +45,7 @@ def _collect(sweep: Path) -> pd.DataFrame:
 def test_killed_sweep_resumes_skipping_finished_jobs_and_matches_an_uninterrupted_one(tmp_path):
     sweep = tmp_path / "sweep"
     args = [*SWEEP, f"output.root={tmp_path}", f"hydra.sweep.dir={sweep}"]
-    proc = _headlab(args, tmp_path, start_new_session=True)
+    proc = start_headlab(args, tmp_path, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and not (
         (sweep / "0" / "meta.json").is_file() and (sweep / "2" / "meta.json").is_file()
@@ -56,7 +56,7 @@ def test_killed_sweep_resumes_skipping_finished_jobs_and_matches_an_uninterrupte
     proc.wait()
     assert not list((sweep / "1").glob("results.*"))  # no half-written table
 
-    proc = _headlab(args, tmp_path)
+    proc = start_headlab(args, tmp_path)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
     assert "1 done, 2 skipped, 0 failed" in stdout
@@ -64,10 +64,10 @@ def test_killed_sweep_resumes_skipping_finished_jobs_and_matches_an_uninterrupte
     assert status == {"0": "skipped", "1": "done", "2": "skipped"}
 
     clean = tmp_path / "clean"
-    proc = _headlab([*SWEEP, f"output.root={tmp_path / 'fresh'}", f"hydra.sweep.dir={clean}"], tmp_path)
+    proc = start_headlab([*SWEEP, f"output.root={tmp_path / 'fresh'}", f"hydra.sweep.dir={clean}"], tmp_path)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
-    pd.testing.assert_frame_equal(_collect(sweep), _collect(clean))
+    pd.testing.assert_frame_equal(collected_table(sweep), collected_table(clean))
 
 
 def test_failed_job_is_summarised_and_the_sweep_exits_nonzero(tmp_path):
@@ -81,7 +81,7 @@ def test_failed_job_is_summarised_and_the_sweep_exits_nonzero(tmp_path):
         f"output.root={tmp_path}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]
-    stdout, stderr = _headlab(args, tmp_path).communicate(timeout=600)
+    stdout, stderr = start_headlab(args, tmp_path).communicate(timeout=600)
     assert "1 done, 0 skipped, 1 failed" in stdout
     failed = [ln for ln in stderr.splitlines() if ln.startswith("failed:")]
     assert len(failed) == 1 and "sweep/1" in failed[0] and "needs n_ctx >= 27" in failed[0] and ".log" in failed[0]
