@@ -556,7 +556,7 @@ def test_a_model_without_a_residual_sum_or_known_attention_inputs_is_refused(gpt
     with pytest.raises(UsageError, match="its edges are not defined"):
         EdgeGraph.of(model)
     monkeypatch.setattr(model, "residual_sum", True)
-    monkeypatch.setattr(model, "attn_inputs", None)
+    monkeypatch.setattr(model, "attn_inputs", [None] * model.n_layers)
     with pytest.raises(UsageError, match="where its attention reads"):
         EdgeGraph.of(model)
 

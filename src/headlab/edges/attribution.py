@@ -29,7 +29,7 @@ from ..models.hooked import HookedModel, Trace
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import Site
-from .graph import EdgeGraph
+from .graph import QKV, EdgeGraph
 from .record import Recording, check_pairs, metric, metric_column, record, sender_outputs
 
 METHODS = ("eap", "eap_ig", "eap_ig_activations")
@@ -153,28 +153,20 @@ def _layer_gradients(
 
         return hook
 
-    def keep(name: str) -> Callable[[Tensor], Tensor]:
-        def hook(t: Tensor) -> Tensor:
-            kept[name] = t
-            return t
-
-        return hook
-
     has_mlp = layer in graph.mlp_layers
     with ExitStack() as stack:
         stack.enter_context(
             model.input_hooks(layer, attn_in=copy("attn_in"), mlp_in=copy("mlp_in") if has_mlp else None)
         )
-        stack.enter_context(model.hooks(layer, q=keep("q"), k=keep("k"), v=keep("v")))
+        kept_sites = stack.enter_context(model.sites.record(QKV, [layer]))
         stack.enter_context(_interpolated(model, run, layer, clean, corrupt))
         out = model.run_blocks(x, layer, trace, stop=layer + 1)
-    names = ["q", "k", "v"] + (["mlp_in"] if has_mlp else [])
+    kept.update({site: kept_sites[(site, layer)] for site in QKV})
+    names = [*QKV, *(["mlp_in"] if has_mlp else [])]
     wanted = [x] + [kept[n] for n in names]
     grads = torch.autograd.grad(out, wanted, grad_out, retain_graph=True, allow_unused=True)
     grad_x, per_site = grads[0], dict(zip(names, grads[1:]))
-    parts = []
-    for site in ("q", "k", "v"):
-        parts.append(_per_head(kept[site], kept["attn_in"], per_site[site]))
+    parts = [_per_head(kept[site], kept["attn_in"], per_site[site]) for site in QKV]
     if has_mlp:
         g = per_site["mlp_in"]
         parts.append((torch.zeros_like(x) if g is None else g).unsqueeze(0))

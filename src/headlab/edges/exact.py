@@ -24,7 +24,7 @@ from torch import Tensor
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
-from .graph import EdgeGraph
+from .graph import QKV, EdgeGraph
 from .record import Recording, check_pairs, head_outputs, metric, metric_column, record, sender_outputs
 
 Hook = Callable[[Tensor], Tensor]
@@ -98,8 +98,7 @@ def _patched_layer(
     attn_delta = torch.zeros(copies, *x.shape, dtype=x.dtype, device=x.device)
     mlp_delta = torch.zeros_like(attn_delta)
     keep = {
-        site: torch.zeros(copies, graph.n_heads if site == "q" else graph.n_kv_heads, dtype=torch.bool)
-        for site in ("q", "k", "v")
+        site: torch.zeros(copies, graph.n_heads if site == "q" else graph.n_kv_heads, dtype=torch.bool) for site in QKV
     }
     for c, ((s, _), r) in enumerate(zip(chunk, kinds)):
         if r.kind == "mlp":
@@ -108,7 +107,7 @@ def _patched_layer(
             attn_delta[c] = delta[s]
             keep[r.kind][c, r.head] = True
     clean_sites = _clean_qkv(model, trace, layer, x)
-    fns: dict[str, Hook] = {site: _select(keep[site].to(x.device), clean_sites[site], n) for site in ("q", "k", "v")}
+    fns: dict[str, Hook] = {site: _select(keep[site].to(x.device), clean_sites[site], n) for site in QKV}
     has_mlp_edge = any(r.kind == "mlp" for r in kinds)
     with ExitStack() as stack:
         stack.enter_context(
@@ -124,18 +123,9 @@ def _patched_layer(
 
 
 def _clean_qkv(model: HookedModel, trace, layer: int, x: Tensor) -> dict[str, Tensor]:
-    kept: dict[str, Tensor] = {}
-
-    def keep(site: str) -> Hook:
-        def hook(t: Tensor) -> Tensor:
-            kept[site] = t
-            return t
-
-        return hook
-
-    with model.hooks(layer, q=keep("q"), k=keep("k"), v=keep("v")):
+    with model.sites.record(QKV, [layer]) as kept:
         model.run_blocks(x, layer, trace, stop=layer + 1)
-    return kept
+    return {site: kept[(site, layer)] for site in QKV}
 
 
 def _select(keep: Tensor, clean: Tensor, n: int) -> Hook:

@@ -90,10 +90,14 @@ class EdgeGraph:
                 f"{model.name} normalises each component's output before the residual sum ({model.family}): "
                 "its edges are not defined"
             )
-        if model.attn_inputs is None:
+        if any(module is None for module in model.attn_inputs):
             raise UsageError(f"{model.name}: headlab does not know where its attention reads the residual stream")
         sites = model.sites
-        mlps = tuple(layer for layer, m in enumerate(model.mlp_inputs) if m is not None and model.mlps[layer])
+        mlps = tuple(
+            layer
+            for layer, (norm, mlp) in enumerate(zip(model.mlp_inputs, model.mlps))
+            if norm is not None and mlp is not None
+        )
         return cls(model.n_layers, sites.n_heads, sites.n_kv_heads, sites.d_model, model.parallel, mlps)
 
     def _reads_below(self, r: Receiver) -> int:

@@ -29,24 +29,21 @@ class Recording:
 
 def record(model: HookedModel, graph: EdgeGraph, inputs: Inputs) -> Recording:
     """One forward pass keeping every block's input, every layer's z and every MLP's output."""
-    z: dict[int, Tensor] = {}
     mlp: dict[int, Tensor] = {}
 
-    def keep(store: dict[int, Tensor], layer: int):
+    def keep(layer: int):
         def hook(t: Tensor) -> Tensor:
-            store[layer] = t.detach()
+            mlp[layer] = t.detach()
             return t
 
         return hook
 
     with ExitStack() as stack:
-        for layer in range(model.n_layers):
-            fns = {Site.z: keep(z, layer)}
-            if layer in graph.mlp_layers:
-                fns[Site.mlp] = keep(mlp, layer)
-            stack.enter_context(model.hooks(layer, **fns))
+        z = stack.enter_context(model.sites.record((Site.z,)))
+        for layer in graph.mlp_layers:
+            stack.enter_context(model.hooks(layer, mlp=keep(layer)))
         trace = model.trace(inputs)
-    return Recording(trace, z, mlp)
+    return Recording(trace, {layer: t.detach() for (_, layer), t in z.items()}, mlp)
 
 
 def head_outputs(model: HookedModel, layer: int, z: Tensor) -> Tensor:

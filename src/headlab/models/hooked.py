@@ -97,7 +97,7 @@ class HookedModel:
         self.mlps = mlps or [None] * len(blocks)
         self.down_projs = down_projs or [None] * len(blocks)  # per layer: the module whose input is "neurons"
         # per layer: the module whose input is the residual stream the attention (MLP) reads, its norm
-        self.attn_inputs = attn_inputs
+        self.attn_inputs = attn_inputs or [None] * len(blocks)
         self.mlp_inputs = mlp_inputs or [None] * len(blocks)
         self.parallel = parallel  # attention and MLP both read the block's input (GPT-NeoX, GPT-J)
         # False where a norm sits on a component's output (Gemma 2, OLMo 2): the residual stream is then
@@ -220,7 +220,7 @@ class HookedModel:
             for fn, modules, what in ((attn_in, self.attn_inputs, "attention"), (mlp_in, self.mlp_inputs, "MLP")):
                 if fn is None:
                     continue
-                module = None if modules is None else modules[layer]
+                module = modules[layer]
                 if module is None:
                     raise ValueError(f"layer {layer} of {self.name} has no known {what} input")
                 handles.append(module.register_forward_pre_hook(_first_arg(fn)))
