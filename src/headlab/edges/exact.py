@@ -41,14 +41,12 @@ def exact_scores(
 ) -> Tensor:
     """[senders, receivers] float64: the change in the mean metric when each edge (of `which`, default
     all) is patched alone; NaN elsewhere."""
-    check_pairs(data)
     column = metric_column(task)
     which = graph.real if which is None else which & graph.real
     out = torch.full(graph.real.shape, float("nan"), dtype=torch.float64)
     with torch.inference_mode():
-        clean = record(model, graph, data.inputs)
-        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
-        delta = sender_outputs(model, graph, corrupt) - sender_outputs(model, graph, clean)
+        clean, corrupt_out = clean_and_corrupted(model, graph, data)
+        delta = corrupt_out - sender_outputs(model, graph, clean)
         trace = clean.trace
         base = metric(model, task, data, trace.resid_final, column)
         n, seq, d = trace.resid_final.shape

@@ -98,8 +98,7 @@ def exact_check(ctx: RunContext, graph: EdgeGraph, scores: Tensor, info: dict) -
     r = float(np.corrcoef(scores[sample].numpy(), exact[sample].numpy())[0, 1]) if k > 1 else float("nan")
     ctx.meta["exact_check_pearson"] = r
     ctx.meta["exact_check_edges"] = int(sample.sum())
-    rows = edge_rows(graph, exact, "exact", info, sample)
-    return rows
+    return edge_rows(graph, exact, "exact", info, sample)
 
 
 def edge_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict, mask: Tensor | None = None) -> pd.DataFrame:
