@@ -506,48 +506,20 @@ def test_json_has_eap_igs_layout_and_round_trips(case):
 # --- 7. models whose edges are not defined ---------------------------------------------------------
 
 
-def test_a_post_normed_model_is_refused():
-    from transformers import AutoModelForCausalLM, Gemma2Config
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_a_post_normed_model_is_hooked_and_its_edges_refused(family):
+    import transformers
 
     register_attention()
-    cfg = Gemma2Config(
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=128,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="headlab").eval()
+    config_class = {"gemma2": transformers.Gemma2Config, "olmo2": transformers.Olmo2Config}[family]
+    shape = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64, vocab_size=128)
+    extra = dict(num_key_value_heads=2, head_dim=8) if family == "gemma2" else {}
+    cfg = config_class(**shape, **extra, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="headlab").eval()
+    hooked = hook_hf(hf, f"tiny-{family}", FAMILIES[family], None)
     with pytest.raises(UsageError, match="normalises each component's output") as caught:
-        EdgeGraph.of(hook_hf(hf, "tiny-gemma2", FAMILIES["gemma2"], None))
-    assert "\n" not in str(caught.value)
-
-
-def test_olmo2_is_hooked_and_its_edges_refused():
-    from transformers import AutoModelForCausalLM, Olmo2Config
-
-    register_attention()
-    cfg = Olmo2Config(
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=128,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="headlab").eval()
-    hooked = hook_hf(hf, "tiny-olmo2", FAMILIES["olmo2"], None)
-    with pytest.raises(UsageError, match="normalises each component's output"):
         EdgeGraph.of(hooked)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_model_without_a_residual_sum_or_known_attention_inputs_is_refused(gpt2_case, monkeypatch):
