@@ -10,7 +10,9 @@ from .api import circuit as circuit
 from .api import compose as compose
 from .api import load_model as load_model
 from .api import load_task as load_task
+from .api import reuse as reuse
 from .api import run as run
+from .api import scores as scores
 from .api import sweep as sweep
 from .errors import HeadlabError as HeadlabError
 from .errors import UsageError as UsageError

@@ -198,6 +198,71 @@ def circuit(
     return _run_study(model, task, overrides, n_prompts, show_progress)
 
 
+def scores(
+    model: HookedModel,
+    task: Task,
+    kind: str = "sinks",
+    n_prompts: int | None = None,
+    seed: int = 0,
+    show_progress: bool = False,
+    **options: Any,
+) -> pd.DataFrame:
+    """Per-head scores from the attention-head literature on `model` (and `task`'s prompts); the tidy
+    table `headlab run scores=<kind>` writes, nothing written here.
+
+    kind: sinks (sink rate: share of queries with more than `epsilon` of their attention on the first
+    token; hidden sinks) | composition (Q/K/V composition scores of head pairs, from the weights; their
+    low-rank channels) | retrieval (retrieval score per head on the needle task; needle recall with the
+    `top_k` heads masked against `n_random` draws of as many random heads). Options: the scores config's
+    keys (config.py's ScoresConfig), e.g. `epsilon=0.5`, `channels=8`, `top_k=3`."""
+    overrides = [
+        f"task={task.name}",
+        f"scores={kind}",
+        f"seed={seed}",
+        *option_overrides(options, prefer=("scores", "engine", "output")),
+    ]
+    return _run_study(model, task, overrides, n_prompts, show_progress)
+
+
+def reuse(
+    first: pd.DataFrame | str | Path,
+    second: pd.DataFrame | str | Path,
+    k: int = 10,
+    metric: str | None = None,
+    metric_second: str | None = None,
+    panel: str | None = None,
+    panel_second: str | None = None,
+) -> pd.DataFrame:
+    """Do two tasks use the same heads? (circuit reuse, Merullo et al. 2024.) Each side is a finished
+    table (a DataFrame, a results.parquet, a run dir or a sweep dir): a head sweep, whose `k` heads of
+    largest |value - clean| are its important ones, or a circuit (`headlab run circuit=...`), whose heads
+    are those its edges touch. `metric` and `panel` choose among several (the error lists them); the
+    second side takes the first side's unless given its own.
+
+    The table: per side and head its effect and `important`, then intervention "reuse" rows with
+    shared_heads, jaccard, expected_shared_by_chance, p_value (hypergeometric), spearman_importance,
+    pearson_effect and, for two circuits, shared_edges and edge_jaccard."""
+    from .analysis.reuse import reuse_table, side_of
+
+    a = side_of(_table_of(first), k, metric, panel)
+    b = side_of(_table_of(second), k, metric_second or metric, panel_second or panel)
+    return reuse_table(a, b)
+
+
+def _table_of(source: pd.DataFrame | str | Path) -> pd.DataFrame:
+    if isinstance(source, pd.DataFrame):
+        return source
+    path = Path(source)
+    if path.is_file():
+        try:
+            return pd.read_parquet(path)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{path}: not a parquet table ({type(e).__name__})") from None
+    from . import results
+
+    return results.collect(path)
+
+
 def _run_study(
     model: HookedModel, task: Task, overrides: list[str], n_prompts: int | None, show_progress: bool
 ) -> pd.DataFrame:

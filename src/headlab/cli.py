@@ -319,6 +319,37 @@ def collect(
 
 
 @app.command()
+def reuse(
+    first: Path = typer.Argument(..., help="A head sweep or circuit: run dir, sweep dir or results.parquet."),
+    second: Path = typer.Argument(..., help="The other task's, on a model of the same shape."),
+    k: int = typer.Option(10, "--k", help="Important heads of a sweep: its k of largest |effect|."),
+    metric: str | None = typer.Option(None, "--metric", help="The metric (of both, unless --metric-second)."),
+    metric_second: str | None = typer.Option(None, "--metric-second", help="The second table's metric."),
+    panel: str | None = typer.Option(None, "--panel", help="e.g. 'ablate_head zero' where a table has several."),
+    panel_second: str | None = typer.Option(None, "--panel-second", help="The second table's panel."),
+    output: Path | None = typer.Option(None, "--out", "-o", help="Run dir (default outputs/reuse/<time>)."),
+) -> None:
+    """Circuit reuse: the overlap of two tasks' important heads (or circuits), a table and reuse.png."""
+    import time
+
+    from . import api, results
+    from .studies.runner import draw_figures
+
+    table = api.reuse(first, second, k, metric, metric_second, panel, panel_second)
+    run_dir = output or Path("outputs") / "reuse" / time.strftime("%Y-%m-%d/%H-%M-%S")
+    results.write(table, run_dir, results.run_meta("", {}, {"first": str(first), "second": str(second), "k": k}))
+    draw_figures("reuse", table, run_dir)
+    summary = table[table["intervention"] == "reuse"]
+    shown = Table(title=str(summary["label"].iloc[0]).replace(" | ", "  vs  "))
+    shown.add_column("quantity")
+    shown.add_column("value", justify="right")
+    for name, value in zip(summary["metric"], summary["value"]):
+        shown.add_row(str(name), f"{value:.4g}")
+    out.print(shown)
+    out.print(f"table and figures/reuse.png: {run_dir}", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def reproduce(
     name: str | None = typer.Argument(None, help="A paper figure (see --list)."),
     list_all: bool = typer.Option(False, "--list", help="Name the reproductions and their papers."),
