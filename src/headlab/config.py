@@ -18,7 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-GROUPS = ("model", "task", "ablate", "patch", "circuit", "train", "sae", "experiment")
+GROUPS = ("model", "task", "ablate", "patch", "circuit", "scores", "train", "sae", "experiment")
 
 
 def config_dir() -> Path:
@@ -324,6 +324,27 @@ class CircuitConfig:
     prompts_per_pass: int = 16  # prompts per gradient pass: bounds the memory of the activation differences
 
 
+class ScoreKind(str, Enum):
+    none = "none"
+    sinks = "sinks"  # attention sinks: sink rate and hidden sinks per head (analysis/sinks.py)
+    composition = "composition"  # Q/K/V composition of head pairs and their channels (analysis/head_composition.py)
+    retrieval = "retrieval"  # retrieval score per head; top heads masked against random ones (analysis/retrieval.py)
+
+
+@dataclass
+class ScoresConfig:
+    """`scores=<kind>`: per-head scores from the attention-head literature, each a study of its own."""
+
+    kind: ScoreKind = ScoreKind.none
+    # sinks
+    epsilon: float = 0.3  # a head's query is a sink query when more than epsilon of its attention is on the first token
+    # composition
+    channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair
+    # retrieval
+    top_k: int = 5  # heads masked together
+    n_random: int = 5  # draws of as many random heads, for the baseline
+
+
 @dataclass
 class EngineConfig:
     # Size of the widest activation (tokens x max(d_model, d_mlp) floats) in one batched pass of stacked
@@ -349,6 +370,7 @@ class Config:
     patch: PatchConfig = MISSING
     train: TrainConfig = MISSING
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
+    scores: ScoresConfig = field(default_factory=ScoresConfig)
     sae: SaeConfig = field(default_factory=SaeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -367,6 +389,7 @@ SCHEMAS: dict[str, type] = {
     "train": TrainConfig,
     "sae": SaeConfig,
     "circuit": CircuitConfig,
+    "scores": ScoresConfig,
 }
 TASK_SCHEMAS: dict[str, type] = {
     "prompts": PromptsConfig,
@@ -407,6 +430,8 @@ def config_hash(cfg: Any, keys: tuple[str, ...] | None = None) -> str:
     data = {k: v for k, v in data.items() if k not in ("output", "hydra")}
     if data.get("circuit", {}).get("method") == CircuitMethod.none.name:
         del data["circuit"]  # no circuit: the hash of every run from before circuits existed still holds
+    if data.get("scores", {}).get("kind", ScoreKind.none.name) == ScoreKind.none.name:
+        data.pop("scores", None)  # likewise for runs from before scores existed
     for (group, name), neutral in ADDED_LATER.items():
         if data.get(group, {}).get(name, neutral) == neutral:
             data.get(group, {}).pop(name, None)
