@@ -108,7 +108,16 @@ def test_cli_compares_two_real_sweeps_and_draws_the_figure(demo_root, trained_co
         assert done.returncode == 0, done.stderr
     out = tmp_path / "reuse"
     done = run_headlab(
-        "reuse", str(dirs["zero"]), str(dirs["mean"]), "--k", "2", "--metric", "logit_diff", "-o", str(out), cwd=demo_root
+        "reuse",
+        str(dirs["zero"]),
+        str(dirs["mean"]),
+        "--k",
+        "2",
+        "--metric",
+        "logit_diff",
+        "-o",
+        str(out),
+        cwd=demo_root,
     )
     assert done.returncode == 0, done.stderr
     assert "shared_heads" in done.stdout

@@ -210,11 +210,11 @@ def scores(
     """Per-head scores from the attention-head literature on `model` (and `task`'s prompts); the tidy
     table `headlab run scores=<kind>` writes, nothing written here.
 
-    kind: sinks (sink rate: share of queries with more than `epsilon` of their attention on the first
-    token; hidden sinks) | composition (Q/K/V composition scores of head pairs, from the weights; their
-    low-rank channels) | retrieval (retrieval score per head on the needle task; needle recall with the
-    `top_k` heads masked against `n_random` draws of as many random heads). Options: the scores config's
-    keys (config.py's ScoresConfig), e.g. `epsilon=0.5`, `channels=8`, `top_k=3`."""
+    kind: sinks (per head, the share of the prompts' queries with more than `epsilon` of their attention on
+    the first token, and its mean attention there) | composition (Q-, K-, V-composition scores of every
+    pair of heads in different layers, from the weights, and each pair's `channels` largest normalised
+    singular values). Options: the scores config's keys (config.py's ScoresConfig), e.g. `epsilon=0.5`,
+    `channels=8`."""
     overrides = [
         f"task={task.name}",
         f"scores={kind}",

@@ -326,9 +326,8 @@ class CircuitConfig:
 
 class ScoreKind(str, Enum):
     none = "none"
-    sinks = "sinks"  # attention sinks: sink rate and hidden sinks per head (analysis/sinks.py)
+    sinks = "sinks"  # attention sinks: sink rate and first-token attention per head (analysis/sinks.py)
     composition = "composition"  # Q/K/V composition of head pairs and their channels (analysis/head_composition.py)
-    retrieval = "retrieval"  # retrieval score per head; top heads masked against random ones (analysis/retrieval.py)
 
 
 @dataclass
@@ -340,9 +339,6 @@ class ScoresConfig:
     epsilon: float = 0.3  # a head's query is a sink query when more than epsilon of its attention is on the first token
     # composition
     channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair
-    # retrieval
-    top_k: int = 5  # heads masked together
-    n_random: int = 5  # draws of as many random heads, for the baseline
 
 
 @dataclass

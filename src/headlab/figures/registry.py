@@ -26,5 +26,6 @@ def _lazy(name: str) -> Draw:
 
 
 FIGURES: dict[str, Draw] = {
-    name: _lazy(name) for name in ("attn_sae", "circuit", "count01", "heads", "ioi", "markov", "recall_reasoning", "reuse")
+    name: _lazy(name)
+    for name in ("attn_sae", "circuit", "count01", "heads", "ioi", "markov", "recall_reasoning", "reuse", "scores")
 }

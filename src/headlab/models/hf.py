@@ -155,7 +155,10 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         w_in_out = weight if type(outs[layer]).__name__ == "Conv1D" else weight.T
         return w_in_out.reshape(n_heads, d_head, -1)
 
-    sites = HeadSites(attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size)
+    def w_qkv(layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        return _qkv_weights(attns[layer], cfg.model_type, n_heads, n_kv, d_head)
+
+    sites = HeadSites(attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size, w_qkv)
     return HookedModel(
         name=name,
         module=model,
@@ -175,6 +178,18 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         parallel=bool(getattr(cfg, "use_parallel_residual", False)),
         residual_sum=cfg.model_type not in POST_NORM,
     )
+
+
+def _qkv_weights(attn: nn.Module, model_type: str, n_heads: int, n_kv: int, d_head: int) -> Any:
+    """W_Q [head, d_model, d_head], W_K, W_V [kv_head, d_model, d_head] of one attention module."""
+    if model_type == "gpt2":  # Conv1D c_attn [d_model, 3 * d_model]: q, k, v side by side
+        per_head = _get(attn, "c_attn.weight").unflatten(1, (3, n_heads, d_head))  # [d_model, 3, head, d_head]
+        return tuple(per_head[:, i].transpose(0, 1) for i in range(3))
+    if model_type == "gpt_neox":  # Linear [3 * d_model, d_model], q, k, v interleaved per head
+        per_head = _get(attn, "query_key_value.weight").unflatten(0, (n_heads, 3, d_head))  # [head, 3, d_head, d_model]
+        return tuple(per_head[:, i].transpose(1, 2) for i in range(3))
+    projections = [_get(attn, f"{x}_proj.weight") for x in "qkv"]  # Linear [heads * d_head, d_model]
+    return tuple(w.unflatten(0, (n, d_head)).transpose(1, 2) for w, n in zip(projections, (n_heads, n_kv, n_kv)))
 
 
 def _tokenizer(model: PreTrainedModel, source: str, revision: str | None, where: str) -> Any:

@@ -91,6 +91,8 @@ class HeadSites:
     n_kv_heads: int
     d_head: int
     d_model: int
+    # layer -> W_Q [head, d_model, d_head], W_K and W_V [kv_head, d_model, d_head]; None: not known
+    w_qkv: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None
     slots: list[LayerSlot] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,13 @@ class HeadSites:
 
     def W_O(self, layer: int) -> Tensor:
         return self.w_o(layer)
+
+    def W_QKV(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The layer's input weights in TransformerLens's orientation (x @ W), as stored: the norm before
+        the attention, biases, rotary and q/k norms stay out, as in TransformerLens's weight scores."""
+        if self.w_qkv is None:
+            raise ValueError("this model's HeadSites do not know its query, key and value weights")
+        return self.w_qkv(layer)
 
     @contextmanager
     def hooks(self, layer: int, **fns: Hook | None) -> Iterator[None]:

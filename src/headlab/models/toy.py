@@ -152,7 +152,12 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
         # nn.Linear stores [d_model, heads*d_head]; head h reads columns h*d_head:(h+1)*d_head
         return blocks[layer].attn.o.weight.T.reshape(cfg.n_heads, cfg.d_head, cfg.d_model)
 
-    sites = HeadSites([b.attn for b in blocks], w_o, cfg.n_heads, cfg.n_heads, cfg.d_head, cfg.d_model)
+    def w_qkv(layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        attn = blocks[layer].attn  # nn.Linear [heads * d_head, d_model] each
+        q, k, v = (p.weight.unflatten(0, (cfg.n_heads, cfg.d_head)).transpose(1, 2) for p in (attn.q, attn.k, attn.v))
+        return q, k, v
+
+    sites = HeadSites([b.attn for b in blocks], w_o, cfg.n_heads, cfg.n_heads, cfg.d_head, cfg.d_model, w_qkv)
     return HookedModel(
         name=name,
         module=model,

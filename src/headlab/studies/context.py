@@ -50,9 +50,10 @@ class RunContext:
             self.task = build_task(self.cfg.task)
         return self.task
 
-    def get_model(self) -> HookedModel:
+    def get_model(self, runs_task: bool = True) -> HookedModel:
         """The model, refused in one line (before it is trained, where it would be) if the task cannot
-        run on it."""
+        run on it; a study that runs no prompts (runs_task=False) takes a pretrained model as it is, and
+        the task only says what a model trained here is trained on."""
         task = self.get_task()
         if self.model is None:
             from ..train.obtain import is_trained_here, obtain_model
@@ -62,7 +63,8 @@ class RunContext:
                 task.refuse_model(wanted.name, option(wanted.kind) == "hf", task.vocab_size)
             with self.timed("load_model"):
                 self.model = obtain_model(self.cfg, task, self.show_progress)
-        task.refuse_model(self.model.name, self.model.tokenizer is not None, self.model.vocab_size)
+        if runs_task:
+            task.refuse_model(self.model.name, self.model.tokenizer is not None, self.model.vocab_size)
         return self.model
 
     def get_data(self) -> TaskData:

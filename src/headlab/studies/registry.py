@@ -16,9 +16,9 @@ COMMANDS = ("run", "train", "sae")
 
 
 def run_studies() -> list[ModuleType]:
-    from . import circuits, edges, pathnet, sweep
+    from . import circuits, composition, edges, pathnet, sinks, sweep
 
-    return [pathnet, edges, circuits, sweep]
+    return [pathnet, edges, circuits, sinks, composition, sweep]
 
 
 def study_for(command: str, cfg: Config) -> ModuleType:

@@ -1,0 +1,73 @@
+"""`headlab run scores=composition`: Q-, K- and V-composition of every pair of heads in different layers,
+from the weights (analysis/head_composition.py), and each pair's low-rank channels.
+
+Rows (intervention "none", method "score", n 1: weights, no prompts, so no interval): layer / head are
+the reader, writer_layer / writer_head the writer; metric q_composition, k_composition, v_composition;
+and, per pair, `scores.channels` rows q_channel, k_channel, v_channel with `channel` 1, 2, ...: the
+product's singular values over the norms of its two factors (their squares sum to the score's square).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from .. import results
+from ..analysis.head_composition import MODES, composition
+from ..config import Config, option, run_info
+from ..errors import UsageError
+from ..figures.heads import head_name
+from .context import RunContext
+
+NAME = "composition"
+DEFAULT_FIGURES = "scores"
+TOP_PAIRS = 5  # named in meta.json per mode
+
+
+def serves(cfg: Config) -> bool:
+    return option(cfg.scores.kind) == "composition"
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    model = ctx.get_model(runs_task=False)  # weights only: any model, whatever the task
+    if model.n_layers < 2:
+        raise UsageError(f"scores=composition: {model.name} has one layer; composition needs heads in two")
+    with ctx.timed("composition"):
+        found = composition(model, ctx.cfg.scores.channels)
+    frames = []
+    for mode in MODES:
+        frames.append(_rows(found.scores[mode], f"{mode}_composition"))
+        frames.append(_rows(found.channels[mode], f"{mode}_channel"))
+        ctx.meta[f"top_{mode}_composition"] = _top(found.scores[mode])
+    table = pd.concat(frames, ignore_index=True)
+    for key, value in run_info(ctx.cfg).items():
+        table[key] = value
+    ctx.meta.update({"model_family": model.family, "n_pairs": int(found.scores["q"].isfinite().sum())})
+    return results.conform(table.assign(intervention="none", method="score", n=1))
+
+
+def _rows(values: torch.Tensor, metric: str) -> pd.DataFrame:
+    """[L, H, L, H] or [L, H, L, H, c] -> one row per finite entry (a writer before its reader)."""
+    per_channel = values.dim() == 5
+    index = values.isfinite().nonzero()
+    out = {
+        "writer_layer": index[:, 0].numpy(),
+        "writer_head": index[:, 1].numpy(),
+        "layer": index[:, 2].numpy(),
+        "head": index[:, 3].numpy(),
+        "metric": metric,
+        "value": values[values.isfinite()].numpy(),
+    }
+    if per_channel:
+        out["channel"] = index[:, 4].numpy() + 1
+    return pd.DataFrame(out).astype({"writer_layer": "Int64", "writer_head": "Int64"})
+
+
+def _top(scores: torch.Tensor) -> list[str]:
+    flat = torch.nan_to_num(scores, nan=-1.0).flatten()
+    best = flat.topk(min(TOP_PAIRS, int(scores.isfinite().sum()))).indices
+    named = []
+    for i in best.tolist():
+        l1, h1, l2, h2 = (int(x) for x in torch.unravel_index(torch.tensor(i), scores.shape))
+        named.append(f"{head_name(l1, h1)}->{head_name(l2, h2)} {scores[l1, h1, l2, h2].item():.3f}")
+    return named

@@ -1,0 +1,111 @@
+"""Composition scores (analysis/head_composition.py, `scores=composition`): the weights HeadSites reads
+against the model's own q, k, v; the scores against the definition with explicit d_model x d_model
+products and against TransformerLens on the same random GPT-2; GQA; the study's table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headlab
+from conftest import HF_FAMILIES
+from headlab.analysis.head_composition import composition
+from headlab.models.hf import load_hf
+
+
+def explicit(model, mode: str, l1: int, h1: int, l2: int, h2: int) -> tuple[float, torch.Tensor]:
+    """The score and all normalised singular values from full d_model x d_model matrices."""
+    sites = model.sites
+    group = sites.n_heads // sites.n_kv_heads
+    q1, k1, v1 = (w.double() for w in sites.W_QKV(l1))
+    q2, k2, v2 = (w.double() for w in sites.W_QKV(l2))
+    left = v1[h1 // group] @ sites.W_O(l1)[h1].double()
+    right = {
+        "q": q2[h2] @ k2[h2 // group].T,
+        "k": k2[h2 // group] @ q2[h2].T,
+        "v": v2[h2 // group] @ sites.W_O(l2)[h2].double(),
+    }[mode]
+    norms = torch.linalg.matrix_norm(left) * torch.linalg.matrix_norm(right)
+    return (torch.linalg.matrix_norm(left @ right) / norms).item(), torch.linalg.svdvals(left @ right) / norms
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_head_weights_give_the_q_k_v_the_model_computes(tiny_hf_dir, family):
+    model = load_hf(str(tiny_hf_dir(family)), name=family, need_tokenizer=False)
+    ids = torch.randint(0, 1000, (2, 1), generator=torch.Generator().manual_seed(0))  # position 0: no rotation
+    with torch.no_grad(), model.sites.record(sites=("q", "k", "v")) as seen:
+        model.forward({"input_ids": ids})
+        x = model.attn_inputs[1](model.trace({"input_ids": ids}).resid_pre[1])  # layer 1's normed input
+    for site, w in zip(("q", "k", "v"), model.sites.W_QKV(1)):
+        got = seen[(site, 1)][:, :, 0]  # [batch, head, d_head]
+        bias = seen[(site, 1)][:, :, 0] - torch.einsum("bm,hmd->bhd", x[:, 0], w)
+        assert torch.allclose(bias[0], bias[1], atol=1e-5), f"{family} {site}: not x @ W + a constant"
+        assert got.shape[1] == w.shape[0]
+
+
+def test_scores_and_channels_equal_the_definition_and_gqa_shares_kv(tiny_hf_dir):
+    # 4 query heads on 2 kv heads: `explicit` takes query head h's W_K and W_V from kv head h // 2
+    model = load_hf(str(tiny_hf_dir("llama")), name="llama", need_tokenizer=False)
+    found = composition(model, channels=3)
+    for mode in ("q", "k", "v"):
+        assert found.scores[mode][1, :, 0].isnan().all() and found.scores[mode][2, :, 1].isnan().all()
+        for l1, h1, l2, h2 in ((0, 0, 1, 3), (0, 3, 2, 1), (1, 2, 2, 2)):
+            score, sv = explicit(model, mode, l1, h1, l2, h2)
+            assert found.scores[mode][l1, h1, l2, h2].item() == pytest.approx(score, rel=1e-9)
+            assert found.channels[mode][l1, h1, l2, h2] == pytest.approx(sv[:3].tolist(), rel=1e-7, abs=1e-12)
+
+
+def tl_gpt2(hf):
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+
+    c = hf.config
+    cfg = HookedTransformerConfig(
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size,
+        n_ctx=c.n_positions,
+        act_fn="gelu_new",
+        normalization_type="LN",
+    )
+    model = HookedTransformer(cfg)
+    model.load_and_process_state_dict(
+        convert_gpt2_weights(hf, cfg),
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+    )
+    return model
+
+
+def test_scores_equal_transformerlens_on_the_same_gpt2_weights(tiny_hf_dir):
+    pytest.importorskip("transformer_lens")
+    model = load_hf(str(tiny_hf_dir("gpt2")), name="gpt2", need_tokenizer=False)
+    tl = tl_gpt2(model.module)
+    found = composition(model)
+    for mode in ("q", "k", "v"):
+        theirs = tl.all_composition_scores(mode.upper()).double()  # 0 where the writer is not earlier
+        ours = torch.nan_to_num(found.scores[mode], nan=0.0)
+        assert torch.allclose(ours, theirs, atol=1e-5), f"{mode}: {(ours - theirs).abs().max():.2e}"
+        assert (ours > 0).sum() == 3 * 16  # layer pairs (0,1), (0,2), (1,2) x 4 x 4 heads
+
+
+def test_the_study_writes_one_row_per_pair_mode_and_channel(tiny_hf_dir, tmp_path):
+    path = tiny_hf_dir("gpt_neox")
+    result = headlab.run(
+        "model=hf", f"model.path={path}", "model.name=neox", "scores=composition", "scores.channels=2",
+        f"output.root={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    table = result.table
+    scores = table[table["metric"] == "k_composition"]
+    assert len(scores) == 3 * 16 and scores["writer_layer"].lt(scores["layer"]).all()
+    channels = table[table["metric"] == "v_channel"]
+    assert len(channels) == 3 * 16 * 2 and set(channels["channel"]) == {1, 2}
+    model = load_hf(str(path), name="neox", need_tokenizer=False)
+    row = scores[(scores["writer_layer"] == 0) & (scores["writer_head"] == 2) & (scores["layer"] == 2)]
+    assert row[row["head"] == 1]["value"].item() == pytest.approx(explicit(model, "k", 0, 2, 2, 1)[0], rel=1e-9)
+    assert (result.run_dir / "figures" / "composition_k_composition.png").is_file()
