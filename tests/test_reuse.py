@@ -127,7 +127,8 @@ def test_cli_compares_two_real_sweeps_and_draws_the_figure(demo_root, trained_co
     for sweep in (zero, mean):
         acc = sweep[sweep["metric"] == "logit_diff"]
         clean = acc[acc["intervention"] == "none"]["value"].item()
-        heads = acc[acc["intervention"] == "ablate_head"].assign(e=lambda d: (d["value"] - clean).abs())
+        heads = acc[acc["intervention"] == "ablate_head"]
+        heads = heads.assign(e=(heads["value"] - clean).abs())
         top.append(set(heads.nlargest(2, "e")[["layer", "head"]].itertuples(index=False, name=None)))
     assert numbers(table)["shared_heads"] == len(top[0] & top[1])
     assert (out / "figures" / "reuse.png").stat().st_size > 10_000
