@@ -57,6 +57,9 @@ class AblateSweep(str, Enum):
     components = "components"  # each head, each layer's attention output, each layer's MLP output
     # recall vs reasoning: components and MLP neuron groups, head patching, selectivity, circuit knockouts
     circuits = "circuits"
+    # each head's attention on the prompt's first token times ablate.calibration, what that gives up shared
+    # among its other keys in proportion (the calibration rule of Yu et al. 2024, ACT)
+    sink_calibration = "sink_calibration"
 
 
 class AblateMethod(str, Enum):
@@ -206,10 +209,27 @@ class TextConfig(TaskConfig):
 
 
 @dataclass
+class NeedleConfig(TaskConfig):
+    """Needle in a haystack (tasks/needle.py): random needle tokens hidden in a haystack, asked for at the end."""
+
+    name: str = "needle"
+    n_prompts: int = 200
+    n_reference: int = 200
+    # a text file (pretrained models): one long text, tokenized and cut into haystacks; null: random tokens
+    haystack: str | None = None
+    haystack_len: int = 48  # haystack tokens per prompt (the needle and its statement come on top)
+    needle_len: int = 6
+    n_symbols: int = 64  # models trained here: ordinary tokens of the task's own vocabulary
+
+
+@dataclass
 class AblateConfig:
     sweep: AblateSweep = AblateSweep.none
     method: AblateMethod = AblateMethod.zero
     mean_over: MeanOver = MeanOver.positions  # method=mean: what the mean is taken over (padding never counts)
+    # sink_calibration: the factor (Yu et al.'s beta, 0.4) on each query's attention to the first token,
+    # in [0, 1]; 1 changes nothing
+    calibration: float = 0.4
 
 
 @dataclass
@@ -326,8 +346,9 @@ class CircuitConfig:
 
 class ScoreKind(str, Enum):
     none = "none"
-    sinks = "sinks"  # attention sinks: sink rate and first-token attention per head (analysis/sinks.py)
+    sinks = "sinks"  # sink rate, first-token attention and hidden sinks per head (analysis/sinks.py)
     composition = "composition"  # Q/K/V composition of head pairs and their channels (analysis/head_composition.py)
+    retrieval = "retrieval"  # retrieval score per head; top heads masked against random ones (analysis/retrieval.py)
 
 
 @dataclass
@@ -337,8 +358,17 @@ class ScoresConfig:
     kind: ScoreKind = ScoreKind.none
     # sinks
     epsilon: float = 0.3  # a head's query is a sink query when more than epsilon of its attention is on the first token
+    # a token after the first is a hidden sink of a head when the attention it receives, averaged over the
+    # queries that see it, exceeds alpha / N, N the prompt's length (Yu et al. 2024: alpha = 5)
+    alpha: float = 5.0
     # composition
     channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair
+    # retrieval
+    top_k: int = 5  # heads masked together
+    n_random: int = 5  # draws of as many random other heads, for the baseline
+    # a prompt counts towards the retrieval score when its needle recall exceeds this (Wu et al. count a
+    # test when ROUGE-1 recall exceeds 50%); a negative value counts every prompt
+    min_recall: float = 0.5
 
 
 @dataclass
@@ -394,6 +424,7 @@ TASK_SCHEMAS: dict[str, type] = {
     "ioi": IOIConfig,
     "markov": MarkovConfig,
     "recall_reasoning": RecallReasoningConfig,
+    "needle": NeedleConfig,
 }
 MODEL_SCHEMAS: dict[str, type] = {"pathnet": PathNetConfig}
 
@@ -414,9 +445,10 @@ register_configs()
 
 # Fields added after runs and checkpoints were written, with the value that means "as before": at that
 # value they stay out of the hash, so a user's trained models and finished sweeps are still found.
-ADDED_LATER: dict[tuple[str, str], str] = {
+ADDED_LATER: dict[tuple[str, str], Any] = {
     ("train", "loss_positions"): LossPositions.all.name,
     ("task", "facts_style"): "statements",
+    ("ablate", "calibration"): 0.4,
 }
 
 

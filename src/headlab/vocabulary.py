@@ -52,6 +52,9 @@ class Source(Name):
     clean = "clean"  # the clean run's own value (path patching holds the receivers' other inputs here)
     head = "head"  # another head's value in the same run (pattern and value swaps)
     scale = "scale"  # the site's own value times a factor
+    # the site's own pattern, its first key's attention times a factor and what that gives up shared among
+    # the other keys in proportion to their attention (sink calibration, interventions/edits.py)
+    calibrate = "calibrate"
 
 
 class Kind(Name):
@@ -68,6 +71,7 @@ class Kind(Name):
     ablate_mlp = "ablate_mlp"
     ablate_neurons = "ablate_neurons"
     path_patch = "path_patch"
+    calibrate_sink = "calibrate_sink"
 
 
 class Method(Name):
@@ -82,6 +86,7 @@ class Method(Name):
     path = "path"
     swap = "swap"
     uniform = "uniform"
+    calibration = "calibration"  # the attention calibration rule of Yu et al. 2024 (ACT)
 
 
 # typed by str: methods arrive as plain strings from configs and callers (members hash as their values)

@@ -1,47 +1,124 @@
-"""Attention sinks per head: how much of a head's attention the first token of the prompt draws.
+"""Attention sinks per head: how much attention the prompt's first token draws, and which later tokens
+draw a disproportionate share (hidden sinks, Yu et al. 2024, "Unveiling and Harnessing Hidden Attention
+Sinks", ICML).
 
-For each prompt, layer and head, over the prompt's real query positions after the first (the first
-token can attend to nothing else, so it would count as a sink query in every head):
-  sink_rate               share of queries putting more than epsilon of their attention on the first token
-  first_token_attention   mean attention on the first token
-Prompts are right-padded (tasks/base.py): the first token is position 0, and real positions are those
-the `attention_mask` marks (every position where the task gives none).
+Prompts are right-padded (tasks/base.py): every prompt's first real token is position 0, and its real
+positions are those the `attention_mask` marks (every position where the task gives none). Per prompt,
+layer and head (SINK_QUANTITIES):
+  sink_rate              share of the real queries after the first that put more than epsilon of their
+                         attention on the first token. The first query is left out: it sees only itself,
+                         so it would be a sink query of every head.
+  first_token_attention  those queries' mean attention on the first token
+  hidden_sink_count      real tokens after the first that are attention sinks by Yu et al.'s rule: the
+                         attention the token receives, averaged over the real queries that see it (those at
+                         or after it, as the authors' code averages), exceeds alpha / N, N the prompt's
+                         real length (their alpha: 5)
+  hidden_sink_share      hidden_sink_count over the prompt's N - 1 tokens after the first
+  hidden_sink_mass       the real queries' (after the first) mean attention on the prompt's hidden sinks
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
+from ..errors import HeadlabError
 from ..models.hooked import HookedModel
 from ..tasks import TaskData
 
-SINK_QUANTITIES = ("sink_rate", "first_token_attention")
+SINK_QUANTITIES = ("sink_rate", "first_token_attention", "hidden_sink_count", "hidden_sink_share", "hidden_sink_mass")
+ALPHA = 5.0  # Yu et al. 2024: a token is an attention sink of a head when it receives more than ALPHA / N
 
 
-def sink_quantities(pattern: Tensor, real: Tensor, epsilon: float) -> Tensor:
-    """pattern [batch, head, query, key], real [batch, pos] bool -> [batch, head, 2]: SINK_QUANTITIES."""
-    on_first = pattern[..., 1:, 0]  # [batch, head, query >= 1]
-    counted = real[:, None, 1:].to(pattern.dtype)
-    n = counted.sum(-1).clamp(min=1)
-    rate = ((on_first > epsilon).to(pattern.dtype) * counted).sum(-1) / n
-    mean = (on_first * counted).sum(-1) / n
-    return torch.stack([rate, mean], dim=-1)
+@dataclass
+class SinkScores:
+    quantities: Tensor  # [layers * heads, prompts, len(SINK_QUANTITIES)], heads layer-major
+    hidden: Tensor  # [prompts, pos]: in how many heads (of every layer) each token is a hidden sink
+    real: Tensor  # [prompts, pos] bool: the real tokens
 
 
-@torch.no_grad()
-def sink_scores(model: HookedModel, data: TaskData, epsilon: float = 0.3, batch_size: int = 16) -> Tensor:
-    """[layers * heads, prompts, 2]: SINK_QUANTITIES per head (layer-major) and prompt."""
+def real_tokens(data: TaskData) -> Tensor:
+    """[prompts, pos] bool: the real tokens of the task's prompts (all, where it gives no mask)."""
     ids = data.inputs["input_ids"]
     mask = data.inputs.get("attention_mask")
     real = (mask if mask is not None else torch.ones_like(ids)).bool()
-    parts = []
-    for start in range(0, ids.shape[0], batch_size):
+    if not real[:, 0].all():
+        raise HeadlabError("sinks: some prompts do not start with a real token; sinks are read on right-padded prompts")
+    return real
+
+
+def hidden_sinks(pattern: Tensor, real: Tensor, alpha: float = ALPHA) -> Tensor:
+    """pattern [batch, head, query, key], real [batch, pos] bool -> [batch, head, key] bool: the real
+    tokens after the first whose attention, averaged over the real queries at or after them, exceeds
+    alpha / N (N: the prompt's real tokens)."""
+    n_pos = pattern.shape[-1]
+    causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=pattern.device).tril()
+    sees = real[:, None, :, None] & causal  # [batch, 1, query, key]
+    received = (pattern * sees).sum(-2) / sees.sum(-2).clamp(min=1)
+    later = real.clone()
+    later[:, 0] = False
+    n = real.sum(-1).to(pattern.dtype)
+    return (received > alpha / n[:, None, None]) & later[:, None, :]
+
+
+def sink_quantities(pattern: Tensor, real: Tensor, epsilon: float, alpha: float = ALPHA) -> Tensor:
+    """pattern [batch, head, query, key], real [batch, pos] bool -> [batch, head, 5]: SINK_QUANTITIES."""
+    later = pattern[..., 1:, :]  # the queries after the first
+    counted = real[:, None, 1:].to(pattern.dtype)
+    n = counted.sum(-1).clamp(min=1)
+    on_first = later[..., 0]
+    rate = ((on_first > epsilon).to(pattern.dtype) * counted).sum(-1) / n
+    mean = (on_first * counted).sum(-1) / n
+    hidden = hidden_sinks(pattern, real, alpha)
+    count = hidden.sum(-1).to(pattern.dtype)
+    share = count / (real.sum(-1) - 1).clamp(min=1)[:, None]
+    on_hidden = (later * hidden[:, :, None, :]).sum(-1)
+    mass = (on_hidden * counted).sum(-1) / n
+    return torch.stack([rate, mean, count, share, mass], dim=-1)
+
+
+@torch.no_grad()
+def sink_scores(
+    model: HookedModel, data: TaskData, epsilon: float = 0.3, alpha: float = ALPHA, batch_size: int = 16
+) -> SinkScores:
+    """SINK_QUANTITIES of every head (layer-major) on every prompt, and where the hidden sinks are."""
+    real = real_tokens(data)
+    parts, hidden = [], []
+    for start in range(0, real.shape[0], batch_size):
         batch = {k: v[start : start + batch_size] for k, v in data.inputs.items()}
+        rows = real[start : start + batch_size]
         with model.sites.record(sites=("pattern",)) as seen:
             model.forward(batch)
-        rows = real[start : start + batch_size]
-        per_layer = [sink_quantities(seen[("pattern", l)].float(), rows, epsilon) for l in range(model.n_layers)]
-        parts.append(torch.stack(per_layer, 1))  # [batch, layer, head, 2]
-    scores = torch.cat(parts).flatten(1, 2)  # [prompts, layers * heads, 2]
-    return scores.transpose(0, 1).cpu()
+        patterns = [seen[("pattern", layer)].float() for layer in range(model.n_layers)]
+        rows = rows.to(patterns[0].device)
+        parts.append(torch.stack([sink_quantities(p, rows, epsilon, alpha) for p in patterns], 1).cpu())
+        hidden.append(torch.stack([hidden_sinks(p, rows, alpha).sum(1) for p in patterns]).sum(0).cpu())
+    quantities = torch.cat(parts).flatten(1, 2)  # [prompts, layers * heads, 5]
+    return SinkScores(quantities.transpose(0, 1), torch.cat(hidden), real.cpu())
+
+
+def most_often(scores: SinkScores, ids: Tensor, n_heads: int, k: int = 5, min_seen: int = 5) -> tuple[list, list]:
+    """The positions and the token ids most often hidden sinks, each [(position or id, share, count)]:
+    count = the (head, prompt) pairs in which it is a hidden sink, share = count over the pairs in which
+    it is a real token after the first; largest share first, among those seen in `min_seen` pairs or more
+    (a position that one long prompt alone reaches says little)."""
+    later = scores.real.clone()
+    later[:, 0] = False
+    hidden = scores.hidden.long() * later
+    at_position = (hidden.sum(0), later.long().sum(0) * n_heads)
+    size = int(ids.max()) + 1
+    flat_ids = ids.cpu()[later]
+    of_token = (
+        torch.zeros(size, dtype=torch.long).index_add_(0, flat_ids, hidden[later]),
+        torch.zeros(size, dtype=torch.long).index_add_(0, flat_ids, torch.ones_like(flat_ids)) * n_heads,
+    )
+    return _top(*at_position, k, min_seen), _top(*of_token, k, min_seen)
+
+
+def _top(count: Tensor, seen: Tensor, k: int, min_seen: int) -> list[tuple[int, float, int]]:
+    share = count.double() / seen.clamp(min=1)
+    share[(seen < min_seen) | (count == 0)] = -1  # too rarely seen to rank, or never a sink
+    order = share.argsort(descending=True)[:k]
+    return [(int(i), float(share[i]), int(count[i])) for i in order if share[i] >= 0]

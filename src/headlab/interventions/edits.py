@@ -7,6 +7,7 @@ The engine, path patching and attribution patching all run a batch that stacks g
   site_index        the index of (prompts, positions, heads) in a site's layout
   edit_heads        the heads an edit touches on a site (k and v: key/value heads)
   apply_edit        one edit on one copy, in place
+  calibrated        a pattern with its first key's attention calibrated (sink calibration)
   edit_hooks        per-site hooks that edit copy i of a stacked batch as chunk[i] says
   copy_edit_hooks   the same with several interventions per copy
   chunk_size        how many copies fit in a memory budget
@@ -32,7 +33,7 @@ from .plan import Edit, Intervention
 
 Position = int | Tensor | None  # every position | one index | one per prompt [n]
 # sources that need no recorded value: the edit makes its replacement from the edited run itself
-UNRECORDED = (Source.zero, Source.head, Source.scale)
+UNRECORDED = (Source.zero, Source.head, Source.scale, Source.calibrate)
 
 
 class Sources:
@@ -182,11 +183,31 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
         factors = torch.tensor(edit.scale, dtype=x.dtype, device=x.device)[heads]
         selected = x[index]
         x[index] = selected * factors.view(1, -1, *([1] * (selected.dim() - 2)))
+    elif edit.source == Source.calibrate:
+        x[index] = calibrated(x[index], edit.scale[0])
     elif edit.source == Source.zero:
         x[index] = 0.0
     else:
         value, value_rows = sources.value(edit.source, site, iv.layer)  # type: ignore[arg-type]
         x[index] = value[site_index(site, value_rows.to(x.device), sources.source_position(iv, edit.source), heads)]
+
+
+def calibrated(pattern: Tensor, factor: float) -> Tensor:
+    """Attention rows [..., key] with the first key as the sink, calibrated by the rule of Yu et al. 2024
+    (ACT): the sink's attention times `factor`, and what it gives up, (1 - factor) times it, added to the
+    other keys in proportion to their attention, so each row still sums to one.
+
+    Prompts are right-padded (tasks/base.py), so key 0 is every prompt's first real token. ACT itself
+    calibrates the hidden sinks (tokens after the first, analysis/sinks.py) and keeps the first; here the
+    first token is the sink. A row with no attention off the sink (the first query, which sees only
+    itself) is left as it is, as the authors' code leaves it."""
+    rows = pattern.to(torch.promote_types(pattern.dtype, torch.float32))
+    sink, rest = rows[..., :1], rows[..., 1:]
+    held = rest.sum(-1, keepdim=True)
+    spread = held > 0
+    gain = torch.where(spread, (1 - factor) * sink / torch.where(spread, held, 1), 0)
+    out = torch.cat([torch.where(spread, sink * factor, sink), rest * (1 + gain)], dim=-1)
+    return out.to(pattern.dtype)
 
 
 def edit_hooks(chunk: Sequence[Intervention], sources: Sources, n: int, n_heads: int) -> dict[str, Hook]:

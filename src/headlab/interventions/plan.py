@@ -13,6 +13,10 @@ layer, each on one site (z, pattern, q, k, v, mlp or neurons):
                                            (`group` labels the set in the table, e.g. recall_top8)
   path_patch                               the head's z <- its reference-run value, seen only by the
                                            receivers (interventions/path.py)
+  calibrate_sink                           the head's pattern: each query's attention on the prompt's
+                                           first token times scale[0], what it gives up shared among
+                                           the other keys in proportion (edits.calibrated; every head
+                                           of the layer if `head` is None)
 An ablation or patch edits z unless `site` names another head site (pattern, q, k, v); it edits every
 position, or `position`, or per prompt the position of the role `token` (e.g. IOI's END).
 Interventions at several layers act together through engine.execute_joint (circuit knockouts).
@@ -82,6 +86,11 @@ class Intervention:
             return swap + ablate
         if kind == Kind.scale_heads:
             return [Edit(Site.z, everyone, Source.scale, scale=self.scale)]
+        if kind == Kind.calibrate_sink:
+            if len(self.scale) != 1:
+                raise ValueError("calibrate_sink needs its factor (scale=(factor,))")
+            heads = everyone if self.head is None else (self.head,)
+            return [Edit(Site.pattern, heads, Source.calibrate, scale=self.scale)]
         raise ValueError(f"unknown intervention '{kind}'")
 
     def row(self) -> dict[str, Any]:
@@ -116,6 +125,14 @@ def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]
     elif sweep == "components":
         out += [Intervention(Kind.ablate_head, method, l, h) for l, h in cells]
         out += [Intervention(kind, method, l) for l in range(n_layers) for kind in (Kind.ablate_layer, Kind.ablate_mlp)]
+    elif sweep == "sink_calibration":
+        factor = float(cfg.ablate.calibration)
+        if not 0.0 <= factor <= 1.0:  # above 1 the other keys could be left with negative attention
+            raise UsageError(f"ablate.calibration is a factor in [0, 1] on the first token's attention, not {factor}")
+        label = f"calibration {factor:g}"  # the factor in the table, where the vector `scale` is not
+        out += [
+            Intervention(Kind.calibrate_sink, Method.calibration, l, h, scale=(factor,), group=label) for l, h in cells
+        ]
     kinds = [option(k) for k in cfg.patch.kinds]
     for patching in (Method.activation, Method.attribution):
         if patching in kinds:

@@ -1,17 +1,23 @@
-"""`headlab run scores=sinks`: each head's sink rate and first-token attention over the task's prompts
-(analysis/sinks.py), with 95% bootstrap intervals over prompts.
+"""`headlab run scores=sinks`: each head's attention sinks over the task's prompts (analysis/sinks.py),
+with 95% bootstrap intervals over prompts.
 
 Rows: intervention "none", method "score", per layer and head; metrics sink_rate (queries with more than
-`scores.epsilon` of their attention on the first token) and first_token_attention.
+`scores.epsilon` of their attention on the first token), first_token_attention, and the hidden sinks of
+Yu et al. 2024 (tokens after the first receiving more than `scores.alpha` / N): hidden_sink_count,
+hidden_sink_share and hidden_sink_mass. meta.json names the top heads of each kind and the positions and
+tokens most often hidden sinks. The calibration of a head's sink is an intervention of the sweep:
+`ablate=sink_calibration`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from .. import results
-from ..analysis.sinks import SINK_QUANTITIES, sink_scores
+from ..analysis.sinks import SINK_QUANTITIES, most_often, sink_scores
 from ..config import Config, option, run_info
 from ..figures.heads import head_name
 from ..tasks import mean_of
@@ -30,17 +36,38 @@ def run(ctx: RunContext) -> pd.DataFrame:
     cfg = ctx.cfg
     model, data = ctx.get_model(), ctx.get_data()
     with ctx.timed("sinks"):
-        scores = sink_scores(model, data, cfg.scores.epsilon)
+        scores = sink_scores(model, data, cfg.scores.epsilon, cfg.scores.alpha)
     labels = [
         {"intervention": "none", "method": "score", "layer": layer, "head": head}
         for layer in range(model.n_layers)
         for head in range(model.n_heads)
     ]
     metrics = {name: mean_of(j) for j, name in enumerate(SINK_QUANTITIES)}
-    quantities = scores.numpy().astype(np.float64)
+    quantities = scores.quantities.numpy().astype(np.float64)
     table = results.tidy(run_info(cfg), labels, quantities, SINK_QUANTITIES, {}, metrics, n_boot=cfg.output.n_boot)
-    rate = scores[..., 0].mean(1)
-    top = rate.argsort(descending=True)[:TOP_HEADS].tolist()
-    ctx.meta["top_sink_heads"] = [f"{head_name(*divmod(i, model.n_heads))} {rate[i].item():.3f}" for i in top]
-    ctx.meta.update({"n_prompts": data.n, "epsilon": cfg.scores.epsilon, "model_family": model.family})
+    mean = scores.quantities.mean(1)  # [heads, quantities]
+    for key, name in (("top_sink_heads", "sink_rate"), ("top_hidden_sink_heads", "hidden_sink_mass")):
+        column = mean[:, SINK_QUANTITIES.index(name)]
+        top = column.argsort(descending=True)[:TOP_HEADS].tolist()
+        ctx.meta[key] = [f"{head_name(*divmod(i, model.n_heads))} {column[i].item():.3f}" for i in top]
+    positions, tokens = most_often(scores, data.inputs["input_ids"], model.n_layers * model.n_heads)
+    ctx.meta["hidden_sink_positions"] = [f"{p}: {share:.3f} ({count})" for p, share, count in positions]
+    ctx.meta["hidden_sink_tokens"] = [
+        f"{_token(model.tokenizer, t)}: {share:.3f} ({count})" for t, share, count in tokens
+    ]
+    ctx.meta.update(
+        {
+            "n_prompts": data.n,
+            "epsilon": cfg.scores.epsilon,
+            "alpha": cfg.scores.alpha,
+            "model_family": model.family,
+        }
+    )
     return table
+
+
+def _token(tokenizer: Any, token_id: int) -> str:
+    """`17 ' the'` with a tokenizer, else the id alone."""
+    if tokenizer is None:
+        return str(token_id)
+    return f"{token_id} {tokenizer.decode([token_id])!r}"
