@@ -211,10 +211,12 @@ def scores(
     table `headlab run scores=<kind>` writes, nothing written here.
 
     kind: sinks (per head, the share of the prompts' queries with more than `epsilon` of their attention on
-    the first token, and its mean attention there) | composition (Q-, K-, V-composition scores of every
-    pair of heads in different layers, from the weights, and each pair's `channels` largest normalised
-    singular values). Options: the scores config's keys (config.py's ScoresConfig), e.g. `epsilon=0.5`,
-    `channels=8`."""
+    the first token, its mean attention there, and the hidden sinks of Yu et al. 2024: later tokens that
+    receive more than `alpha` / N) | composition (Q-, K-, V-composition scores of every pair of heads in
+    different layers, from the weights, and each pair's `channels` largest normalised singular values) |
+    retrieval (task needle: each head's retrieval score of Wu et al. 2024, then needle recall with the
+    `top_k` best heads masked against `n_random` draws of as many other heads). Options: the scores
+    config's keys (config.py's ScoresConfig), e.g. `epsilon=0.5`, `channels=8`, `top_k=2`."""
     overrides = [
         f"task={task.name}",
         f"scores={kind}",

@@ -32,7 +32,9 @@ def choose_model(overrides: Sequence[str]) -> tuple[list[str], str | None]:
         return list(overrides), None
     cfg = compose(overrides)
     task = build_task(cfg.task)
-    if not (option(cfg.model.kind) == "toy" and task.needs_tokenizer):
+    # a task with default models of its own runs on them rather than on the configured toy model: it needs
+    # a tokenizer, or (task needle) a toy model of another shape
+    if not (option(cfg.model.kind) == "toy" and (task.needs_tokenizer or task.default_models)):
         return list(overrides), None
     tried = []
     for candidate in task.default_models:

@@ -4,7 +4,11 @@
                             first-token attention, ...), mean over seeds
   composition_<metric>.png  writer head x reader head matrix of each composition score (rows that name
                             a writer_layer / writer_head), reader heads in later layers only
-Numbers: per score the top head and its value, per composition mode the top pair.
+  retrieval_masking.png     needle recall clean, with the top-k retrieval heads masked and with each
+                            draw of as many random heads masked (rows intervention "mask_heads"), with
+                            95% intervals
+Numbers: per score the top head and its value, per composition mode the top pair, and the needle recall
+clean / top-k masked / random heads masked (mean of the draws).
 """
 
 from __future__ import annotations
@@ -47,6 +51,37 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         numbers[f"top_pair_{metric}"] = f"{head_name(top[0], top[1])}->{head_name(top[2], top[3])}"
         numbers[f"top_value_{metric}"] = float(mean.max())
         _pair_matrix(mean, str(metric), out / f"composition_{FILE_UNSAFE.sub('_', str(metric))}.png")
+    numbers.update(_masking(table, out / "retrieval_masking.png"))
+    return numbers
+
+
+def _masking(table: pd.DataFrame, path: Path) -> dict:
+    """The recall bars of a retrieval study's masking rows; nothing where the table has none."""
+    recall = table[(table["metric"] == "needle_recall") & table["intervention"].isin(["none", "mask_heads"])]
+    if "prompt_id" in recall:
+        recall = recall[recall["prompt_id"].isna()]
+    if not (recall["intervention"] == "mask_heads").any():
+        return {}
+    group = recall["group"].fillna("clean") if "group" in recall else pd.Series("clean", index=recall.index)
+    bars = recall.assign(group=group).groupby("group", sort=False)[["value", "ci_low", "ci_high"]].mean()
+    random = bars[bars.index.str.startswith("random")]
+    top = bars[bars.index.str.startswith("top")]
+    numbers = {"recall_clean": float(bars.loc["clean", "value"]) if "clean" in bars.index else None}
+    numbers["recall_top_masked"] = float(top["value"].iloc[0]) if len(top) else None
+    numbers["recall_random_masked_mean"] = float(random["value"].mean()) if len(random) else None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(3.5, 0.5 * len(bars) + 1.5), 3.0))
+    colours = ["grey" if g == "clean" else "tab:red" if g.startswith("top") else "tab:blue" for g in bars.index]
+    errors = np.vstack([bars["value"] - bars["ci_low"], bars["ci_high"] - bars["value"]]).clip(min=0)
+    ax.bar(range(len(bars)), bars["value"], yerr=errors, color=colours, capsize=2)
+    ax.set_xticks(range(len(bars)), bars.index, rotation=45, ha="right", fontsize=7)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("needle recall")
+    ax.set_title("needle recall with heads masked", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return numbers
 
 

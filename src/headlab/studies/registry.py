@@ -16,9 +16,9 @@ COMMANDS = ("run", "train", "sae")
 
 
 def run_studies() -> list[ModuleType]:
-    from . import circuits, composition, edges, pathnet, sinks, sweep
+    from . import circuits, composition, edges, pathnet, retrieval, sinks, sweep
 
-    return [pathnet, edges, circuits, sinks, composition, sweep]
+    return [pathnet, edges, circuits, sinks, composition, retrieval, sweep]
 
 
 def study_for(command: str, cfg: Config) -> ModuleType:

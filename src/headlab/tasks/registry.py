@@ -15,6 +15,7 @@ def registry() -> dict[str, Callable[[Any], Task]]:
     from .counting import CountingTask
     from .ioi import IOITask
     from .markov import MarkovTask
+    from .needle import NeedleTask
     from .prompts import PromptsTask
     from .recall_reasoning import RecallReasoningTask
     from .text import TextTask
@@ -23,6 +24,7 @@ def registry() -> dict[str, Callable[[Any], Task]]:
         "counting": CountingTask,
         "ioi": IOITask,
         "markov": MarkovTask,
+        "needle": NeedleTask,
         "prompts": PromptsTask,
         "recall_reasoning": RecallReasoningTask,
         "text": TextTask,

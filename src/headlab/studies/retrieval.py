@@ -1,0 +1,124 @@
+"""`headlab run task=needle scores=retrieval`: retrieval heads (Wu et al. 2024, analysis/retrieval.py).
+
+Rows:
+  per head      intervention "none", method "score", metric retrieval_score: the mean over the prompts whose
+                needle recall exceeds `scores.min_recall` (their number is `n`) of copy-paste events /
+                needle length, teacher-forced; 95% bootstrap interval over those prompts
+  masking       the clean run (intervention "none", method "none"), then intervention "mask_heads", method
+                "zero", site "q", group "top{k}" (the `scores.top_k` best heads masked together) and
+                "random{k}_{draw}" (`scores.n_random` draws of k other heads): metrics needle_recall,
+                needle_logprob and needle_recall_drop (clean minus masked, paired over prompts)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .. import results
+from ..analysis.retrieval import (
+    masked_quantities,
+    needle_length,
+    random_heads,
+    retrieval_scores,
+    top_heads,
+)
+from ..config import Config, option, run_info
+from ..errors import HeadlabError, UsageError
+from ..figures.heads import head_name
+from ..tasks import mean_of, nanmean_of
+from ..tasks.needle import NeedleTask
+from .context import RunContext
+
+NAME = "retrieval"
+DEFAULT_FIGURES = "scores"
+TOP_HEADS = 10  # named in meta.json
+
+
+def serves(cfg: Config) -> bool:
+    return option(cfg.scores.kind) == "retrieval"
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    cfg, sc = ctx.cfg, ctx.cfg.scores
+    if sc.n_random < 0:
+        raise UsageError(f"scores.n_random must be 0 or more, not {sc.n_random}")
+    if not isinstance(ctx.get_task(), NeedleTask):  # before a model is loaded or trained for nothing
+        raise UsageError(f"scores=retrieval needs needle-in-a-haystack prompts (task=needle), not task={cfg.task.name}")
+    data = ctx.get_data()
+    model, task = ctx.get_model(), ctx.get_task()
+    n_total = model.n_layers * model.n_heads
+    if not 1 <= sc.top_k <= n_total:
+        raise UsageError(f"scores.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
+    with ctx.timed("retrieval"):
+        found = retrieval_scores(model, data)
+    counted = found.counted(sc.min_recall)
+    if not counted.any():
+        raise HeadlabError(
+            f"scores=retrieval: no prompt's needle recall exceeds scores.min_recall={sc.min_recall} (mean "
+            f"{found.recall.mean():.3f}): {model.name} does not retrieve the needle; -1 counts every prompt"
+        )
+    info = run_info(cfg)
+    scores = found.mean(sc.min_recall)
+    top = top_heads(scores, model.n_heads, sc.top_k)
+    draws, apart = random_heads(model.n_layers, model.n_heads, top, sc.top_k, sc.n_random, cfg.seed)
+    if not apart:
+        ctx.note(f"fewer than {sc.top_k} heads besides the top {sc.top_k}: random draws may include top heads")
+    with ctx.timed("masking"):
+        quantities = masked_quantities(model, task, data, [top, *draws], seed=cfg.seed).cpu().numpy()
+    groups = [f"top{sc.top_k}", *(f"random{sc.top_k}_{d}" for d in range(len(draws)))]
+    table = pd.concat(
+        [
+            _score_rows(found.scores.numpy(), counted.numpy(), model.n_heads, info, cfg.output.n_boot),
+            _mask_rows(quantities, groups, task, data.answers_np(), info, cfg.output.n_boot),
+        ],
+        ignore_index=True,
+    )
+    recall = quantities[..., task.quantities.index("needle_recall")].mean(1)  # [1 + groups]
+    ctx.meta.update(
+        {
+            "top_retrieval_heads": [
+                f"{head_name(*divmod(i, model.n_heads))} {scores[i].item():.3f}"
+                for i in scores.argsort(descending=True, stable=True)[:TOP_HEADS].tolist()
+            ],
+            "masked_top_heads": [head_name(*h) for h in top],
+            "masked_random_heads": [[head_name(*h) for h in heads] for heads in draws],
+            "recall_clean": float(recall[0]),
+            "recall_top_k_masked": float(recall[1]),
+            "recall_random_k_masked": [float(r) for r in recall[2:]],
+            "recall_random_k_masked_mean": float(recall[2:].mean()) if len(draws) else None,
+            "top_k": sc.top_k,
+            "n_random": sc.n_random,
+            "min_recall": sc.min_recall,
+            "n_prompts": data.n,
+            "n_scored_prompts": int(counted.sum()),
+            "needle_len": needle_length(data),
+            "masking": "query zeroed at the copy steps (uniform attention over the context), as Wu et al. mask heads",
+            "model_family": model.family,
+        }
+    )
+    return results.conform(table)
+
+
+def _score_rows(scores: np.ndarray, counted: np.ndarray, n_heads: int, info: dict, n_boot: int) -> pd.DataFrame:
+    """retrieval_score per head: per-prompt scores [heads, n], prompts that do not count left out as NaN."""
+    labels = [
+        {"intervention": "none", "method": "score", "layer": layer, "head": head}
+        for layer, head in (divmod(i, n_heads) for i in range(scores.shape[0]))
+    ]
+    quantities = np.where(counted[None, :], scores, np.nan)[..., None].astype(np.float64)
+    metrics = {"retrieval_score": nanmean_of(0)}
+    rows = results.tidy(info, labels, quantities, ["retrieval_score"], {}, metrics, n_boot=n_boot)
+    return rows.assign(n=int(counted.sum()))
+
+
+def _mask_rows(quantities: np.ndarray, groups: list[str], task, answers: dict, info: dict, n_boot: int) -> pd.DataFrame:
+    """The clean run and each masked group: the task's metrics, and the recall drop paired over prompts."""
+    masked = {"intervention": "mask_heads", "method": "zero", "site": "q"}
+    labels = [{"intervention": "none", "method": "none"}, *({**masked, "group": g} for g in groups)]
+    metrics = results.tidy(info, labels, quantities, task.quantities, answers, task.aggregates, n_boot=n_boot)
+    column = task.quantities.index("needle_recall")
+    drop = (quantities[:1, :, column] - quantities[1:, :, column])[..., None]
+    aggregate = {"needle_recall_drop": mean_of(0)}
+    drops = results.tidy(info, labels[1:], drop, ["needle_recall_drop"], {}, aggregate, n_boot=n_boot)
+    return pd.concat([metrics, drops], ignore_index=True)
