@@ -3,7 +3,7 @@
 Model: a GPT-2-small-shaped GPT2LMHeadModel (12 layers x 12 heads, d_model 768, vocab 50257) with random
 weights (torch seed 0, `--init-range` as GPT2Config.initializer_range; 0.02 is GPT-2's own init std),
 saved with save_pretrained and loaded by headlab (`load_hf`), and the same weights as a TransformerLens
-HookedTransformer built offline (sweep_speed.build_hooked_transformer: raw weights, no LN folding,
+HookedTransformer built offline (bench_models.build_hooked_transformer: raw weights, no LN folding,
 centering or value-bias folding). Edge graph: the EAP-IG / MIB convention (headlab.edges.graph), senders
 input / heads / MLPs, receivers each head's q, k, v inputs, each MLP input and the logits.
 Prompts: `--prompts` random token rows of `--tokens` tokens; each counterfactual is its prompt with
@@ -91,15 +91,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 from torch import Tensor
-from transformers import GPT2Config, GPT2LMHeadModel
 
+from bench_models import D_MODEL, N_HEADS, N_LAYERS, TOKEN_A, TOKEN_B, LogitDiff, build, make_data
 from headlab.edges.attribution import scores
 from headlab.edges.exact import exact_scores
 from headlab.edges.graph import EdgeGraph
-from headlab.models.hf import load_hf
 from headlab.runtime import tune_allocator
 from headlab.tasks import TaskData
-from sweep_speed import D_MODEL, N_HEADS, N_LAYERS, TOKEN_A, TOKEN_B, VOCAB, LogitDiff, build_hooked_transformer
 
 TOLERANCE = 1e-3
 # Peers, checked by hand on 2026-11-23 (a pip dry-run in a throwaway venv takes minutes and the network, too
@@ -121,40 +119,6 @@ PEER_EAP_IG = "hannamw/EAP-IG is not on PyPI (installed from its GitHub reposito
 
 class EdgeLogitDiff(LogitDiff):
     smooth_quantity = "logit_diff"
-
-
-def build(init_range: float, with_tl: bool):
-    """(headlab HookedModel, TransformerLens HookedTransformer or None) with the same random weights."""
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=N_LAYERS,
-        n_head=N_HEADS,
-        n_embd=D_MODEL,
-        vocab_size=VOCAB,
-        n_positions=1024,
-        initializer_range=init_range,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        GPT2LMHeadModel(config).save_pretrained(tmp)
-        hm = load_hf(tmp, name="gpt2-random", need_tokenizer=False)
-    tl = build_hooked_transformer(hm.module) if with_tl else None
-    return hm, tl
-
-
-def make_data(n: int, seq: int, changed: int) -> TaskData:
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (n, seq), generator=gen)
-    corrupt = ids.clone()
-    for row in range(n):
-        where = torch.randperm(seq, generator=gen)[:changed]
-        shift = torch.randint(1, VOCAB, (changed,), generator=gen)
-        corrupt[row, where] = (ids[row, where] + shift) % VOCAB  # a different token
-    return TaskData(
-        inputs={"input_ids": ids},
-        positions=torch.full((n, 1), seq - 1),
-        answers={},
-        counterfactual={"input_ids": corrupt},
-    )
 
 
 def weight_checksum(hm) -> float:

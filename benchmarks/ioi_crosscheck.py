@@ -61,6 +61,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from bench_models import build_hooked_transformer  # the same raw-weight TL GPT-2 as the speed benchmark
 from headlab.config import IOIConfig, PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
@@ -68,7 +69,6 @@ from headlab.models.hf import load_hf
 from headlab.runtime import tune_allocator
 from headlab.tasks import TaskData
 from headlab.tasks.ioi import IOITask
-from sweep_speed import build_hooked_transformer  # the same raw-weight TL GPT-2 as the speed benchmark
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
 TOLERANCE = 1e-4

@@ -1,0 +1,206 @@
+"""The benchmarks' random models, prompts and TransformerLens twins (shared by sweep_speed, circuit_speed,
+ioi_crosscheck).
+
+GPT-2 small's shape (12 layers x 12 heads, d_model 768, vocab 50257) with random weights (torch seed 0), and
+a Llama-3.2-1B-shaped model for the GPU run. Each has a TransformerLens HookedTransformer twin built offline
+from a hand-made HookedTransformerConfig and TransformerLens's own weight conversion, loaded with raw
+weights (no LN folding, centering or value-bias folding), so that zeroing hook_z removes exactly a head's
+term, as zeroing its slice of the attention output projection's input does in the HF model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from importlib.metadata import version
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from headlab.models.hf import load_hf
+from headlab.tasks import Task, TaskData, mean_of
+
+N_LAYERS, N_HEADS, D_MODEL, VOCAB = 12, 12, 768, 50257
+TOKEN_A, TOKEN_B = 5335, 1757  # the metric: logit[A] - logit[B] at the last position
+# Llama 3.2 1B's shape (1.24B parameters, tied embeddings), with a short context: TransformerLens allocates an
+# n_ctx x n_ctx causal mask per layer
+LLAMA_1B = dict(layers=16, heads=32, kv_heads=8, d_model=2048, d_mlp=8192, vocab=128256)
+
+
+class LogitDiff(Task):
+    name = "logit_diff"
+    quantities = ("logit_diff",)
+    smooth_quantity = "logit_diff"  # what attribution patching differentiates
+    aggregates = {"logit_diff": mean_of(0)}
+
+    def per_prompt(self, logits: torch.Tensor, data: TaskData) -> torch.Tensor:
+        return (logits[..., 0, TOKEN_A] - logits[..., 0, TOKEN_B]).unsqueeze(-1)
+
+
+def gpt2_config(init_range: float = 0.02) -> GPT2Config:
+    return GPT2Config(
+        n_layer=N_LAYERS,
+        n_head=N_HEADS,
+        n_embd=D_MODEL,
+        vocab_size=VOCAB,
+        n_positions=1024,
+        initializer_range=init_range,
+    )
+
+
+def save_gpt2(path: str, init_range: float = 0.02) -> GPT2LMHeadModel:
+    """The random GPT-2 (torch seed 0), saved with save_pretrained at `path`; returns it."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(gpt2_config(init_range)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def build(init_range: float, with_tl: bool):
+    """(headlab HookedModel, TransformerLens HookedTransformer or None) with the same random weights."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_gpt2(tmp, init_range)
+        hm = load_hf(tmp, name="gpt2-random", need_tokenizer=False)
+    tl = build_hooked_transformer(hm.module) if with_tl else None
+    return hm, tl
+
+
+def make_data(n: int, seq: int, changed: int) -> TaskData:
+    """`n` random token rows of `seq` tokens (generator seed 1); each counterfactual is its prompt with
+    `changed` random positions given other random tokens (same length). Metrics read the last position."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (n, seq), generator=gen)
+    corrupt = ids.clone()
+    for row in range(n):
+        where = torch.randperm(seq, generator=gen)[:changed]
+        shift = torch.randint(1, VOCAB, (changed,), generator=gen)
+        corrupt[row, where] = (ids[row, where] + shift) % VOCAB  # a different token
+    return TaskData(
+        inputs={"input_ids": ids},
+        positions=torch.full((n, 1), seq - 1),
+        answers={},
+        counterfactual={"input_ids": corrupt},
+    )
+
+
+def tl_gpt2_config(c: GPT2Config, **extra: Any):
+    from transformer_lens import HookedTransformerConfig
+
+    return HookedTransformerConfig(
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size,
+        n_ctx=c.n_positions,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        eps=c.layer_norm_epsilon,
+        default_prepend_bos=False,
+        **extra,
+    )
+
+
+def build_hooked_transformer(hf: GPT2LMHeadModel):
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+
+    cfg = tl_gpt2_config(hf.config)
+    return _raw_weights(cfg, convert_gpt2_weights(hf, cfg))
+
+
+def llama_config(layers: int, heads: int, kv_heads: int, d_model: int, d_mlp: int, vocab: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=d_model,
+        intermediate_size=d_mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d_model // heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def save_llama(path: str, config: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A random Llama (torch seed 0, initialised in float32, stored in `dtype`), saved at `path`."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def tl_llama_config(c: LlamaConfig, dtype: torch.dtype, **extra: Any):
+    """TransformerLens's own mapping of a LlamaForCausalLM config (loading_from_pretrained), by hand."""
+    from transformer_lens import HookedTransformerConfig
+
+    rope = getattr(c, "rope_parameters", None) or {}
+    return HookedTransformerConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        d_head=c.head_dim,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        eps=c.rms_norm_eps,
+        act_fn=c.hidden_act,
+        n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=c.head_dim,
+        rotary_base=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+        final_rms=True,
+        gated_mlp=True,
+        original_architecture="LlamaForCausalLM",
+        default_prepend_bos=False,
+        dtype=dtype,
+        **extra,
+    )
+
+
+def build_hooked_llama(hf: LlamaForCausalLM, dtype: torch.dtype):
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+
+    cfg = tl_llama_config(hf.config, dtype)
+    return _raw_weights(cfg, convert_llama_weights(hf, cfg))
+
+
+def _raw_weights(cfg, state_dict: dict):
+    from transformer_lens import HookedTransformer
+
+    model = HookedTransformer(cfg)
+    model.load_and_process_state_dict(
+        state_dict, fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False
+    )
+    return model.eval()
+
+
+def load_hooked(cfg, weights: str, device: str):
+    """A HookedTransformer from a saved state dict, its weights never allocated twice: built uninitialised,
+    then given the file's (memory-mapped) tensors."""
+    from transformer_lens import HookedTransformer
+
+    model = HookedTransformer(cfg)
+    model.load_state_dict(torch.load(weights, mmap=True), assign=True)
+    return model.to(device).eval()
+
+
+def min_time(fn: Callable[[], Any], repeats: int, device: str = "cpu") -> tuple[float, Any]:
+    """(min seconds over repeats, result of the last call)."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def dist_version(dist: str) -> str:
+    return version(dist)
