@@ -31,7 +31,8 @@ from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
 from .plan import Edit, Intervention
 
-Position = int | Tensor | None  # every position | one index | one per prompt [n]
+Place = int | Tensor | None  # where an intervention edits: every position | one index | one per prompt [n]
+Position = Place | slice  # an index into a site's positions: also a range (a suffix run's)
 # sources that need no recorded value: the edit makes its replacement from the edited run itself
 UNRECORDED = (Source.zero, Source.head, Source.scale, Source.calibrate)
 
@@ -60,6 +61,8 @@ class Sources:
         self.data = data
         self.mean_over = MeanOver(option(mean_over))
         self.kv_head_of = model.sites.kv_head_of
+        self.n_heads = model.n_heads
+        self.shared_prefix = _shared_prefix(data.inputs, data.counterfactual)
         self.values: dict[tuple[str, str], dict[int, Tensor]] = {}
         self.rows: dict[str, Tensor] = {Source.counterfactual: torch.arange(data.n), Source.clean: torch.arange(data.n)}
         wanted = {(src, site) for src, site in needed if src not in UNRECORDED}
@@ -118,7 +121,7 @@ class Sources:
         """(stored values [rows, ...], row of each prompt [n])."""
         return self.values[(source, site)][layer], self.rows[source]
 
-    def position(self, iv: Intervention) -> Position:
+    def position(self, iv: Intervention) -> Place:
         if iv.token is None:
             return iv.position
         if not self.data.token_positions or iv.token not in self.data.token_positions:
@@ -126,13 +129,26 @@ class Sources:
             raise ValueError(f"this task names no position '{iv.token}' (it names: {names})")
         return self.data.token_positions[iv.token]
 
-    def source_position(self, iv: Intervention, source: str) -> Position:
+    def source_position(self, iv: Intervention, source: str) -> Place:
         """Where the replacement value is read: the edited position, except for a role that the
         counterfactual prompts hold elsewhere."""
         moved = self.data.counterfactual_positions or {}
         if source == Source.counterfactual and iv.token in moved:
             return moved[iv.token]
         return self.position(iv)
+
+
+def _shared_prefix(clean: Inputs, other: Inputs | None) -> int:
+    """How many first positions every counterfactual prompt shares with its clean prompt (token ids and
+    mask): the activations there are the clean ones."""
+    if other is None or set(other) != set(clean) or any(other[k].shape != clean[k].shape for k in clean):
+        return 0
+    ids = clean["input_ids"]
+    same = torch.ones(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    for k, v in clean.items():
+        if v.dim() >= 2 and v.shape[:2] == ids.shape[:2]:
+            same &= (v == other[k].to(v.device)).flatten(2).all(-1) if v.dim() > 2 else v == other[k].to(v.device)
+    return int(same.long().cumprod(1).sum(1).min())
 
 
 def _group_sums(t: Tensor, data: TaskData) -> Tensor:
@@ -154,7 +170,7 @@ def site_index(site: str, rows: Tensor, pos: Position, heads: Tensor | None) -> 
     """Index of (prompts `rows`, positions, heads) in a site's layout; the result's dims are
     [n, head, ...] for head sites, [n, ...] for mlp and [n, neuron, ...] for neurons ([n, pos, d_mlp],
     `heads` holding the neuron indices)."""
-    p = slice(None) if pos is None else pos[:, None] if isinstance(pos, Tensor) else pos
+    p = slice(None) if pos is None else pos[:, None] if isinstance(pos, Tensor) else pos  # int or slice as is
     if site == Site.mlp:
         return (rows, pos if isinstance(pos, Tensor) else p)
     r = rows[:, None]
@@ -169,10 +185,16 @@ def edit_heads(site: str, heads: Sequence[int], sources: Sources) -> Tensor:
     return torch.tensor(list(heads), dtype=torch.long)
 
 
-def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources) -> None:
+def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources, offset: int = 0) -> None:
     """Edit one copy [n, ...] in place, in the site's layout (see models/sites.py; mlp [n, pos, d],
-    neurons [n, pos, d_mlp])."""
-    pos = sources.position(iv)
+    neurons [n, pos, d_mlp]). `offset`: x holds positions offset.. (a suffix run); replacement values
+    are read at their own positions all the same."""
+    place, source_place = sources.position(iv), sources.source_position(iv, edit.source)
+    pos: Position = place
+    source_pos: Position = source_place
+    if offset:  # a suffix run: x holds positions offset.., the edit changes nothing before them
+        pos = slice(None) if place is None else place - offset
+        source_pos = slice(offset, None) if source_place is None else source_place
     rows = torch.arange(x.shape[0], device=x.device)
     heads = None if site == Site.mlp else edit_heads(site, edit.heads, sources).to(x.device)
     index = site_index(site, rows, pos, heads)
@@ -189,7 +211,7 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
         x[index] = 0.0
     else:
         value, value_rows = sources.value(edit.source, site, iv.layer)  # type: ignore[arg-type]
-        x[index] = value[site_index(site, value_rows.to(x.device), sources.source_position(iv, edit.source), heads)]
+        x[index] = value[site_index(site, value_rows.to(x.device), source_pos, heads)]
 
 
 def calibrated(pattern: Tensor, factor: float) -> Tensor:
@@ -210,16 +232,32 @@ def calibrated(pattern: Tensor, factor: float) -> Tensor:
     return out.to(pattern.dtype)
 
 
-def edit_hooks(chunk: Sequence[Intervention], sources: Sources, n: int, n_heads: int) -> dict[str, Hook]:
+def edit_hooks(
+    chunk: Sequence[Intervention], sources: Sources, n: int, n_heads: int, offset: int = 0
+) -> dict[str, Hook]:
     """Hooks, per site, that edit copy i of a stacked batch [g*n, ...] as chunk[i] says."""
-    return copy_edit_hooks([[iv] for iv in chunk], sources, n, n_heads)
+    return copy_edit_hooks([[iv] for iv in chunk], sources, n, n_heads, offset)
+
+
+def first_edited(iv: Intervention, sources: Sources) -> int:
+    """The first position an intervention changes in any prompt: its position, or, for a patch of every
+    position from the counterfactual prompts, the first position where they differ from the clean ones
+    (before it the patch writes the clean values back); 0 where it changes every position."""
+    pos = sources.position(iv)
+    if isinstance(pos, Tensor):
+        return int(pos.min())
+    if pos is None:
+        edits = iv.edits(sources.n_heads)
+        return sources.shared_prefix if edits and all(e.source == Source.counterfactual for e in edits) else 0
+    return pos if isinstance(pos, int) and pos >= 0 else 0
 
 
 def copy_edit_hooks(
-    copies: Sequence[Sequence[Intervention]], sources: Sources, n: int, n_heads: int
+    copies: Sequence[Sequence[Intervention]], sources: Sources, n: int, n_heads: int, offset: int = 0
 ) -> dict[str, Hook]:
     """Hooks, per site, that edit copy i of a stacked batch [g*n, ...] with every intervention in
-    copies[i], in order (several interventions on one layer act together)."""
+    copies[i], in order (several interventions on one layer act together); the batch holds positions
+    offset.. (see apply_edit)."""
     per_site: dict[str, list[tuple[int, Intervention, Edit]]] = defaultdict(list)
     for i, ivs in enumerate(copies):
         for iv in ivs:
@@ -230,7 +268,7 @@ def copy_edit_hooks(
         def edit_site(t: Tensor) -> Tensor:
             stacked = t.unflatten(0, (len(copies), n))
             for i, iv, edit in items:
-                apply_edit(stacked[i], site, iv, edit, sources)
+                apply_edit(stacked[i], site, iv, edit, sources, offset)
             return t
 
         return edit_site
@@ -238,9 +276,11 @@ def copy_edit_hooks(
     return {site: hook(site, items) for site, items in per_site.items()}
 
 
-def chunk_size(model: HookedModel, data: TaskData, chunk_mb: float) -> int:
-    """How many stacked copies of the prompts fit in `chunk_mb` of the widest activation."""
+def chunk_size(model: HookedModel, data: TaskData, chunk_mb: float, length: int | None = None) -> int:
+    """How many stacked copies of the prompts (of their `length` last positions; default all) fit in
+    `chunk_mb` of the widest activation."""
     n, seq_len = next(iter(data.inputs.values())).shape[:2]
+    seq_len = seq_len if length is None else length
     bytes_per_copy = n * seq_len * model.width * next(model.module.parameters()).element_size()
     return max(1, int(chunk_mb * 2**20 // bytes_per_copy))
 

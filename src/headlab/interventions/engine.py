@@ -3,7 +3,10 @@
 One clean pass caches the residual stream entering every block. All interventions on layer l then run
 together: the cached input of block l is stacked g times (one copy per intervention), block l edits
 each copy's z as its intervention says, blocks l+1.. run on the stacked batch, and logits are computed
-at the positions the metrics read only. Layers before l are never recomputed. `naive=True` runs one
+at the positions the metrics read only. Layers before l are never recomputed. Where every intervention of
+a chunk edits positions p.. only (a role such as END, an index), positions before p are the clean run's
+in every layer: blocks l.. run on positions p.. alone, attending to the clean keys and values before p
+(HookedModel.run_blocks), on the families that allow it. `naive=True` runs one
 full forward pass per intervention instead: the reference the fast path is tested against.
 
 `execute_joint` applies groups of interventions at several layers together (circuit knockouts): one full
@@ -26,7 +29,7 @@ from ..progress import progress_bar
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
-from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, read_quantities
+from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, first_edited, read_quantities
 from .path import run_path
 from .plan import Intervention
 
@@ -104,30 +107,37 @@ def _run_stacked(
 ) -> list[Tensor]:
     n = data.n
     out: list[Tensor | None] = [None] * len(interventions)
-    trace = model.trace(data.inputs)
+    first_read = int(data.positions.min())
+    suffixes = model.runs_suffixes and any(first_edited(iv, sources) for iv in interventions)
+    trace = model.trace(data.inputs, keep_kv=suffixes)
+
+    def suffix_start(ivs: Sequence[Intervention]) -> int:
+        """Where the run can start: the first position any of `ivs` edits or any metric reads."""
+        return min(first_read, *(first_edited(iv, sources) for iv in ivs)) if suffixes else 0
+
     by_layer: dict[int, list[int]] = defaultdict(list)
     for i, iv in enumerate(interventions):
         if iv.intervention == Kind.none:
             out[i] = task.per_prompt(model.readout(trace.resid_final, data.positions), data)
         else:
             by_layer[iv.layer].append(i)  # type: ignore[index]
-    per_chunk = chunk_size(model, data, chunk_mb)
-    chunks = [
-        (layer, idx[s : s + per_chunk])
-        for layer, idx in sorted(by_layer.items())
-        for s in range(0, len(idx), per_chunk)
-    ]
+    chunks = []
+    for layer, idx in sorted(by_layer.items()):
+        # a layer whose interventions all edit positions p.. alone runs on p..: more copies fit a chunk
+        per_chunk = chunk_size(model, data, chunk_mb, trace.length - suffix_start([interventions[i] for i in idx]))
+        chunks += [(layer, idx[s : s + per_chunk]) for s in range(0, len(idx), per_chunk)]
     with progress_bar("sweep", total=len(chunks), enabled=show_progress) as bar:
         for done, (layer, idx) in enumerate(chunks, 1):
             chunk = [interventions[i] for i in idx]
-            h = trace.resid_pre[layer].repeat(len(chunk), 1, 1)
-            read = data.positions.repeat(len(chunk), 1)
-            fns = edit_hooks(chunk, sources, n, model.n_heads)
+            start = suffix_start(chunk)
+            h = trace.resid_pre[layer][:, start:].repeat(len(chunk), 1, 1)
+            read = (data.positions - start).repeat(len(chunk), 1)
+            fns = edit_hooks(chunk, sources, n, model.n_heads, offset=start)
             # an MLP or neuron edit on the last layer needs the MLP at every position, not only at the
             # read ones (the edit indexes positions of the full sequence)
             only_read = None if any(s in fns for s in MLP_SITES) and layer == model.n_layers - 1 else read
             with model.hooks(layer, **fns):
-                h = model.run_blocks(h, layer, trace, copies=len(chunk), read=only_read)
+                h = model.run_blocks(h, layer, trace, copies=len(chunk), read=only_read, from_position=start)
             quantities = read_quantities(model, task, h, read, data, chunk_mb)
             for j, i in enumerate(idx):
                 out[i] = quantities[j]

@@ -3,7 +3,10 @@
 The sweep engine needs three things from a model, and nothing about its family:
   trace(inputs)                    one clean forward pass that keeps each block's input (the residual
                                    stream) and the extra arguments the block was called with;
-  run_blocks(h, start, trace, g)   blocks start..L-1 on a batch that stacks g copies of the prompts;
+  run_blocks(h, start, trace, g)   blocks start..L-1 on a batch that stacks g copies of the prompts,
+                                   on every position or (families in SUFFIX_FAMILIES, a trace that kept
+                                   keys and values) on positions p.. alone, the clean keys and values of
+                                   the positions before p put in front of the suffix's own;
   readout(h, positions)            final norm + unembedding at the positions the metrics read only.
 
 Besides the head sites (sites.py), every layer with an MLP has two more: "mlp", the MLP's output
@@ -28,6 +31,10 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
 
 Inputs = dict[str, Tensor]
+# Families whose blocks take their positions only through the extra arguments a Trace keeps (masks
+# [batch, 1, query, key], rotary tables [batch, pos, d], position ids [batch, pos]), so that slicing
+# those runs a block on a suffix of positions; checked against full passes in tests/test_prefix.py.
+SUFFIX_FAMILIES = frozenset({"toy", "gpt2", "gpt_neox", "llama", "qwen2", "mistral"})
 
 
 @dataclass
@@ -36,13 +43,46 @@ class Trace:
     resid_pre: list[Tensor]  # [batch, pos, d_model] entering each block
     block_extra: list[tuple[tuple, dict]]  # what else each block was called with (masks, rotary, ...)
     resid_final: Tensor  # leaving the last block
+    kv: list[tuple[Tensor, Tensor]] | None = None  # per layer the clean keys and values, when kept
     _expanded: dict = field(default_factory=dict)
 
-    def extra_for(self, layer: int, copies: int) -> tuple[tuple, dict]:
+    @property
+    def length(self) -> int:
+        return self.resid_pre[0].shape[1]
+
+    def extra_for(self, layer: int, copies: int, start: int = 0) -> tuple[tuple, dict]:
+        """The block's extra arguments for `copies` stacked copies of positions start.. of the prompts."""
         args, kwargs = self.block_extra[layer]
+        if start:
+            memo = self._expanded
+            args, kwargs = _suffix(args, self.length, start, memo), _suffix(kwargs, self.length, start, memo)
         if copies == 1:
             return args, kwargs
         return _expand(args, self.batch, copies, self._expanded), _expand(kwargs, self.batch, copies, self._expanded)
+
+
+def _suffix(obj: Any, length: int, start: int, memo: dict) -> Any:
+    """Positions start.. of every positional tensor: a mask's query rows ([b, 1, q, k]: every key
+    stays), a table's or an id row's positions ([b, pos, ...] and [b, pos]), a position vector ([pos])."""
+    if isinstance(obj, Tensor):
+        key = (id(obj), "suffix", start)
+        if key not in memo:
+            if obj.dim() == 4 and obj.shape[-2:] == (length, length):
+                memo[key] = obj[..., start:, :]
+            elif obj.dim() in (2, 3) and obj.shape[1] == length:
+                memo[key] = obj[:, start:]
+            elif obj.dim() == 1 and obj.shape[0] == length:
+                memo[key] = obj[start:]
+            else:
+                memo[key] = obj
+        return memo[key]
+    if isinstance(obj, tuple):
+        return tuple(_suffix(o, length, start, memo) for o in obj)
+    if isinstance(obj, list):
+        return [_suffix(o, length, start, memo) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _suffix(v, length, start, memo) for k, v in obj.items()}
+    return obj
 
 
 def _expand(obj: Any, batch: int, copies: int, memo: dict) -> Any:
@@ -229,7 +269,14 @@ class HookedModel:
             for handle in handles:
                 handle.remove()
 
-    def trace(self, inputs: Inputs) -> Trace:
+    @property
+    def runs_suffixes(self) -> bool:
+        """Can run_blocks run its blocks on a suffix of positions (SUFFIX_FAMILIES)?"""
+        return self.family in SUFFIX_FAMILIES
+
+    def trace(self, inputs: Inputs, keep_kv: bool = False) -> Trace:
+        """One clean pass keeping each block's input and extra arguments; with `keep_kv`, each layer's
+        keys and values too (what run_blocks needs to run a suffix of positions)."""
         resid_pre: list[Tensor | None] = [None] * self.n_layers
         extra: list[tuple | None] = [None] * self.n_layers
         final: list[Tensor] = []
@@ -250,12 +297,14 @@ class HookedModel:
         handles = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(post_hook))
         try:
-            self.forward_blocks(inputs)
+            with self.sites.record(sites=(Site.k, Site.v) if keep_kv else ()) as kept:
+                self.forward_blocks(inputs)
         finally:
             for h in handles:
                 h.remove()
         batch = next(iter(inputs.values())).shape[0]
-        return Trace(batch, resid_pre, extra, final[-1])  # type: ignore[arg-type]
+        kv = [(kept[(Site.k, l)], kept[(Site.v, l)]) for l in range(self.n_layers)] if keep_kv else None
+        return Trace(batch, resid_pre, extra, final[-1], kv)  # type: ignore[arg-type]
 
     def run_blocks(
         self,
@@ -265,14 +314,25 @@ class HookedModel:
         copies: int = 1,
         read: Tensor | None = None,
         stop: int | None = None,
+        from_position: int = 0,
     ) -> Tensor:
         """Blocks start..stop-1 (default: to the last). With `read` ([batch, P] positions), the last
         block's MLP runs at those positions only: nothing after it reads the others, so their residual
-        is left incomplete."""
+        is left incomplete. With `from_position` p > 0, h holds positions p.. only (runs_suffixes, a
+        trace with keep_kv): each layer attends to the trace's clean keys and values before p, which
+        is exact wherever nothing before p was edited."""
+        if from_position and trace.kv is None:
+            raise ValueError("a suffix of positions needs a trace that kept its keys and values")
         for layer in range(start, self.n_layers if stop is None else stop):
-            args, kwargs = trace.extra_for(layer, copies)
+            args, kwargs = trace.extra_for(layer, copies, from_position)
             mlp = self.mlps[layer] if read is not None and layer == self.n_layers - 1 else None
-            with _only_at(mlp, read):
+            with ExitStack() as stack:
+                stack.enter_context(_only_at(mlp, read))
+                if from_position:
+                    keys, values = trace.kv[layer]  # type: ignore[index]
+                    stack.enter_context(
+                        self.sites.prefixed(layer, keys[:, :, :from_position], values[:, :, :from_position])
+                    )
                 h = _hidden(self.blocks[layer](h, *args, **kwargs))
         return h
 

@@ -9,6 +9,11 @@ Hook signatures (TransformerLens naming and shapes):
   k, v:     [batch, kv_head, pos, d_head]    -> same         (before grouped-query sharing)
   pattern:  [batch, head, query_pos, key_pos] -> same
   z:        [batch, pos, head, d_head]       -> same         (input of the output projection)
+
+A slot's `prefix` (clean keys and values of the positions before a suffix, [batch, kv_head, p, d_head],
+one for all the stacked copies of the prompts) lets a block run on positions p.. alone: its keys and
+values come before the suffix's own, and its attention mask has the rows of the suffix's queries over
+every key (HookedModel.run_blocks).
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ class LayerSlot:
     v: Hook | None = None
     pattern: Hook | None = None
     z: Hook | None = None
+    prefix: tuple[Tensor, Tensor] | None = None  # clean (keys, values) of the positions before the suffix
+
+
+def prefix_length(module: nn.Module) -> int:
+    """How many positions come before the ones an attention module computes now (0: all of them)."""
+    slot: LayerSlot | None = getattr(module, "headlab_slot", None)
+    return 0 if slot is None or slot.prefix is None else slot.prefix[0].shape[2]
 
 
 def headlab_attention(
@@ -57,28 +69,48 @@ def headlab_attention(
             key = slot.k(key)
         if slot.v is not None:
             value = slot.v(value)
+    prefix = None if slot is None else slot.prefix
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+        if prefix is not None:
+            prefix = (prefix[0].repeat_interleave(n_rep, dim=1), prefix[1].repeat_interleave(n_rep, dim=1))
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    if prefix is not None:
+        scores = torch.cat([per_copy(query, prefix[0].transpose(-1, -2)), scores], dim=-1)
+    scores = scores * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], torch.finfo(scores.dtype).min)
+            scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], torch.finfo(scores.dtype).min)
         else:
-            scores = scores + attention_mask[..., : key.shape[-2]]
+            scores = scores + attention_mask[..., : scores.shape[-1]]
     # at least float32 (as HF's eager attention), but never below the model's own precision
     pattern = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
     if slot is not None and slot.pattern is not None:
         pattern = slot.pattern(pattern)
     if dropout and module.training:
         pattern = nn.functional.dropout(pattern, p=dropout)
+    if prefix is not None:  # one product over every key, as a full pass sums them
+        copies = value.shape[0] // prefix[1].shape[0]
+        value = torch.cat([prefix[1].repeat(copies, 1, 1, 1), value], dim=2)
     z = torch.matmul(pattern, value).transpose(1, 2)
     if slot is not None and slot.z is not None:
         z = slot.z(z)
     return z.contiguous(), pattern
+
+
+def per_copy(a: Tensor, b: Tensor) -> Tensor:
+    """a [g * batch, head, S, x] @ b [batch, head, x, m] -> [g * batch, head, S, m]: b shared by the g
+    stacked copies (group-major) of a, multiplied without repeating it g times: the copies are folded
+    into the rows of one product per prompt and head."""
+    batch, heads, rows = b.shape[0], a.shape[1], a.shape[2]
+    copies = a.shape[0] // batch
+    folded = a.unflatten(0, (copies, batch)).permute(1, 2, 0, 3, 4).reshape(batch, heads, copies * rows, -1)
+    out = torch.matmul(folded, b)
+    return out.unflatten(2, (copies, rows)).permute(2, 0, 1, 3, 4).reshape(copies * batch, heads, rows, -1)
 
 
 @dataclass
@@ -134,6 +166,16 @@ class HeadSites:
         finally:
             for name, fn in saved.items():
                 setattr(slot, name, fn)
+
+    @contextmanager
+    def prefixed(self, layer: int, keys: Tensor, values: Tensor) -> Iterator[None]:
+        """The layer's attention runs on a suffix of positions, after these clean keys and values."""
+        slot = self.slots[layer]
+        slot.prefix = (keys, values)
+        try:
+            yield
+        finally:
+            slot.prefix = None
 
     @contextmanager
     def record(self, sites: tuple[str, ...] = (Site.z,), layers: list[int] | None = None) -> Iterator[dict]:

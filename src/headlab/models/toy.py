@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ..errors import HeadlabError
 from .hooked import HookedModel
-from .sites import HeadSites, headlab_attention
+from .sites import HeadSites, headlab_attention, prefix_length
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -70,9 +70,12 @@ class ToyAttention(nn.Module):
         b, t, _ = x.shape
         split = lambda y: y.view(b, t, self.cfg.n_heads, self.cfg.d_head).transpose(1, 2)  # noqa: E731
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        start = prefix_length(self)  # x holds positions start.. (HeadSites.prefixed)
         if self.cfg.pos_emb == "rotary":
-            q, k = _rotate(q, self.cos[:t], self.sin[:t]), _rotate(k, self.cos[:t], self.sin[:t])
-        z, _ = headlab_attention(self, q, k, v, self.mask[:t, :t], scaling=self.cfg.d_head**-0.5)
+            cos, sin = self.cos[start : start + t], self.sin[start : start + t]
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        mask = self.mask[start : start + t, : start + t]
+        z, _ = headlab_attention(self, q, k, v, mask, scaling=self.cfg.d_head**-0.5)
         return self.o(z.reshape(b, t, -1))
 
 
