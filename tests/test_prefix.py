@@ -108,6 +108,16 @@ def test_positioned_edits_on_a_suffix_equal_full_passes_on_hf(family, tiny_hf_di
     check(load_hf(str(tiny_hf_dir(family)), need_tokenizer=False), vocab=50257)
 
 
+def test_positioned_edits_on_a_suffix_equal_full_passes_on_mistral_with_a_sliding_window(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    config = MistralConfig(**small, intermediate_size=128, vocab_size=50257, sliding_window=4)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    check(load_hf(str(tmp_path), need_tokenizer=False), vocab=50257)
+
+
 @pytest.mark.parametrize("family", ["toy", "llama"])
 def test_patching_every_position_from_a_prompt_sharing_a_prefix_runs_after_it(family, tiny_hf_dir):
     """The counterfactual prompts differ from the clean ones from position 5 on: a patch of every
