@@ -148,25 +148,24 @@ def _toy(n_layers=2, d_mlp=32, seed=0):
     return hooked_toy(model.eval(), "toy")
 
 
-def _calibration_plan(model, factor):
-    cfg = OmegaConf.create(
-        {"ablate": {"sweep": "sink_calibration", "method": "zero", "calibration": factor}, "patch": PatchConfig()}
-    )
-    return plan(cfg, model.n_layers, model.n_heads)
+def _calibration_plan(model, factor, sinks="first", alpha=5.0):
+    ablate = {"sweep": "sink_calibration", "method": "zero", "calibration": factor, "sinks": sinks, "sink_alpha": alpha}
+    return plan(OmegaConf.create({"ablate": ablate, "patch": PatchConfig()}), model.n_layers, model.n_heads)
 
 
-def test_the_calibration_sweep_batched_equals_naive_and_factor_one_equals_clean():
+@pytest.mark.parametrize("sinks", ["first", "hidden"])
+def test_the_calibration_sweep_batched_equals_naive_and_factor_one_equals_clean(sinks):
     model = _toy()
     task = CountingTask(counting_cfg())
     data = task.build(40, seed=1)
-    ivs = _calibration_plan(model, 0.4)
+    ivs = _calibration_plan(model, 0.4, sinks, alpha=1.5)  # a low alpha: every head has hidden sinks here
     assert len(ivs) == 1 + 6 and {iv.group for iv in ivs[1:]} == {"calibration 0.4"}
     fast = execute(model, task, data, ivs, chunk_mb=40 * 27 * 32 * 4 * 2 / 2**20)  # two copies a chunk
     slow = execute(model, task, data, ivs, naive=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
     margin = task.quantities.index("label_margin")
     assert ((fast[1:, :, margin] - fast[0, :, margin]).abs().amax(1) > 1e-3).all()
-    unchanged = execute(model, task, data, _calibration_plan(model, 1.0))
+    unchanged = execute(model, task, data, _calibration_plan(model, 1.0, sinks, alpha=1.5))
     torch.testing.assert_close(unchanged[1:], unchanged[:1].expand_as(unchanged[1:]), atol=1e-5, rtol=0)
 
 
@@ -182,6 +181,60 @@ def test_the_calibration_sweep_batched_equals_naive_on_hf(family, tiny_hf_dir):
     slow = execute(model, _LastTokenTask(), data, ivs, naive=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
     assert (fast[1:] - fast[0]).abs().amax() > 1e-4
+
+
+def test_calibrated_rows_with_hidden_sinks_by_hand():
+    rows = torch.tensor([[1.0, 0, 0, 0], [0.2, 0.8, 0, 0], [0.1, 0.6, 0.3, 0], [0.1, 0.5, 0.2, 0.2]])
+    sinks = torch.tensor([False, True, False, False])
+    got = calibrated(rows, 0.5, sinks)
+    # key 1 halved, what it frees shared by the other keys in proportion: row 1 frees 0.4 onto 0.2 (x 3),
+    # row 2 0.3 onto 0.4 (x 1.75), row 3 0.25 onto 0.5 (x 1.5); row 0 has nothing on the sink
+    expected = torch.tensor([[1.0, 0, 0, 0], [0.6, 0.4, 0, 0], [0.175, 0.3, 0.525, 0], [0.15, 0.25, 0.3, 0.3]])
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got.sum(-1), torch.ones(4))
+
+
+def test_calibrating_the_hidden_sinks_of_the_planted_head_equals_hand_computation():
+    """Head 1 of the planted model attends to the SINK_TOKEN wherever it stands: a hidden sink by the rule
+    written out here, calibrated in head 1 only; the model computed from its weights without HeadSites.
+    (With the planted sink at full strength the other keys hold ~1e-9 of the attention, and sharing the
+    freed attention in proportion to them amplifies their rounding.)"""
+    from test_engine import _LastTokenTask
+
+    model, beta, alpha = planted_sink_model(), 0.4, 5.0
+    net = model.module
+    with torch.no_grad():  # a milder sink (about half the attention): the rule is then well conditioned
+        net.blocks[0].attn.q.bias[4] = 0.5
+        net.blocks[0].attn.v.weight[4:8] *= 100  # and a head whose output moves the logits
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, SINK_TOKEN, (16, 12), generator=gen)
+    where = torch.randint(1, 9, (16,), generator=gen)
+    ids[torch.arange(16), where] = SINK_TOKEN
+    data = TaskData(inputs={"input_ids": ids}, positions=torch.full((16, 1), 11), answers={})
+    with torch.no_grad():
+        x = net.embed.weight[ids] + net.pos.weight[:12]
+        a = net.blocks[0].attn
+        q, k, v = ((x @ lin.weight.T + lin.bias).unflatten(-1, (2, 4)) for lin in (a.q, a.k, a.v))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+        pattern = scores.masked_fill(torch.ones(12, 12).triu(1).bool(), float("-inf")).softmax(-1)
+        for i in range(16):
+            p = pattern[i, 1]
+            sinks = [j for j in range(1, 12) if p[j:, j].mean() > alpha / 12]
+            assert int(where[i]) in sinks
+            for row in range(1, 12):
+                held = p[row, sinks].sum()
+                rest = 1 - held
+                if rest > 0:
+                    others = [j for j in range(12) if j not in sinks]
+                    p[row, others] *= 1 + (1 - beta) * held / rest
+                    p[row, sinks] *= beta
+        z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+        resid = x + z.flatten(2) @ a.o.weight.T + a.o.bias
+        expected = _LastTokenTask().per_prompt(net.unembed(resid)[:, 11:], data)
+    ivs = [CLEAN, Intervention("calibrate_sink", "calibration_hidden", 0, 1, scale=(beta, alpha))]
+    got = execute(model, _LastTokenTask(), data, ivs)
+    torch.testing.assert_close(got[1], expected, atol=1e-4, rtol=0)
+    assert (got[1] - got[0]).abs().max() > 2e-2
 
 
 def test_calibrating_one_head_equals_hand_computation():

@@ -62,6 +62,11 @@ class AblateSweep(str, Enum):
     sink_calibration = "sink_calibration"
 
 
+class SinkChoice(str, Enum):
+    first = "first"
+    hidden = "hidden"
+
+
 class AblateMethod(str, Enum):
     zero = "zero"
     mean = "mean"
@@ -227,9 +232,13 @@ class AblateConfig:
     sweep: AblateSweep = AblateSweep.none
     method: AblateMethod = AblateMethod.zero
     mean_over: MeanOver = MeanOver.positions  # method=mean: what the mean is taken over (padding never counts)
-    # sink_calibration: the factor (Yu et al.'s beta, 0.4) on each query's attention to the first token,
-    # in [0, 1]; 1 changes nothing
+    # sink_calibration: the factor (Yu et al.'s beta, 0.4) on each query's attention to the sinks, in
+    # [0, 1]; 1 changes nothing
     calibration: float = 0.4
+    # sink_calibration: which keys are sinks: first (the prompt's first token) | hidden (each head's hidden
+    # sinks in each prompt, tokens after the first receiving more than sink_alpha / N: ACT's own choice)
+    sinks: SinkChoice = SinkChoice.first
+    sink_alpha: float = 5.0
 
 
 @dataclass
@@ -449,6 +458,8 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("train", "loss_positions"): LossPositions.all.name,
     ("task", "facts_style"): "statements",
     ("ablate", "calibration"): 0.4,
+    ("ablate", "sinks"): "first",
+    ("ablate", "sink_alpha"): 5.0,
 }
 
 

@@ -55,6 +55,7 @@ class Source(Name):
     # the site's own pattern, its first key's attention times a factor and what that gives up shared among
     # the other keys in proportion to their attention (sink calibration, interventions/edits.py)
     calibrate = "calibrate"
+    calibrate_hidden = "calibrate_hidden"  # the same with the head's hidden sinks (analysis/sinks.py) as sinks
 
 
 class Kind(Name):
@@ -86,7 +87,8 @@ class Method(Name):
     path = "path"
     swap = "swap"
     uniform = "uniform"
-    calibration = "calibration"  # the attention calibration rule of Yu et al. 2024 (ACT)
+    calibration = "calibration"  # the attention calibration rule of Yu et al. 2024 (ACT), on the first token
+    calibration_hidden = "calibration_hidden"  # the same on each head's hidden sinks, as ACT itself
 
 
 # typed by str: methods arrive as plain strings from configs and callers (members hash as their values)

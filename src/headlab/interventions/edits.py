@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..analysis.sinks import hidden_sinks, real_tokens
 from ..config import MeanOver, option
 from ..errors import UsageError
 from ..models.hooked import HookedModel
@@ -34,7 +35,7 @@ from .plan import Edit, Intervention
 Place = int | Tensor | None  # where an intervention edits: every position | one index | one per prompt [n]
 Position = Place | slice  # an index into a site's positions: also a range (a suffix run's)
 # sources that need no recorded value: the edit makes its replacement from the edited run itself
-UNRECORDED = (Source.zero, Source.head, Source.scale, Source.calibrate)
+UNRECORDED = (Source.zero, Source.head, Source.scale, Source.calibrate, Source.calibrate_hidden)
 
 
 class Sources:
@@ -116,6 +117,10 @@ class Sources:
         # a position that no reference prompt of a group reaches keeps a zero mean (nothing edits it there)
         means = _group_sums(sums, self.data) / _group_sums(counts, self.data).clamp_min(1)
         return means.to(t.dtype).expand(*means.shape[:axis], t.shape[axis], *means.shape[axis + 1 :])
+
+    def real_tokens(self) -> Tensor:
+        """[n, pos] bool: the clean prompts' real tokens."""
+        return real_tokens(self.data)
 
     def value(self, source: str, site: str, layer: int) -> tuple[Tensor, Tensor]:
         """(stored values [rows, ...], row of each prompt [n])."""
@@ -207,6 +212,10 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
         x[index] = selected * factors.view(1, -1, *([1] * (selected.dim() - 2)))
     elif edit.source == Source.calibrate:
         x[index] = calibrated(x[index], edit.scale[0])
+    elif edit.source == Source.calibrate_hidden:
+        pattern = x[index]
+        real = sources.real_tokens().to(pattern.device)
+        x[index] = calibrated(pattern, edit.scale[0], hidden_sinks(pattern, real, edit.scale[1])[:, :, None, :])
     elif edit.source == Source.zero:
         x[index] = 0.0
     else:
@@ -214,22 +223,25 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
         x[index] = value[site_index(site, value_rows.to(x.device), source_pos, heads)]
 
 
-def calibrated(pattern: Tensor, factor: float) -> Tensor:
-    """Attention rows [..., key] with the first key as the sink, calibrated by the rule of Yu et al. 2024
-    (ACT): the sink's attention times `factor`, and what it gives up, (1 - factor) times it, added to the
-    other keys in proportion to their attention, so each row still sums to one.
+def calibrated(pattern: Tensor, factor: float, sinks: Tensor | None = None) -> Tensor:
+    """Attention rows [..., key] calibrated by the rule of Yu et al. 2024 (ACT): the attention on the sink
+    keys times `factor`, and what they give up, (1 - factor) times it, added to the other keys in
+    proportion to their attention, so each row still sums to one.
 
-    Prompts are right-padded (tasks/base.py), so key 0 is every prompt's first real token. ACT itself
-    calibrates the hidden sinks (tokens after the first, analysis/sinks.py) and keeps the first; here the
-    first token is the sink. A row with no attention off the sink (the first query, which sees only
-    itself) is left as it is, as the authors' code leaves it."""
+    sinks: a bool mask broadcastable to the rows (ACT: the head's hidden sinks, analysis/sinks.py);
+    default the first key, which on right-padded prompts (tasks/base.py) is every prompt's first real
+    token. A row with no attention off the sinks (the first query, which sees only itself) is left as it
+    is, as the authors' code leaves it."""
     rows = pattern.to(torch.promote_types(pattern.dtype, torch.float32))
-    sink, rest = rows[..., :1], rows[..., 1:]
-    held = rest.sum(-1, keepdim=True)
+    if sinks is None:
+        sinks = torch.zeros(rows.shape[-1], dtype=torch.bool, device=rows.device)
+        sinks[0] = True
+    on_sinks = rows * sinks
+    held = (rows - on_sinks).sum(-1, keepdim=True)
     spread = held > 0
-    gain = torch.where(spread, (1 - factor) * sink / torch.where(spread, held, 1), 0)
-    out = torch.cat([torch.where(spread, sink * factor, sink), rest * (1 + gain)], dim=-1)
-    return out.to(pattern.dtype)
+    gain = torch.where(spread, (1 - factor) * on_sinks.sum(-1, keepdim=True) / torch.where(spread, held, 1), 0)
+    out = torch.where(sinks, rows * factor, rows * (1 + gain))
+    return torch.where(spread, out, rows).to(pattern.dtype)
 
 
 def edit_hooks(

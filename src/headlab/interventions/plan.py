@@ -14,9 +14,10 @@ layer, each on one site (z, pattern, q, k, v, mlp or neurons):
   path_patch                               the head's z <- its reference-run value, seen only by the
                                            receivers (interventions/path.py)
   calibrate_sink                           the head's pattern: each query's attention on the prompt's
-                                           first token times scale[0], what it gives up shared among
-                                           the other keys in proportion (edits.calibrated; every head
-                                           of the layer if `head` is None)
+                                           first token (method calibration_hidden: on the head's hidden
+                                           sinks, by alpha = scale[1]) times scale[0], what it gives up
+                                           shared among the other keys in proportion (edits.calibrated;
+                                           every head of the layer if `head` is None)
 An ablation or patch edits z unless `site` names another head site (pattern, q, k, v); it edits every
 position, or `position`, or per prompt the position of the role `token` (e.g. IOI's END).
 Interventions at several layers act together through engine.execute_joint (circuit knockouts).
@@ -87,10 +88,12 @@ class Intervention:
         if kind == Kind.scale_heads:
             return [Edit(Site.z, everyone, Source.scale, scale=self.scale)]
         if kind == Kind.calibrate_sink:
-            if len(self.scale) != 1:
-                raise ValueError("calibrate_sink needs its factor (scale=(factor,))")
+            hidden = self.method == Method.calibration_hidden
+            if len(self.scale) != 1 + hidden:
+                raise ValueError(f"calibrate_sink needs scale=(factor{', alpha' if hidden else ''})")
             heads = everyone if self.head is None else (self.head,)
-            return [Edit(Site.pattern, heads, Source.calibrate, scale=self.scale)]
+            source = Source.calibrate_hidden if hidden else Source.calibrate
+            return [Edit(Site.pattern, heads, source, scale=self.scale)]
         raise ValueError(f"unknown intervention '{kind}'")
 
     def row(self) -> dict[str, Any]:
@@ -129,10 +132,14 @@ def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]
         factor = float(cfg.ablate.calibration)
         if not 0.0 <= factor <= 1.0:  # above 1 the other keys could be left with negative attention
             raise UsageError(f"ablate.calibration is a factor in [0, 1] on the first token's attention, not {factor}")
+        hidden = option(cfg.ablate.sinks) == "hidden"
+        if hidden and not cfg.ablate.sink_alpha > 0:
+            raise UsageError(f"ablate.sink_alpha must be positive, not {cfg.ablate.sink_alpha}")
         label = f"calibration {factor:g}"  # the factor in the table, where the vector `scale` is not
-        out += [
-            Intervention(Kind.calibrate_sink, Method.calibration, l, h, scale=(factor,), group=label) for l, h in cells
-        ]
+        method, scale = (
+            (Method.calibration_hidden, (factor, cfg.ablate.sink_alpha)) if hidden else (Method.calibration, (factor,))
+        )
+        out += [Intervention(Kind.calibrate_sink, method, l, h, scale=scale, group=label) for l, h in cells]
     kinds = [option(k) for k in cfg.patch.kinds]
     for patching in (Method.activation, Method.attribution):
         if patching in kinds:
