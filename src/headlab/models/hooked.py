@@ -52,55 +52,52 @@ class Trace:
 
     def extra_for(self, layer: int, copies: int, start: int = 0) -> tuple[tuple, dict]:
         """The block's extra arguments for `copies` stacked copies of positions start.. of the prompts."""
-        args, kwargs = self.block_extra[layer]
+        extra = self.block_extra[layer]
         if start:
-            memo = self._expanded
-            args, kwargs = _suffix(args, self.length, start, memo), _suffix(kwargs, self.length, start, memo)
-        if copies == 1:
-            return args, kwargs
-        return _expand(args, self.batch, copies, self._expanded), _expand(kwargs, self.batch, copies, self._expanded)
+            extra = _each_tensor(extra, lambda t: self._memo(_suffix, t, self.length, start))
+        if copies > 1:
+            extra = _each_tensor(extra, lambda t: self._memo(_repeat, t, self.batch, copies))
+        return extra
+
+    def _memo(self, fn: Callable[..., Tensor], t: Tensor, *args: int) -> Tensor:
+        """fn(t, *args), made once per trace: the same masks and tables serve every chunk."""
+        key = (id(t), fn.__name__, *args)
+        if key not in self._expanded:
+            self._expanded[key] = fn(t, *args)
+        return self._expanded[key]
 
 
-def _suffix(obj: Any, length: int, start: int, memo: dict) -> Any:
-    """Positions start.. of every positional tensor: a mask's query rows ([b, 1, q, k]: every key
-    stays), a table's or an id row's positions ([b, pos, ...] and [b, pos]), a position vector ([pos])."""
+def _each_tensor(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """obj with fn applied to every tensor inside its tuples, lists and dicts."""
     if isinstance(obj, Tensor):
-        key = (id(obj), "suffix", start)
-        if key not in memo:
-            if obj.dim() == 4 and obj.shape[-2:] == (length, length):
-                memo[key] = obj[..., start:, :]
-            elif obj.dim() in (2, 3) and obj.shape[1] == length:
-                memo[key] = obj[:, start:]
-            elif obj.dim() == 1 and obj.shape[0] == length:
-                memo[key] = obj[start:]
-            else:
-                memo[key] = obj
-        return memo[key]
+        return fn(obj)
     if isinstance(obj, tuple):
-        return tuple(_suffix(o, length, start, memo) for o in obj)
+        return tuple(_each_tensor(o, fn) for o in obj)
     if isinstance(obj, list):
-        return [_suffix(o, length, start, memo) for o in obj]
+        return [_each_tensor(o, fn) for o in obj]
     if isinstance(obj, dict):
-        return {k: _suffix(v, length, start, memo) for k, v in obj.items()}
+        return {k: _each_tensor(v, fn) for k, v in obj.items()}
     return obj
 
 
-def _expand(obj: Any, batch: int, copies: int, memo: dict) -> Any:
-    """Repeat every batch-shaped tensor `copies` times along dim 0 (group-major, like h.repeat)."""
-    if isinstance(obj, Tensor):
-        if obj.dim() == 0 or obj.shape[0] != batch:
-            return obj
-        key = (id(obj), copies)
-        if key not in memo:
-            memo[key] = obj.repeat(copies, *([1] * (obj.dim() - 1)))
-        return memo[key]
-    if isinstance(obj, tuple):
-        return tuple(_expand(o, batch, copies, memo) for o in obj)
-    if isinstance(obj, list):
-        return [_expand(o, batch, copies, memo) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _expand(v, batch, copies, memo) for k, v in obj.items()}
-    return obj
+def _suffix(t: Tensor, length: int, start: int) -> Tensor:
+    """Positions start.. of a positional tensor: a mask's query rows ([b, 1, q, k]: every key stays), a
+    table's or an id row's positions ([b, pos, ...] and [b, pos]), a position vector ([pos]); any other
+    tensor as it is."""
+    if t.dim() == 4 and t.shape[-2:] == (length, length):
+        return t[..., start:, :]
+    if t.dim() in (2, 3) and t.shape[1] == length:
+        return t[:, start:]
+    if t.dim() == 1 and t.shape[0] == length:
+        return t[start:]
+    return t
+
+
+def _repeat(t: Tensor, batch: int, copies: int) -> Tensor:
+    """A batch-shaped tensor repeated `copies` times along dim 0 (group-major, like h.repeat)."""
+    if t.dim() == 0 or t.shape[0] != batch:
+        return t
+    return t.repeat(copies, *([1] * (t.dim() - 1)))
 
 
 class HookedModel:
