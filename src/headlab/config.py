@@ -57,7 +57,7 @@ class AblateSweep(str, Enum):
     components = "components"  # each head, each layer's attention output, each layer's MLP output
     # recall vs reasoning: components and MLP neuron groups, head patching, selectivity, circuit knockouts
     circuits = "circuits"
-    # each head's attention on the prompt's first token times ablate.calibration, what that gives up shared
+    # each head's attention on its sinks (ablate.sinks) times ablate.calibration, what that gives up shared
     # among its other keys in proportion (the calibration rule of Yu et al. 2024, ACT)
     sink_calibration = "sink_calibration"
 

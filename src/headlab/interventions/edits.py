@@ -7,7 +7,7 @@ The engine, path patching and attribution patching all run a batch that stacks g
   site_index        the index of (prompts, positions, heads) in a site's layout
   edit_heads        the heads an edit touches on a site (k and v: key/value heads)
   apply_edit        one edit on one copy, in place
-  calibrated        a pattern with its first key's attention calibrated (sink calibration)
+  calibrated        a pattern with its sinks' attention calibrated (sink calibration)
   edit_hooks        per-site hooks that edit copy i of a stacked batch as chunk[i] says
   copy_edit_hooks   the same with several interventions per copy
   chunk_size        how many copies fit in a memory budget
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -63,7 +64,6 @@ class Sources:
         self.mean_over = MeanOver(option(mean_over))
         self.kv_head_of = model.sites.kv_head_of
         self.n_heads = model.n_heads
-        self.shared_prefix = _shared_prefix(data.inputs, data.counterfactual)
         self.values: dict[tuple[str, str], dict[int, Tensor]] = {}
         self.rows: dict[str, Tensor] = {Source.counterfactual: torch.arange(data.n), Source.clean: torch.arange(data.n)}
         wanted = {(src, site) for src, site in needed if src not in UNRECORDED}
@@ -118,9 +118,10 @@ class Sources:
         means = _group_sums(sums, self.data) / _group_sums(counts, self.data).clamp_min(1)
         return means.to(t.dtype).expand(*means.shape[:axis], t.shape[axis], *means.shape[axis + 1 :])
 
-    def real_tokens(self) -> Tensor:
-        """[n, pos] bool: the clean prompts' real tokens."""
-        return real_tokens(self.data)
+    @cached_property
+    def shared_prefix(self) -> int:
+        """How many first positions every counterfactual prompt shares with its clean prompt."""
+        return _shared_prefix(self.data.inputs, self.data.counterfactual)
 
     def value(self, source: str, site: str, layer: int) -> tuple[Tensor, Tensor]:
         """(stored values [rows, ...], row of each prompt [n])."""
@@ -214,7 +215,7 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
         x[index] = calibrated(x[index], edit.scale[0])
     elif edit.source == Source.calibrate_hidden:
         pattern = x[index]
-        real = sources.real_tokens().to(pattern.device)
+        real = real_tokens(sources.data).to(pattern.device)
         x[index] = calibrated(pattern, edit.scale[0], hidden_sinks(pattern, real, edit.scale[1])[:, :, None, :])
     elif edit.source == Source.zero:
         x[index] = 0.0

@@ -131,7 +131,7 @@ def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]
     elif sweep == "sink_calibration":
         factor = float(cfg.ablate.calibration)
         if not 0.0 <= factor <= 1.0:  # above 1 the other keys could be left with negative attention
-            raise UsageError(f"ablate.calibration is a factor in [0, 1] on the first token's attention, not {factor}")
+            raise UsageError(f"ablate.calibration is a factor in [0, 1] on the sinks' attention, not {factor}")
         hidden = option(cfg.ablate.sinks) == "hidden"
         if hidden and not cfg.ablate.sink_alpha > 0:
             raise UsageError(f"ablate.sink_alpha must be positive, not {cfg.ablate.sink_alpha}")
