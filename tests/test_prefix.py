@@ -145,3 +145,32 @@ def test_an_edit_at_every_position_runs_the_whole_sequence():
     ivs = [CLEAN, Intervention("ablate_head", "zero", 1, 0), Intervention("ablate_head", "zero", 1, 1, token="END")]
     execute(model, LastRealToken(), prompts(7), ivs, chunk_mb=1.0)  # both heads in one chunk
     assert starts == [0]
+
+
+@pytest.mark.parametrize("family", ["toy", *HF_FAMILIES])
+def test_a_layer_edited_at_z_or_after_its_attention_replays_its_attention(family, tiny_hf_dir):
+    """Its q, k, v projections never see the sweep's stacked copies (only the clean passes of one batch
+    of prompts); a pattern edit recomputes them; both equal full passes."""
+    model = toy("learned") if family == "toy" else load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
+    vocab = 7 if family == "toy" else 50257
+    data, last = prompts(vocab), model.n_layers - 1
+    attn, out_proj = model.sites.attn_modules[last], model.sites.out_projs[last]
+    stacked: list[int] = []  # batch sizes above one batch of prompts that reached an input projection
+    for child in attn.children():
+        if child is not out_proj:
+            child.register_forward_hook(
+                lambda _m, args, _out: stacked.extend([args[0].shape[0]] * (args[0].shape[0] > N))
+            )
+    replayed = [Intervention("ablate_head", m, last, h) for h in range(model.n_heads) for m in ("zero", "mean")]
+    replayed += [
+        Intervention("patch_head", "activation", last, 1, token="MID"),
+        Intervention("ablate_mlp", "zero", last),
+    ]
+    recomputed = [Intervention("ablate_head", "zero", last, h, site="pattern") for h in (0, 1)]
+    for ivs, copies in ((replayed, []), (recomputed, [2 * N])):
+        stacked.clear()
+        fast = execute(model, LastRealToken(), data, [CLEAN, *ivs], chunk_mb=1.0)
+        assert sorted(set(stacked)) == copies
+        slow = execute(model, LastRealToken(), data, [CLEAN, *ivs], naive=True)
+        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+        assert (fast[1:, :, 0] - fast[0, :, 0]).abs().amax() > 1e-4

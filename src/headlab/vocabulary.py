@@ -38,6 +38,7 @@ class Site(Name):
 
 # z first: the site an ablation edits unless told otherwise, and the order tables and figures list them in
 HEAD_SITES: tuple[Site, ...] = (Site.z, Site.pattern, Site.q, Site.k, Site.v)
+ATTENTION_SITES: tuple[Site, ...] = (Site.pattern, Site.q, Site.k, Site.v)  # inside the attention, before z
 KV_SITES: tuple[Site, ...] = (Site.k, Site.v)  # live on key/value heads (shared under GQA)
 MLP_SITES: tuple[Site, ...] = (Site.mlp, Site.neurons)
 

@@ -2,7 +2,8 @@
 
 One clean pass caches the residual stream entering every block. All interventions on layer l then run
 together: the cached input of block l is stacked g times (one copy per intervention), block l edits
-each copy's z as its intervention says, blocks l+1.. run on the stacked batch, and logits are computed
+each copy's z as its intervention says (where nothing inside its attention is edited, the attention is
+not recomputed: its output is the output projection of the clean z, edited), blocks l+1.. run on the stacked batch, and logits are computed
 at the positions the metrics read only. Layers before l are never recomputed. Where every intervention of
 a chunk edits positions p.. only (a role such as END, an index), positions before p are the clean run's
 in every layer: blocks l.. run on positions p.. alone, attending to the clean keys and values before p
@@ -27,7 +28,7 @@ from ..config import MeanOver, option
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Inputs, Task, TaskData
-from ..vocabulary import MLP_SITES, Kind, Method, Site, Source
+from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
 from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, first_edited, read_quantities
 from .path import run_path
@@ -109,7 +110,7 @@ def _run_stacked(
     out: list[Tensor | None] = [None] * len(interventions)
     first_read = int(data.positions.min())
     suffixes = model.runs_suffixes and any(first_edited(iv, sources) for iv in interventions)
-    trace = model.trace(data.inputs, keep_kv=suffixes)
+    trace = model.trace(data.inputs, keep_kv=suffixes, keep_z=model.sites.replays)
 
     def suffix_start(ivs: Sequence[Intervention]) -> int:
         """Where the run can start: the first position any of `ivs` edits or any metric reads."""
@@ -136,8 +137,12 @@ def _run_stacked(
             # an MLP or neuron edit on the last layer needs the MLP at every position, not only at the
             # read ones (the edit indexes positions of the full sequence)
             only_read = None if any(s in fns for s in MLP_SITES) and layer == model.n_layers - 1 else read
+            # a layer whose attention is edited at z or not at all gives the clean attention's z to the edit
+            replay = model.sites.replays and not any(s in fns for s in ATTENTION_SITES)
             with model.hooks(layer, **fns):
-                h = model.run_blocks(h, layer, trace, copies=len(chunk), read=only_read, from_position=start)
+                h = model.run_blocks(
+                    h, layer, trace, copies=len(chunk), read=only_read, from_position=start, replay=replay
+                )
             quantities = read_quantities(model, task, h, read, data, chunk_mb)
             for j, i in enumerate(idx):
                 out[i] = quantities[j]

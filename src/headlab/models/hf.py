@@ -158,7 +158,7 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
     def w_qkv(layer: int) -> tuple[Tensor, Tensor, Tensor]:
         return _qkv_weights(attns[layer], cfg.model_type, n_heads, n_kv, d_head)
 
-    sites = HeadSites(attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size, w_qkv)
+    sites = HeadSites(attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size, w_qkv, out_projs=outs)
     return HookedModel(
         name=name,
         module=model,

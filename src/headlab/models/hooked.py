@@ -44,6 +44,7 @@ class Trace:
     block_extra: list[tuple[tuple, dict]]  # what else each block was called with (masks, rotary, ...)
     resid_final: Tensor  # leaving the last block
     kv: list[tuple[Tensor, Tensor]] | None = None  # per layer the clean keys and values, when kept
+    z: list[Tensor] | None = None  # per layer the clean z [batch, pos, head, d_head], when kept
     _expanded: dict = field(default_factory=dict)
 
     @property
@@ -271,9 +272,10 @@ class HookedModel:
         """Can run_blocks run its blocks on a suffix of positions (SUFFIX_FAMILIES)?"""
         return self.family in SUFFIX_FAMILIES
 
-    def trace(self, inputs: Inputs, keep_kv: bool = False) -> Trace:
+    def trace(self, inputs: Inputs, keep_kv: bool = False, keep_z: bool = False) -> Trace:
         """One clean pass keeping each block's input and extra arguments; with `keep_kv`, each layer's
-        keys and values too (what run_blocks needs to run a suffix of positions)."""
+        keys and values too (what run_blocks needs to run a suffix of positions), with `keep_z` each
+        layer's z (what it needs to replay an attention)."""
         resid_pre: list[Tensor | None] = [None] * self.n_layers
         extra: list[tuple | None] = [None] * self.n_layers
         final: list[Tensor] = []
@@ -294,14 +296,16 @@ class HookedModel:
         handles = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(post_hook))
         try:
-            with self.sites.record(sites=(Site.k, Site.v) if keep_kv else ()) as kept:
+            kept_sites = ((Site.k, Site.v) if keep_kv else ()) + ((Site.z,) if keep_z else ())
+            with self.sites.record(sites=kept_sites) as kept:
                 self.forward_blocks(inputs)
         finally:
             for h in handles:
                 h.remove()
         batch = next(iter(inputs.values())).shape[0]
         kv = [(kept[(Site.k, l)], kept[(Site.v, l)]) for l in range(self.n_layers)] if keep_kv else None
-        return Trace(batch, resid_pre, extra, final[-1], kv)  # type: ignore[arg-type]
+        z = [kept[(Site.z, l)] for l in range(self.n_layers)] if keep_z else None
+        return Trace(batch, resid_pre, extra, final[-1], kv, z)  # type: ignore[arg-type]
 
     def run_blocks(
         self,
@@ -312,20 +316,28 @@ class HookedModel:
         read: Tensor | None = None,
         stop: int | None = None,
         from_position: int = 0,
+        replay: bool = False,
     ) -> Tensor:
         """Blocks start..stop-1 (default: to the last). With `read` ([batch, P] positions), the last
         block's MLP runs at those positions only: nothing after it reads the others, so their residual
         is left incomplete. With `from_position` p > 0, h holds positions p.. only (runs_suffixes, a
         trace with keep_kv): each layer attends to the trace's clean keys and values before p, which
-        is exact wherever nothing before p was edited."""
+        is exact wherever nothing before p was edited. With `replay` (a trace with keep_z), block
+        `start`'s attention is not computed: h must be its clean input and its q, k, v and pattern
+        unedited, so that its output is the output projection of the trace's z after the z hook."""
         if from_position and trace.kv is None:
             raise ValueError("a suffix of positions needs a trace that kept its keys and values")
+        if replay and trace.z is None:
+            raise ValueError("replaying an attention needs a trace that kept z")
         for layer in range(start, self.n_layers if stop is None else stop):
             args, kwargs = trace.extra_for(layer, copies, from_position)
             mlp = self.mlps[layer] if read is not None and layer == self.n_layers - 1 else None
             with ExitStack() as stack:
                 stack.enter_context(_only_at(mlp, read))
-                if from_position:
+                if replay and layer == start:
+                    z = trace.z[layer][:, from_position:].repeat(copies, 1, 1, 1)  # type: ignore[index]
+                    stack.enter_context(self.sites.replayed(layer, z))
+                elif from_position:
                     keys, values = trace.kv[layer]  # type: ignore[index]
                     stack.enter_context(
                         self.sites.prefixed(layer, keys[:, :, :from_position], values[:, :, :from_position])

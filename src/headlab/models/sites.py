@@ -10,6 +10,9 @@ Hook signatures (TransformerLens naming and shapes):
   pattern:  [batch, head, query_pos, key_pos] -> same
   z:        [batch, pos, head, d_head]       -> same         (input of the output projection)
 
+A layer whose q, k, v and pattern are not edited, whose input is the clean one, need not compute its
+attention at all: `replayed` gives its output as the output projection of the clean z, after the z hook.
+
 A slot's `prefix` (clean keys and values of the positions before a suffix, [batch, kv_head, p, d_head],
 one for all the stacked copies of the prompts) lets a block run on positions p.. alone: its keys and
 values come before the suffix's own, and its attention mask has the rows of the suffix's queries over
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..vocabulary import HEAD_SITES, Site
+from ..vocabulary import ATTENTION_SITES, HEAD_SITES, Site
 
 Hook = Callable[[Tensor], Tensor]
 
@@ -125,6 +128,9 @@ class HeadSites:
     d_model: int
     # layer -> W_Q [head, d_model, d_head], W_K and W_V [kv_head, d_model, d_head]; None: not known
     w_qkv: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None
+    # per layer the attention's output projection, whose input is z [..., head * d_head]; None: not known
+    out_projs: list[nn.Module] | None = None
+    returns_pattern: bool = True  # the attention module returns (output, weights), as HF's do, not output alone
     slots: list[LayerSlot] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -176,6 +182,36 @@ class HeadSites:
             yield
         finally:
             slot.prefix = None
+
+    @property
+    def replays(self) -> bool:
+        """Can `replayed` stand in for a layer's attention?"""
+        return self.out_projs is not None
+
+    @contextmanager
+    def replayed(self, layer: int, z: Tensor) -> Iterator[None]:
+        """The layer's attention module computes nothing: its output is the output projection of `z`
+        ([batch, pos, head, d_head], what it computed before on the same input; the z hook may edit it in
+        place). Exact where the layer's input is that input and its q, k, v and pattern are not edited."""
+        if self.out_projs is None:
+            raise ValueError("this model's HeadSites do not know its output projections")
+        module, out_proj, slot = self.attn_modules[layer], self.out_projs[layer], self.slots[layer]
+        if any(getattr(slot, site) is not None for site in ATTENTION_SITES):
+            raise ValueError(f"layer {layer}'s attention is edited inside: it cannot be replayed")
+
+        def forward(*_args: object, **_kwargs: object) -> Tensor | tuple[Tensor, None]:
+            out = out_proj((z if slot.z is None else slot.z(z)).flatten(-2))
+            return (out, None) if self.returns_pattern else out
+
+        own = module.__dict__.get("forward")  # an instance's own forward: accelerate's device hooks set one
+        module.__dict__["forward"] = forward
+        try:
+            yield
+        finally:
+            if own is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = own
 
     @contextmanager
     def record(self, sites: tuple[str, ...] = (Site.z,), layers: list[int] | None = None) -> Iterator[dict]:
