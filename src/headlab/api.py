@@ -94,7 +94,7 @@ def _loaded(cfg: Config, task: Task | None, show_progress: bool) -> HookedModel:
     else:
         model = RunContext(cfg, show_progress=show_progress, task=task).get_model()
     model.config = cfg.model
-    model.module.to(cfg.device)
+    model.place(cfg.device)
     return model
 
 

@@ -88,7 +88,10 @@ class ModelConfig:
     tokenizer: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | float64
+    # hf: "auto" spreads the layers over every visible GPU (then CPU) with accelerate, for a model larger
+    # than one device; null: the whole model on the run's device
+    device_map: str | None = None
     # toy architecture
     n_layers: int = 1
     n_heads: int = 4
@@ -385,6 +388,8 @@ class EngineConfig:
     # Size of the widest activation (tokens x max(d_model, d_mlp) floats) in one batched pass of stacked
     # interventions. Small enough to stay in cache beats large batches on CPUs (benchmarks/sweep_speed.py).
     chunk_mb: float = 32.0
+    # on a GPU, chunks are sized from its free memory instead: this share of it, after the clean caches
+    gpu_memory_share: float = 0.5
     naive: bool = False  # one full forward pass per intervention (the reference implementation)
 
 
@@ -460,6 +465,8 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("ablate", "calibration"): 0.4,
     ("ablate", "sinks"): "first",
     ("ablate", "sink_alpha"): 5.0,
+    ("model", "device_map"): None,
+    ("engine", "gpu_memory_share"): 0.5,
 }
 
 

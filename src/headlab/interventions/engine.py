@@ -1,14 +1,15 @@
 """The sweep executor: exact, batched, and started from cached activations.
 
-One clean pass caches the residual stream entering every block. All interventions on layer l then run
-together: the cached input of block l is stacked g times (one copy per intervention), block l edits
-each copy's z as its intervention says (where nothing inside its attention is edited, the attention is
-not recomputed: its output is the output projection of the clean z, edited), blocks l+1.. run on the stacked batch, and logits are computed
-at the positions the metrics read only. Layers before l are never recomputed. Where every intervention of
-a chunk edits positions p.. only (a role such as END, an index), positions before p are the clean run's
-in every layer: blocks l.. run on positions p.. alone, attending to the clean keys and values before p
-(HookedModel.run_blocks), on the families that allow it. `naive=True` runs one
-full forward pass per intervention instead: the reference the fast path is tested against.
+One clean pass caches the residual stream entering every block (and each layer's z). All interventions
+on layer l then run together: the cached input of block l is stacked g times (one copy per
+intervention), block l edits each copy's z as its intervention says, blocks l+1.. run on the stacked
+batch, and logits are computed at the positions the metrics read only. Layers before l are never
+recomputed, nor is layer l's attention where nothing inside it is edited: its output is the output
+projection of the clean z, edited (HeadSites.replayed). Where every intervention of a chunk edits
+positions p.. only (a role such as END, an index), positions before p are the clean run's in every
+layer: blocks l.. run on positions p.. alone, attending to the clean keys and values before p
+(HookedModel.run_blocks), on the families that allow it. `naive=True` runs one full forward pass per
+intervention instead: the reference the fast path is tested against.
 
 `execute_joint` applies groups of interventions at several layers together (circuit knockouts): one full
 forward pass per group, with every involved layer's hooks installed at once.
@@ -16,6 +17,7 @@ forward pass per group, with every involved layer's hooks installed at once.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -27,12 +29,15 @@ from torch import Tensor
 from ..config import MeanOver, option
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
+from ..runtime import chunk_budget_mb
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
 from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, first_edited, read_quantities
 from .path import run_path
 from .plan import Intervention
+
+log = logging.getLogger("headlab")
 
 
 def _through_last_read(data: TaskData) -> TaskData:
@@ -64,9 +69,15 @@ def execute(
     show_progress: bool = False,
     seed: int = 0,
     mean_over: str = "positions",
+    gpu_memory_share: float = 0.5,
+    report: dict | None = None,
 ) -> Tensor:
     """Per-prompt task quantities for every intervention: [n_interventions, n_prompts, n_quantities].
     `mean_over` (positions | tokens): what mean ablation's mean is taken over (edits.Sources).
+    `chunk_mb` bounds a chunk's widest activation on a CPU; on a GPU chunks take `gpu_memory_share` of its
+    free memory (runtime.chunk_budget_mb). `report`, when given, receives the clean caches' size
+    (cache_mb), the chunk budget (chunk_mb), the number of stacked passes (chunks) and, on a GPU, the
+    peak memory allocated (peak_gpu_mb).
 
     Path patching and attribution patching rows go to their own executors (path.py, attribution.py)."""
     if option(mean_over) != MeanOver.tokens:  # a mean over every token needs the tokens after the last read one
@@ -84,16 +95,23 @@ def execute(
             needed |= {(Source.reference, Site.z), (Source.clean, Site.z)}
         sources = Sources(model, data, needed, seed, mean_over)
         exact_ivs = [interventions[i] for i in exact]
+        report = {} if report is None else report
         if naive:
             results = _run_naive(model, task, data, exact_ivs, sources, show_progress)
         else:
-            results = _run_stacked(model, task, data, exact_ivs, sources, chunk_mb, show_progress)
+            results = _run_stacked(
+                model, task, data, exact_ivs, sources, (chunk_mb, gpu_memory_share), show_progress, report
+            )
+            chunk_mb = report.get("chunk_mb", chunk_mb)
         for i, q in zip(exact, results):
             out[i] = q
         if paths:
             patched = run_path(model, task, data, [interventions[i] for i in paths], sources, chunk_mb, show_progress)
             for i, q in zip(paths, patched):
                 out[i] = q
+    device = model.input_device
+    if device.type == "cuda":
+        report["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     return torch.stack(out)  # type: ignore[arg-type]
 
 
@@ -103,14 +121,17 @@ def _run_stacked(
     data: TaskData,
     interventions: Sequence[Intervention],
     sources: Sources,
-    chunk_mb: float,
+    budget: tuple[float, float],
     show_progress: bool,
+    report: dict,
 ) -> list[Tensor]:
+    """`budget`: (chunk_mb, gpu_memory_share), as execute() takes them."""
     n = data.n
     out: list[Tensor | None] = [None] * len(interventions)
     first_read = int(data.positions.min())
     suffixes = model.runs_suffixes and any(first_edited(iv, sources) for iv in interventions)
     trace = model.trace(data.inputs, keep_kv=suffixes, keep_z=model.sites.replays)
+    chunk_mb = chunk_budget_mb(trace.resid_final.device, *budget)
 
     def suffix_start(ivs: Sequence[Intervention]) -> int:
         """Where the run can start: the first position any of `ivs` edits or any metric reads."""
@@ -127,6 +148,8 @@ def _run_stacked(
         # a layer whose interventions all edit positions p.. alone runs on p..: more copies fit a chunk
         per_chunk = chunk_size(model, data, chunk_mb, trace.length - suffix_start([interventions[i] for i in idx]))
         chunks += [(layer, idx[s : s + per_chunk]) for s in range(0, len(idx), per_chunk)]
+    report.update(cache_mb=round(trace.nbytes / 2**20, 3), chunk_mb=round(chunk_mb, 3), chunks=len(chunks))
+    log.info("sweep: clean caches %.1f MB, %d chunks of at most %.0f MB", trace.nbytes / 2**20, len(chunks), chunk_mb)
     with progress_bar("sweep", total=len(chunks), enabled=show_progress) as bar:
         for done, (layer, idx) in enumerate(chunks, 1):
             chunk = [interventions[i] for i in idx]

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import HeadlabError
-from .hooked import HookedModel
+from .hooked import HookedModel, torch_dtype
 from .sites import HeadSites, headlab_attention
 
 if TYPE_CHECKING:
@@ -58,8 +58,9 @@ class Pretrained:
     revision: str | None = None
     trust_remote_code: bool = False
 
-    def load(self, attn_implementation: str | None, dtype: torch.dtype) -> PreTrainedModel:
-        """attn_implementation None: the model's own default (sdpa where transformers has it)."""
+    def load(self, attn_implementation: str | None, dtype: torch.dtype, **placement: Any) -> PreTrainedModel:
+        """attn_implementation None: the model's own default (sdpa where transformers has it);
+        `placement`: from_pretrained's device_map (and offload_folder) for a model spread over devices."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(
@@ -68,6 +69,7 @@ class Pretrained:
             trust_remote_code=self.trust_remote_code,
             attn_implementation=attn_implementation,
             dtype=dtype,
+            **placement,
         )
 
 
@@ -101,7 +103,11 @@ def load_hf(
     trust_remote_code: bool = False,
     dtype: str = "float32",
     need_tokenizer: bool = True,
+    device_map: str | dict | None = None,
+    offload_folder: str | None = None,
 ) -> HookedModel:
+    """`device_map` ("auto", or accelerate's dict of module -> device, "disk" with `offload_folder`):
+    the model spread over devices, each layer's caches then on its layer's device."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -122,8 +128,10 @@ def load_hf(
             f"unsupported architecture '{config.model_type}' ({where}); supported: {', '.join(sorted(FAMILIES))}"
         )
     source = Pretrained(path, revision, trust_remote_code)
+    placement = {"device_map": device_map, "offload_folder": offload_folder} if device_map else {}
+    weights_dtype = torch_dtype(dtype)
     try:
-        model = source.load(ATTN_IMPLEMENTATION, getattr(torch, dtype))
+        model = source.load(ATTN_IMPLEMENTATION, weights_dtype, **placement)
     except Exception as e:
         raise HeadlabError(f"cannot load weights of {where}: {_first_line(e)}") from e
     model.eval()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import HeadlabError
 from ..vocabulary import MLP_SITES, Site
 from .sites import HeadSites
 
@@ -35,6 +36,14 @@ Inputs = dict[str, Tensor]
 # [batch, 1, query, key], rotary tables [batch, pos, d], position ids [batch, pos]), so that slicing
 # those runs a block on a suffix of positions; checked against full passes in tests/test_prefix.py.
 SUFFIX_FAMILIES = frozenset({"toy", "gpt2", "gpt_neox", "llama", "qwen2", "mistral"})
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """model.dtype's torch dtype, refused in one line when it is none of DTYPES."""
+    if name not in DTYPES:
+        raise HeadlabError(f"unknown model.dtype '{name}'; choose one of: {', '.join(DTYPES)}")
+    return getattr(torch, name)
 
 
 @dataclass
@@ -50,6 +59,12 @@ class Trace:
     @property
     def length(self) -> int:
         return self.resid_pre[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The memory its cached activations take (the blocks' extra arguments aside: masks, tables)."""
+        kept = [*self.resid_pre, self.resid_final, *(self.z or []), *(t for kv in self.kv or [] for t in kv)]
+        return sum(t.numel() * t.element_size() for t in kept)
 
     def extra_for(self, layer: int, copies: int, start: int = 0) -> tuple[tuple, dict]:
         """The block's extra arguments for `copies` stacked copies of positions start.. of the prompts."""
@@ -148,6 +163,28 @@ class HookedModel:
     @property
     def n_layers(self) -> int:
         return len(self.blocks)
+
+    @property
+    def dispatched(self) -> bool:
+        """Spread over several devices (model.device_map): each layer stays where it was put."""
+        return bool(getattr(self.module, "hf_device_map", None))
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where the model reads its inputs: the device of its token embedding."""
+        return self.embedding_weight.device
+
+    @property
+    def embedding_weight(self) -> Tensor:
+        get = getattr(self.module, "get_input_embeddings", None)
+        weight = get().weight if get is not None else next(self.module.parameters())
+        assert isinstance(weight, Tensor)
+        return weight
+
+    def place(self, device: str) -> None:
+        """Move the model to `device`, unless it is dispatched over several (model.device_map)."""
+        if not self.dispatched:
+            self.module.to(device)
 
     @property
     def vocab_size(self) -> int:
@@ -348,7 +385,7 @@ class HookedModel:
     def readout(self, h: Tensor, positions: Tensor) -> Tensor:
         """Logits [batch, n_positions, vocab] at positions [batch, n_positions] only."""
         rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
-        logits = self.unembed(self.final_norm(h[rows, positions]))
+        logits = self.unembed(self.final_norm(h[rows, positions.to(h.device)]))
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -25,6 +25,7 @@ def load(cfg: ModelConfig, need_tokenizer: bool = False) -> HookedModel:
             trust_remote_code=cfg.trust_remote_code,
             dtype=cfg.dtype,
             need_tokenizer=need_tokenizer,
+            device_map=cfg.device_map,
         )
     if kind == "toy":
         from .toy import hooked_toy, load_toy

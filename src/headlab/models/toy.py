@@ -160,8 +160,8 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
         q, k, v = (p.weight.unflatten(0, (cfg.n_heads, cfg.d_head)).transpose(1, 2) for p in (attn.q, attn.k, attn.v))
         return q, k, v
 
-    attns = [b.attn for b in blocks]
-    outs: list[nn.Module] = [a.o for a in attns]
+    attns: list[nn.Module] = [b.attn for b in blocks]
+    outs: list[nn.Module] = [b.attn.o for b in blocks]
     sites = HeadSites(attns, w_o, cfg.n_heads, cfg.n_heads, cfg.d_head, cfg.d_model, w_qkv, outs, returns_pattern=False)
     return HookedModel(
         name=name,

@@ -68,13 +68,14 @@ class RunContext:
         return self.model
 
     def get_data(self) -> TaskData:
-        """The evaluation prompts (task.n_prompts, drawn from seed + EVAL_SEED_OFFSET) on cfg.device."""
+        """The evaluation prompts (task.n_prompts, drawn from seed + EVAL_SEED_OFFSET) where the model,
+        placed on cfg.device, reads its inputs."""
         if self._data is None:
             model, task = self.get_model(), self.get_task()
             with self.timed("build_task"):
                 data = task.build(self.cfg.task.n_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET, model=model)
-                self._data = data.to(self.cfg.device)
-                model.module.to(self.cfg.device)
+                model.place(self.cfg.device)
+                self._data = data.to(str(model.input_device))
         return self._data
 
 

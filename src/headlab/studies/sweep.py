@@ -59,6 +59,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
             show_progress=ctx.show_progress,
             seed=cfg.seed,
             mean_over=cfg.ablate.mean_over,
+            gpu_memory_share=cfg.engine.gpu_memory_share,
+            report=ctx.meta.setdefault("engine", {}),
         )
     rows = [iv.row() for iv in interventions]
     if option(cfg.ablate.sweep) == "uniform":  # the second uniform aggregation: the heads' mean logits

@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import models
 from ..config import Config, config_hash, option, to_plain
 from ..errors import HeadlabError
-from ..models.hooked import HookedModel
+from ..models.hooked import HookedModel, torch_dtype
 from ..tasks import Task
 
 CHECKPOINT_KEYS = ("model", "task", "train", "seed")
@@ -24,6 +24,8 @@ def checkpoint_dir(cfg: Config) -> Path:
     """Where the model for this (model, task, train, seed) lives under output.root."""
     plain = to_plain(cfg)
     plain["task"] = {k: v for k, v in plain["task"].items() if k not in EVALUATION_KEYS}
+    # weights are trained in float32, whatever dtype and devices they later run in
+    plain["model"] = {k: v for k, v in plain["model"].items() if k != "device_map"} | {"dtype": "float32"}
     digest = config_hash(plain, CHECKPOINT_KEYS)
     return Path(cfg.output.root) / "checkpoints" / f"{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{digest}"
 
@@ -38,8 +40,14 @@ def obtain_model(cfg: Config, task: Task, show_progress: bool = True) -> HookedM
     from . import load_or_train, train_toy
 
     kind = option(cfg.model.kind)
-    if kind == "toy" and not cfg.model.path:
-        return load_or_train(cfg.model, task, cfg.train, cfg.seed, checkpoint_dir(cfg), show_progress)
+    if kind == "toy":  # trained and stored in float32, run in model.dtype
+        dtype = torch_dtype(cfg.model.dtype)
+        if cfg.model.path:
+            model = models.load(cfg.model)
+        else:
+            model = load_or_train(cfg.model, task, cfg.train, cfg.seed, checkpoint_dir(cfg), show_progress)
+        model.module.to(dtype)
+        return model
     if kind == "hf" and not cfg.model.path:
         if not cfg.model.tokenizer:
             raise HeadlabError(
