@@ -88,7 +88,6 @@ from bench_models import (
 N_PROMPTS, SEQ_LEN = 64, 20
 TOLERANCE = 1e-4
 SIDES = ("headlab", "transformerlens", "nnsight")
-CHUNK_MB = {"cpu": 32.0, "cuda": 512.0}  # CPUs: small enough to stay in cache; GPUs: large batches
 
 
 # --- the sides (each in a child process) -----------------------------------------------------------------
@@ -134,17 +133,18 @@ def side_headlab(args, shape: dict) -> dict:
     }
     if args.shape == "llama":
         sweeps = {"ablation": sweeps["ablation"]}
-    seconds, values = {}, {}
+    seconds, values, engine = {}, {}, {}
     for name, ivs in sweeps.items():
         ivs = [CLEAN, *ivs]  # as headlab's plan has it: the clean baseline first
         warm = data.take(slice(0, 2)) if name == "attribution" else data
         execute(hm, task, warm, [CLEAN, *ivs[-hm.n_heads :]], chunk_mb=args.chunk_mb)  # warm-up: every code path
-        run = lambda ivs=ivs: execute(hm, task, data, ivs, chunk_mb=args.chunk_mb)
+        report = engine.setdefault(name, {})  # the clean caches' size, the chunk budget
+        run = lambda ivs=ivs, r=report: execute(hm, task, data, ivs, chunk_mb=args.chunk_mb, report=r)
         seconds[name], quantities = min_time(run, args.repeats, args.device)
         values[name] = quantities[:, :, 0].double().mean(1).cpu()
     with torch.inference_mode():
         values["clean_logits"] = hm.forward(data.inputs)[:, -1].float().cpu()
-    return {"seconds": seconds, "values": values, "loaded_kb": loaded}
+    return {"seconds": seconds, "values": values, "loaded_kb": loaded, "engine": engine}
 
 
 def side_transformerlens(args, shape: dict) -> dict:
@@ -316,7 +316,9 @@ def main() -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=1, help="time each side this many times, keep the min")
     parser.add_argument("--loop-heads", type=int, help="heads the loops run on (default: 48 on CPU, all on CUDA)")
-    parser.add_argument("--chunk-mb", type=float, help="passed to headlab's execute() (default: 32 CPU, 512 CUDA)")
+    parser.add_argument(
+        "--chunk-mb", type=float, default=32.0, help="headlab's execute(); on a GPU chunks take a share of free memory"
+    )
     parser.add_argument("--default-malloc", action="store_true", help="leave glibc's allocator untuned")
     parser.add_argument("--llama", action="store_true", help="run the Llama section here too (default: on CUDA only)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
@@ -330,7 +332,6 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
         return 2
-    args.chunk_mb = args.chunk_mb or CHUNK_MB[args.device]
     if args.side:
         return run_side(args)
 
@@ -367,7 +368,7 @@ def main() -> int:
     worst = max(diffs.values())
     exact_effect = hl["values"]["end_patch"][1:] - hl["values"]["end_patch"][0]
     estimate = hl["values"]["attribution"][1:] - hl["values"]["attribution"][0]
-    per_chunk = max(1, int(args.chunk_mb * 2**20 // (N_PROMPTS * SEQ_LEN * 4 * D_MODEL * 4)))
+    per_chunk = max(1, int(hl["engine"]["ablation"]["chunk_mb"] * 2**20 // (N_PROMPTS * SEQ_LEN * 4 * D_MODEL * 4)))
     secs = {side: run["seconds"] for side, run in runs.items()}
 
     print(f"model: gpt2-small-shape random ({N_LAYERS}x{N_HEADS}, d_model {D_MODEL})")
@@ -379,7 +380,9 @@ def main() -> int:
     print(f"transformerlens: {dist_version('transformer-lens')} HookedTransformer, raw weights, hook_z")
     nnsight_line = f"{dist_version('nnsight')} NNsight(GPT2LMHeadModel), attn.c_proj input" if nn else "not installed"
     print(f"nnsight: {nnsight_line}")
-    print(f"chunk_mb: {args.chunk_mb:g} (up to {min(per_chunk, N_HEADS)} heads per chunk)")
+    print(f"chunk_mb: {hl['engine']['ablation']['chunk_mb']:g} (up to {min(per_chunk, N_HEADS)} heads per chunk)")
+    for what, engine in hl["engine"].items():
+        print(f"headlab_cache_mb_{what}: {engine.get('cache_mb', 0):g}")
     print(f"loop_heads: {len(sample)} of {n_cells} (loop seconds scaled to all {n_cells})")
     print(f"repeats: {args.repeats}")
     print(f"allocator_tuned: {not args.default_malloc}")
