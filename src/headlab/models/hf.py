@@ -150,6 +150,7 @@ def load_hf(
 
 def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = None) -> HookedModel:
     cfg = model.config
+    _fuse_activations(model)
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -186,6 +187,18 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         parallel=bool(getattr(cfg, "use_parallel_residual", False)),
         residual_sum=cfg.model_type not in POST_NORM,
     )
+
+
+def _fuse_activations(model: nn.Module) -> None:
+    """gelu_new (GPT-2, GPT-J, ...) written out is five elementwise passes over the MLP's widest
+    activation, 13% of a GPT-2 sweep on CPU; transformers' GELUTanh is the same function (to 5e-7) in
+    one fused kernel."""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    for parent in list(model.modules()):
+        for child_name, child in parent.named_children():
+            if type(child) is NewGELUActivation:
+                setattr(parent, child_name, GELUTanh())
 
 
 def _qkv_weights(attn: nn.Module, model_type: str, n_heads: int, n_kv: int, d_head: int) -> Any:
