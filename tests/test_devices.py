@@ -78,3 +78,17 @@ def test_the_engine_reports_its_clean_caches(tiny_hf_dir):
     floats = (2 * model.n_layers + 1) * n * length * model.sites.d_model
     assert report["cache_mb"] == round(floats * 4 / 2**20, 3)
     assert report["chunk_mb"] == 0.05 and report["chunks"] == model.n_layers
+
+
+def test_a_gpu_chunk_takes_its_share_of_free_memory(monkeypatch):
+    from headlab.runtime import LIVE_ACTIVATIONS, chunk_budget_mb
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (8 * 2**30, 80 * 2**30))
+    assert chunk_budget_mb(torch.device("cuda"), 32.0, 0.5) == 0.5 * 8192 / LIVE_ACTIVATIONS
+    assert chunk_budget_mb(torch.device("cuda"), 32.0, 1e-4) == 32.0  # never below the CPU's size
+    assert chunk_budget_mb(torch.device("cpu"), 32.0, 0.5) == 32.0
+
+
+def test_load_model_takes_a_device_map(tiny_hf_dir):
+    model = headlab.load_model(str(tiny_hf_dir("llama")), device_map="auto")
+    assert model.config.device_map == "auto" and model.input_device.type == "cpu"
