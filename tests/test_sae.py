@@ -31,7 +31,7 @@ from headlab.sae.export import load_sae, save_sae
 from headlab.sae.fit import STATE, fit, resample
 from headlab.sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
 from headlab.sae.relu_l1 import ReluL1SAE
-from headlab.sae.topk import TopKSAE
+from headlab.sae.topk import TopKEncode, TopKSAE
 
 VOCAB, T, H, DH = 11, 10, 4, 8
 D_IN = H * DH
@@ -289,6 +289,102 @@ def test_topk_l0_is_k_and_sparse_decode_equals_dense_decode():
     pre = sae.pre_activation(x).detach()
     expected = (pre.topk(k, dim=-1).values > 0).sum(-1)
     assert torch.equal((f > 0).sum(-1), expected) and expected.min() < k and expected.max() > 0
+
+
+def _dense_topk_loss(sae: TopKSAE, x: Tensor) -> Tensor:
+    """The TopK loss through plain autograd: the dense pre-activation, a dense f [n, d_sae] with the top k
+    (after ReLU) kept, the dense decoder product."""
+    pre = (x - sae.b_dec) @ sae.W_enc + sae.b_enc
+    top = pre.topk(sae.k, dim=-1)
+    f = torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
+    return (f @ sae.W_dec + sae.b_dec - x).pow(2).sum(-1).mean()
+
+
+def _topk_with_negatives(seed: int = 3) -> tuple[TopKSAE, Tensor]:
+    """A TopK SAE whose top pre-activations are in part <= 0 (the ReLU zeroes them and their gradient)."""
+    sae = _nontrivial(TopKSAE(D_IN, 4 * D_IN, seed=seed, k=6)).train()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        sae.b_enc.copy_(-2.5 + torch.randn(sae.d_sae, generator=gen))
+    return sae, torch.randn(40, D_IN, generator=gen)
+
+
+def _grads(params) -> list[Tensor]:
+    out = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return out
+
+
+def _assert_close_relative(got: Tensor, expected: Tensor, name: str) -> None:
+    scale = expected.abs().max().item()
+    assert scale > 0, name
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_topk_encoder_backward_equals_autograd_through_the_dense_pre_activation():
+    sae, x = _topk_with_negatives()
+    pre = sae.pre_activation(x).detach()
+    top = pre.topk(sae.k, dim=-1).values
+    assert (top <= 0).any() and (top > 0).any()  # the ReLU bites on some top entries, not on all
+    x = x.view(4, 10, D_IN).requires_grad_()  # [batch, pos, d_in], and a gradient for x too
+    weights = torch.randn(4, 10, sae.k, generator=torch.Generator().manual_seed(0))
+    inputs = [x, sae.W_enc, sae.b_enc, sae.b_dec]
+
+    values, indices = TopKEncode.apply(x, sae.W_enc, sae.b_enc, sae.b_dec, sae.k)
+    (values * weights).sum().backward()
+    got = _grads(inputs)
+
+    dense = (x - sae.b_dec) @ sae.W_enc + sae.b_enc  # plain autograd, the top k picked from the dense tensor
+    (dense.gather(-1, indices).relu() * weights).sum().backward()
+    expected = _grads(inputs)
+    torch.testing.assert_close(values, dense.gather(-1, indices).relu().detach(), **TOL)
+    assert torch.equal(indices.sort(-1).values, dense.topk(sae.k, dim=-1).indices.sort(-1).values)
+    for name, a, b in zip(["x", "W_enc", "b_enc", "b_dec"], got, expected):
+        _assert_close_relative(a, b, name)
+    assert (expected[1] == 0).any() and got[1].is_contiguous()  # latents outside every top k: no gradient
+
+
+def test_topk_loss_gradients_equal_the_dense_formulation():
+    sae, x = _topk_with_negatives(seed=4)
+    params = [sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec]
+    loss, parts, fires = sae.loss(x, step=0)
+    loss.backward()
+    got = _grads(params)
+    dense = _dense_topk_loss(sae, x)
+    dense.backward()
+    expected = _grads(params)
+    assert loss.item() == pytest.approx(dense.item(), rel=1e-6)
+    for name, a, b in zip(["W_enc", "b_enc", "W_dec", "b_dec"], got, expected):
+        _assert_close_relative(a, b, name)
+
+
+def test_fit_steps_equal_steps_computed_the_dense_way(tmp_path):
+    """fit's TopK steps (sparse backward, fused Adam) against the same steps by hand: dense autograd,
+    torch's reference Adam, the decoder constraint as written out here."""
+    steps, lr, warmup = 3, 1e-2, 2
+    sc = _sae_cfg(architecture="topk", steps=steps, batch_size=64, lr=lr, warmup_steps=warmup, k=2)
+    fitted = TopKSAE(D_SYN, 32, seed=0, k=2)
+    fit(fitted, _batches, sc, tmp_path, show_progress=False)
+
+    sae = TopKSAE(D_SYN, 32, seed=0, k=2)
+    opt = torch.optim.Adam(sae.parameters(), lr=lr, betas=(0.9, 0.999), foreach=False, fused=False)
+    for step, x in zip(range(steps), _batches(0)):
+        if step == 0:
+            with torch.no_grad():
+                sae.b_dec.copy_(x.mean(0))
+        opt.param_groups[0]["lr"] = lr * min(1.0, (step + 1) / warmup)
+        opt.zero_grad()
+        _dense_topk_loss(sae, x).backward()
+        with torch.no_grad():
+            grad, row = sae.W_dec.grad, sae.W_dec
+            grad -= (grad * row).sum(1, keepdim=True) * row  # keep the step on each row's unit sphere
+        opt.step()
+        with torch.no_grad():
+            sae.W_dec /= sae.W_dec.norm(dim=1, keepdim=True)
+    for (name, a), b in zip(fitted.named_parameters(), sae.parameters()):
+        assert not torch.equal(b, TopKSAE(D_SYN, 32, seed=0, k=2).get_parameter(name)), name  # it moved
+        _assert_close_relative(a.detach(), b.detach(), name)
 
 
 # ---------------------------------------------------------------- attribution

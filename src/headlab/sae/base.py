@@ -26,7 +26,9 @@ class SparseAutoencoder(nn.Module):
         w_dec = torch.randn(d_sae, d_in, generator=gen)
         w_dec /= w_dec.norm(dim=1, keepdim=True)
         self.W_dec = nn.Parameter(w_dec)
-        self.W_enc = nn.Parameter(w_dec.t().clone())
+        # row-major, as a fresh [d_in, d_sae] tensor: a transposed clone would keep w_dec's strides, and
+        # fused Adam copies a non-contiguous parameter in and out on every step
+        self.W_enc = nn.Parameter(w_dec.t().contiguous())
         self.b_enc = nn.Parameter(torch.zeros(d_sae))
         self.b_dec = nn.Parameter(torch.zeros(d_in))
 
@@ -64,7 +66,7 @@ class SparseAutoencoder(nn.Module):
         on its unit sphere (to first order) instead of fighting the renormalisation."""
         if self.W_dec.grad is not None:
             parallel = (self.W_dec.grad * self.W_dec).sum(1, keepdim=True)
-            self.W_dec.grad -= parallel * self.W_dec
+            self.W_dec.grad.addcmul_(parallel, self.W_dec, value=-1)  # in place: no [d_sae, d_in] temporary
 
     # ------------------------------------------------------------------ SAELens
 
