@@ -201,6 +201,9 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
     if offset:  # a suffix run: x holds positions offset.., the edit changes nothing before them
         pos = slice(None) if place is None else place - offset
         source_pos = slice(offset, None) if source_place is None else source_place
+    # positions come with the prompts, on the device the model reads them on; a layer of a model spread
+    # over devices (model.device_map) may sit on another
+    pos = pos.to(x.device) if isinstance(pos, Tensor) else pos
     rows = torch.arange(x.shape[0], device=x.device)
     heads = None if site == Site.mlp else edit_heads(site, edit.heads, sources).to(x.device)
     index = site_index(site, rows, pos, heads)
@@ -221,7 +224,8 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
         x[index] = 0.0
     else:
         value, value_rows = sources.value(edit.source, site, iv.layer)  # type: ignore[arg-type]
-        x[index] = value[site_index(site, value_rows.to(x.device), source_pos, heads)]
+        at = source_pos.to(x.device) if isinstance(source_pos, Tensor) else source_pos  # value: recorded at this layer
+        x[index] = value[site_index(site, value_rows.to(x.device), at, heads)]
 
 
 def calibrated(pattern: Tensor, factor: float, sinks: Tensor | None = None) -> Tensor:
