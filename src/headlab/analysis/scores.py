@@ -26,10 +26,6 @@ TOP_K = 5  # the paper's copy score: is the name among the top-5 logits
 _UNEMBED_ROWS = 128  # vectors unembedded at once: [128, vocab] floats stays small even for 256k vocabs
 
 
-def _device(model: HookedModel) -> torch.device:
-    return next(model.module.parameters()).device
-
-
 def ordinary_ids(model: HookedModel, low: int | None = None, high: int | None = None) -> Tensor:
     """Token ids [m] in [low, high) that are not special or added tokens of the tokenizer.
 
@@ -88,7 +84,7 @@ def induction_scores(
     prev_token_score: mean attention from i to i-1 over every i whose i-1 is a sequence token (not BOS);
     duplicate_token_score / induction_score: mean attention from each second-half i to i-T (its earlier
     copy) / to i-T+1 (the token that followed the earlier copy)."""
-    ids = repeated_tokens(model, n_seq, seq_len, seed, vocab_low, vocab_high).to(_device(model))
+    ids = repeated_tokens(model, n_seq, seq_len, seed, vocab_low, vocab_high).to(model.input_device)
     t = seq_len
     start = ids.shape[1] - 2 * t  # 1 with BOS, else 0
     query = torch.arange(start + 1, start + 2 * t)

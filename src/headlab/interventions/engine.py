@@ -100,13 +100,13 @@ def execute(
             results = _run_naive(model, task, data, exact_ivs, sources, show_progress)
         else:
             results = _run_stacked(
-                model, task, data, exact_ivs, sources, (chunk_mb, gpu_memory_share), show_progress, report
+                model, task, data, exact_ivs, sources, chunk_mb, gpu_memory_share, show_progress, report
             )
-            chunk_mb = report.get("chunk_mb", chunk_mb)
         for i, q in zip(exact, results):
             out[i] = q
         if paths:
-            patched = run_path(model, task, data, [interventions[i] for i in paths], sources, chunk_mb, show_progress)
+            budget = chunk_budget_mb(model.input_device, chunk_mb, gpu_memory_share)
+            patched = run_path(model, task, data, [interventions[i] for i in paths], sources, budget, show_progress)
             for i, q in zip(paths, patched):
                 out[i] = q
     device = model.input_device
@@ -121,17 +121,17 @@ def _run_stacked(
     data: TaskData,
     interventions: Sequence[Intervention],
     sources: Sources,
-    budget: tuple[float, float],
+    chunk_mb: float,
+    gpu_memory_share: float,
     show_progress: bool,
     report: dict,
 ) -> list[Tensor]:
-    """`budget`: (chunk_mb, gpu_memory_share), as execute() takes them."""
     n = data.n
     out: list[Tensor | None] = [None] * len(interventions)
     first_read = int(data.positions.min())
     suffixes = model.runs_suffixes and any(first_edited(iv, sources) for iv in interventions)
     trace = model.trace(data.inputs, keep_kv=suffixes, keep_z=model.sites.replays)
-    chunk_mb = chunk_budget_mb(trace.resid_final.device, *budget)
+    chunk_mb = chunk_budget_mb(trace.resid_final.device, chunk_mb, gpu_memory_share)  # after the caches
 
     def suffix_start(ivs: Sequence[Intervention]) -> int:
         """Where the run can start: the first position any of `ivs` edits or any metric reads."""

@@ -171,15 +171,12 @@ class HookedModel:
 
     @property
     def input_device(self) -> torch.device:
-        """Where the model reads its inputs: the device of its token embedding."""
-        return self.embedding_weight.device
-
-    @property
-    def embedding_weight(self) -> Tensor:
+        """Where the model reads its inputs: the device of its token embedding (HF), else of its first
+        parameter (toy models: their embedding)."""
         get = getattr(self.module, "get_input_embeddings", None)
         weight = get().weight if get is not None else next(self.module.parameters())
         assert isinstance(weight, Tensor)
-        return weight
+        return weight.device
 
     def place(self, device: str) -> None:
         """Move the model to `device`, unless it is dispatched over several (model.device_map)."""

@@ -228,7 +228,7 @@ def _group_ids(groups: list[str | int | None]) -> Tensor | None:
 def _logit_diffs(model: Any, inputs: Inputs, positions: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:
     """Each prompt's logit_diff in a plain forward pass of the model (no hooks)."""
     n, width = inputs["input_ids"].shape
-    device = next(model.module.parameters()).device
+    device = model.input_device
     out = []
     with torch.inference_mode():
         per_pass = max(1, int(BASELINE_MB * 2**20 // (width * len(model.tokenizer) * 4)))
