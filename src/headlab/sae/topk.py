@@ -14,6 +14,8 @@ a shared 2-core machine against 2 ms. SAELens loads it as "topk".
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,9 +25,15 @@ from torch.nn import functional as F
 from .base import SparseAutoencoder
 
 
-def _sparse_csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+@contextmanager
+def _sparse_csr_beta() -> Iterator[None]:
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the products used here are stable
         warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def _sparse_csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with _sparse_csr_beta():
         return torch.sparse_csr_tensor(crow, col, values, shape)
 
 
@@ -122,8 +130,7 @@ class TopKDecode(torch.autograd.Function):
         grad_values = grad_w = None
         if need_values:  # grad_out[t] . W_dec[indices[t, j]] for the n k pairs only
             pattern = pairs.by_token(torch.ones_like(values))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
+            with _sparse_csr_beta():
                 sampled = torch.sparse.sampled_addmm(pattern, grad_out, W_dec.t(), beta=0.0)
             grad_values = sampled.values().view(values.shape)
         if need_w:
