@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT2_TOKENIZER = ROOT.parent / "shared" / "data" / "gpt2-tokenizer"
+GPT2_TOKENIZER = ROOT / "tests" / "data" / "gpt2-tokenizer"  # shipped with the repo (tests/data/README.md)
 
 
 def _tiny_configs():
@@ -52,8 +52,6 @@ def tiny_hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gpt2_tokenizer():
-    if not GPT2_TOKENIZER.is_dir():
-        pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(GPT2_TOKENIZER))

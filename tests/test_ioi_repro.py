@@ -31,8 +31,6 @@ def test_classes_follow_the_rules_and_score_against_the_paper():
 
 
 def test_quick_reproduction_draws_the_figures_and_numbers_match_the_table(tmp_path):
-    if not GPT2_TOKENIZER.is_dir():
-        pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
     from headlab.reproduce import registry, run_all
 
     assert "ioi" in registry()

@@ -47,8 +47,6 @@ def _tiny(tmp_path, *overrides: str):
 @pytest.fixture(scope="session")
 def trained_ioi(tmp_path_factory):
     """(in-memory model, task, checkpoint dir, curve) of model=gpt2-ioi trained for STEPS steps."""
-    if not GPT2_TOKENIZER.is_dir():
-        pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
     from headlab.tasks import build_task
     from headlab.train import train_toy
     from headlab.train.obtain import checkpoint_dir
@@ -109,8 +107,6 @@ def test_headlab_train_reuses_the_checkpoint(trained_ioi, tmp_path):
 
 
 def test_resume_matches_uninterrupted_and_half_written_dirs_are_not_done(tmp_path, monkeypatch):
-    if not GPT2_TOKENIZER.is_dir():
-        pytest.skip(f"GPT-2 tokenizer not found at {GPT2_TOKENIZER}")
     import headlab.train as train
     from headlab.tasks import build_task
     from headlab.train import hf, loop

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import headlab
-from conftest import GPT2_TOKENIZER, error_line, run_headlab
+from conftest import error_line, run_headlab
 from headlab.analysis.retrieval import (
     masked_quantities,
     needle_layout,
@@ -185,7 +185,6 @@ def test_the_study_and_the_cli_on_the_saved_copy_model(tmp_path):
     assert bad.returncode != 0 and "task=needle" in error_line(bad)
 
 
-@pytest.mark.skipif(not GPT2_TOKENIZER.is_dir(), reason="the GPT-2 tokenizer is not in ../shared/data")
 def test_needle_prompts_from_a_text_haystack_with_the_gpt2_tokenizer(tmp_path, gpt2_tokenizer):
     text = tmp_path / "hay.txt"
     text.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 40)
