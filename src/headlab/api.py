@@ -70,7 +70,8 @@ def load_task(name: str, **options: Any) -> Task:
 def load_model(
     name_or_path: str, task: str | Task | None = None, show_progress: bool = False, **options: Any
 ) -> HookedModel:
-    """A model ready for sweeps: a config name (`headlab list model`), a local directory or a hub id.
+    """A model ready for sweeps: a config name (`headlab list model`, e.g. smollm2-135m), a local
+    directory, a GGUF file (dequantised once to float32 under root/checkpoints) or a hub id.
 
     Models trained here (toy models, `gpt2-ioi`) are trained on `task` (default: the config's task,
     counting for the toy models) exactly as `headlab run` trains them, into output.root/checkpoints,
@@ -102,6 +103,9 @@ def model_overrides(name_or_path: str, task: str | Task | None, options: dict[st
     """The overrides that choose a model by config name, local directory or hub id (load_model's)."""
     if name_or_path in group_options("model"):
         chosen = [f"model={name_or_path}"]
+    elif name_or_path.endswith(".gguf"):
+        file = Path(name_or_path).expanduser()
+        chosen = ["model=hf", f"model.path={file.parent}", f"model.gguf_file={file.name}", f"model.name={file.stem}"]
     else:
         name = Path(name_or_path).name or name_or_path
         chosen = ["model=hf", f"model.path={name_or_path}", f"model.name={name}"]

@@ -119,10 +119,27 @@ def _single(command: str, overrides: list[str]) -> None:
     else:
         print_summary(result.table, result.config.output.print_rows)
     out.print(f"results: {result.run_dir}", highlight=False, soft_wrap=True)
+    weights = _run_weights(result.run_dir)
+    if weights:
+        from .models.loading import describe_weights
+
+        out.print(f"weights: {result.config.model.name} {describe_weights(weights)}", highlight=False, soft_wrap=True)
     drawn = sorted((result.run_dir / "figures").glob("*.png"))
     if drawn:
         names = ", ".join(p.name for p in drawn)
         out.print(f"figures: {result.run_dir / 'figures'} ({names})", highlight=False, soft_wrap=True)
+
+
+def _run_weights(run_dir: Path) -> dict | None:
+    """Where the run's model weights came from (meta.json's `weights`), where a file was converted for it."""
+    import json
+
+    from .results import META
+
+    try:
+        return json.loads((run_dir / META).read_text()).get("weights")
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:

