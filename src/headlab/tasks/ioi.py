@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..config import IOIConfig
 from ..errors import HeadlabError
-from .base import Task, TaskData, mean_of, right_padded
+from .base import PRETRAINED_DEFAULTS, Task, TaskData, mean_of, right_padded
 
 log = logging.getLogger("headlab")
 
@@ -77,8 +77,8 @@ class IOITask(Task):
     quantities = ("logit_diff", "io_prob", "correct")
     smooth_quantity = "logit_diff"
     needs_tokenizer = True
-    # GPT-2 small, else the small GPT-2 trained here as experiment=ioi_trained trains it
-    default_models = (("model=gpt2",), ("model=gpt2-ioi", "train=ioi", "task.train_names=vocab"))
+    # GPT-2 small, else SmolLM2-135M, else the small GPT-2 trained here as experiment=ioi_trained trains it
+    default_models = (*PRETRAINED_DEFAULTS, ("model=gpt2-ioi", "train=ioi", "task.train_names=vocab"))
     cfg: IOIConfig
 
     def __init__(self, cfg: IOIConfig):
@@ -102,7 +102,10 @@ class IOITask(Task):
         kept, refused = _single_tokens(tokenizer, names)
         if refused:
             log.warning(
-                "ioi: %d names are not one token for this tokenizer, left out: %s", len(refused), ", ".join(refused)
+                "ioi: %d of %d names are one token for this tokenizer; left out: %s",
+                len(kept),
+                len(names),
+                ", ".join(refused),
             )
         if len(kept) < self.cfg.min_names:
             raise HeadlabError(

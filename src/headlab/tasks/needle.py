@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..config import NeedleConfig
 from ..errors import UsageError
-from .base import Task, TaskData, mean_of
+from .base import PRETRAINED_DEFAULTS, Task, TaskData, mean_of
 
 PAD, BOS, KEY, ASK = range(4)
 SPECIAL = ("[PAD]", "[BOS]", "[KEY]", "[ASK]")
@@ -72,7 +72,7 @@ class NeedleTask(Task):
         self.aggregates = {"needle_recall": mean_of(0), "needle_logprob": mean_of(1)}
         # a haystack file is text: it needs a tokenizer, and a pretrained model is the default then
         self.needs_tokenizer = cfg.haystack is not None
-        self.default_models = (("model=gpt2",),) if cfg.haystack is not None else (("model=toy-copy",),)
+        self.default_models = PRETRAINED_DEFAULTS if cfg.haystack is not None else (("model=toy-copy",),)
         self.vocab_size = len(SPECIAL) + cfg.n_symbols
         self.max_len = cfg.haystack_len + 2 * cfg.needle_len + 4
         self.token_names = {BOS: "bos", KEY: "key", ASK: "ask"}

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..config import PromptsConfig
 from ..errors import HeadlabError, UsageError
-from .base import Inputs, Task, TaskData, mean_of, right_padded
+from .base import PRETRAINED_DEFAULTS, Inputs, Task, TaskData, mean_of, right_padded
 from .formats import Answer, Prompt, Record, read, short, to_record
 
 MULTI_TOKEN = ("refuse", "first")
@@ -74,7 +74,7 @@ class PromptsTask(Task):
     quantities = ("logit_diff", "answer_prob", "correct")
     smooth_quantity = "logit_diff"
     needs_tokenizer = True
-    default_models = (("model=gpt2",),)
+    default_models = PRETRAINED_DEFAULTS
     cfg: PromptsConfig
 
     def __init__(self, cfg: PromptsConfig, records: Sequence[Record] | None = None):

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..config import TextConfig
 from ..errors import HeadlabError, UsageError
-from .base import Task, TaskData, right_padded
+from .base import PRETRAINED_DEFAULTS, Task, TaskData, right_padded
 
 log = logging.getLogger("headlab")
 
@@ -50,7 +50,7 @@ class TextTask(Task):
     quantities = ("loss_sum", "n_tokens")
     smooth_quantity = "loss_sum"
     needs_tokenizer = True
-    default_models = (("model=gpt2",),)
+    default_models = PRETRAINED_DEFAULTS
     cfg: TextConfig
 
     def __init__(self, cfg: TextConfig) -> None:

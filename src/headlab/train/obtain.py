@@ -31,8 +31,8 @@ def checkpoint_dir(cfg: Config) -> Path:
 
 
 def is_trained_here(cfg: Config) -> bool:
-    """A toy model, or an hf model without a path: its weights come from training on the task."""
-    return option(cfg.model.kind) in ("toy", "hf") and not cfg.model.path
+    """A toy model, or an hf model without a path or a GGUF file: its weights come from training on the task."""
+    return option(cfg.model.kind) in ("toy", "hf") and not cfg.model.path and not cfg.model.gguf_file
 
 
 def obtain_model(cfg: Config, task: Task, show_progress: bool = True) -> HookedModel:
@@ -48,7 +48,7 @@ def obtain_model(cfg: Config, task: Task, show_progress: bool = True) -> HookedM
             model = load_or_train(cfg.model, task, cfg.train, cfg.seed, checkpoint_dir(cfg), show_progress)
         model.module.to(dtype)
         return model
-    if kind == "hf" and not cfg.model.path:
+    if kind == "hf" and is_trained_here(cfg):
         if not cfg.model.tokenizer:
             raise HeadlabError(
                 f"model {cfg.model.name} is trained here (kind hf, no path) and needs model.tokenizer=<name or dir>"
@@ -58,4 +58,5 @@ def obtain_model(cfg: Config, task: Task, show_progress: bool = True) -> HookedM
         directory = checkpoint_dir(cfg)
         train_toy(cfg.model, task, cfg.train, cfg.seed, directory, show_progress)  # returns at once when finished
         return load_hf(str(directory), name=cfg.model.name, dtype=cfg.model.dtype)
-    return models.load(cfg.model, need_tokenizer=getattr(task, "needs_tokenizer", False))
+    checkpoints = Path(cfg.output.root) / "checkpoints"
+    return models.load(cfg.model, need_tokenizer=getattr(task, "needs_tokenizer", False), checkpoints=checkpoints)

