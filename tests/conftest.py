@@ -16,19 +16,32 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT2_TOKENIZER = ROOT / "tests" / "data" / "gpt2-tokenizer"  # shipped with the repo (tests/data/README.md)
 
 
-def _tiny_configs():
-    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+def tiny_configs() -> dict:
+    """model_type -> a small random-weight config, one per row of FAMILIES (tests/test_families.py
+    holds them to each other)."""
+    import transformers as tf
 
     small = dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=64, intermediate_size=128)
+    common = dict(**small, vocab_size=50257, max_position_embeddings=128)
+    grouped = dict(**common, num_key_value_heads=2)
     return {
-        "gpt2": GPT2Config(n_layer=3, n_head=4, n_embd=64, vocab_size=50257, n_positions=128),
-        "gpt_neox": GPTNeoXConfig(**small, vocab_size=50257, max_position_embeddings=128),
-        "llama": LlamaConfig(**small, num_key_value_heads=2, vocab_size=50257, max_position_embeddings=128),
-        "qwen2": Qwen2Config(**small, num_key_value_heads=2, vocab_size=50257, max_position_embeddings=128),
+        "gpt2": tf.GPT2Config(n_layer=3, n_head=4, n_embd=64, vocab_size=50257, n_positions=128),
+        "gpt_neox": tf.GPTNeoXConfig(**common),
+        "llama": tf.LlamaConfig(**grouped),
+        "qwen2": tf.Qwen2Config(**grouped),
+        "qwen3": tf.Qwen3Config(**grouped, head_dim=16),
+        "mistral": tf.MistralConfig(**grouped, sliding_window=4),
+        # Gemma scales its embeddings by sqrt(d_model) and reads them through (1 + w) norms: at the default
+        # init its heads barely move the logits, too little for tests that ask every edit to show
+        "gemma": tf.GemmaConfig(**grouped, head_dim=16, initializer_range=0.1),
+        "gemma2": tf.Gemma2Config(**grouped, head_dim=16, sliding_window=4),
+        "gemma3_text": tf.Gemma3TextConfig(**grouped, head_dim=16, sliding_window=4),
+        "olmo": tf.OlmoConfig(**grouped),
+        "olmo2": tf.Olmo2Config(**grouped),
     }
 
 
-HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")
+HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")  # one of each q/k/v layout, MHA and GQA: the heavier tests
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +54,7 @@ def tiny_hf_dir(tmp_path_factory):
     def make(family: str) -> Path:
         if family not in made:
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(_tiny_configs()[family])
+            model = AutoModelForCausalLM.from_config(tiny_configs()[family])
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(path)
             made[family] = path

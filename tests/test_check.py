@@ -8,8 +8,9 @@ import torch
 from transformers import AttentionInterface
 
 import headlab
-from conftest import HF_FAMILIES, error_line, run_headlab
+from conftest import error_line, run_headlab
 from headlab.models.check import RELATIVE_TOLERANCE, TOLERANCE
+from headlab.models.families import FAMILIES
 from headlab.models.hf import ATTN_IMPLEMENTATION, load_hf
 from headlab.models.sites import HeadSites, headlab_attention
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy, save_toy
@@ -27,10 +28,15 @@ def by_name(verdicts: list[headlab.Verdict]) -> dict[str, headlab.Verdict]:
     return {v.name: v for v in verdicts}
 
 
-@pytest.mark.parametrize("family", HF_FAMILIES)
+EAGER_BY_DEFAULT = {"gemma2"}  # transformers runs Gemma 2 eagerly (its attention softcap): no sdpa to compare
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_check_passes_on_each_family(family, tiny_hf_dir):
     verdicts = headlab.check(load_hf(str(tiny_hf_dir(family)), need_tokenizer=False))
-    assert [v.name for v in verdicts] == HF_CHECKS
+    assert [v.name for v in verdicts] == [
+        c for c in HF_CHECKS if not (c.endswith("sdpa") and family in EAGER_BY_DEFAULT)
+    ]
     for v in verdicts:
         assert v.ok and v.max_abs_diff is not None and v.max_abs_diff <= v.tolerance == TOLERANCE[torch.float32], v
     assert "4 query heads on 2 kv heads" in by_name(verdicts)["k_edit_hits_kv_group"].detail or family in (

@@ -28,7 +28,8 @@ from headlab.edges.exact import circuit_metric, exact_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.edges.record import metric_column
 from headlab.errors import UsageError
-from headlab.models.hf import FAMILIES, hook_hf, register_attention
+from headlab.models.families import FAMILIES
+from headlab.models.hf import hook_hf, register_attention
 from headlab.tasks import TaskData, build_task
 
 N_PROMPTS = 8

@@ -1,5 +1,5 @@
-"""The default layer x head heatmaps (figures/heads.py): numbers from a hand-built table, the PNGs, and the
-demo run drawing them."""
+"""The default layer x head heatmaps (figures/heads.py, their numbers from tables.py): numbers from a
+hand-built table, the PNGs, and the demo run drawing them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from conftest import run_headlab
-from headlab import results
+from headlab import results, tables
 from headlab.figures import FIGURES, heads
 
 LAYERS, HEADS = 2, 3
@@ -52,7 +52,7 @@ def hand_table() -> pd.DataFrame:
 
 
 def test_effects_are_value_less_clean_of_the_same_seed_averaged_over_seeds():
-    cells = heads.effects(hand_table())
+    cells = tables.effects(hand_table())
     assert list(cells["panel"].unique()) == [ZERO, PATCH_Q]
     for metric in ("acc", "ld"):
         for panel in (ZERO, PATCH_Q):
@@ -65,7 +65,7 @@ def test_effects_are_value_less_clean_of_the_same_seed_averaged_over_seeds():
             )
             if panel == PATCH_Q:
                 expected[1, 2] = np.nan
-            got = heads.grid(rows, size=(LAYERS, HEADS)).to_numpy(float)
+            got = tables.grid(rows, size=(LAYERS, HEADS)).to_numpy(float)
             np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
     one = cells[(cells["metric"] == "ld") & (cells["panel"] == ZERO) & (cells["layer"] == 1) & (cells["head"] == 2)]
     row = one.iloc[0]
@@ -118,7 +118,7 @@ def test_demo_run_writes_a_heatmap_per_metric(demo_root, tmp_path):
     assert sorted(p.name for p in (run_dir / "figures").glob("*.png")) == [f"heads_{m}.png" for m in metrics]
     numbers = json.loads((run_dir / "figures" / "numbers.json").read_text())
     assert "stale" not in numbers
-    cells = heads.effects(table)
+    cells = tables.effects(table)
     for m in metrics:
         of_metric = cells[cells["metric"] == m]
         top = of_metric.loc[of_metric["effect"].abs().sort_values(ascending=False, kind="stable").index[0]]

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle (function-level imports included), no private name imported
-across modules, no logic in __init__.py."""
+"""The package's shape: no import cycle (function-level imports included), no two rooms (folders and
+top-level modules of src/headlab) importing each other, no private name imported across modules, no logic
+in __init__.py."""
 
 from __future__ import annotations
 
@@ -102,6 +103,42 @@ def test_the_walker_sees_function_level_imports_and_finds_a_planted_cycle():
 
 def test_no_import_cycle():
     assert _cycles(_graph()) == []
+
+
+def _room(module: str) -> str | None:
+    """headlab.analysis.sinks -> analysis, headlab.results -> results; None for the package itself,
+    whose __init__ re-exports from every room."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _ties(graph: dict[str, set[str]]) -> list[str]:
+    """'A <-> B (a module -> b module, b module -> a module)' for every two rooms that import each other."""
+    first: dict[tuple[str, str], tuple[str, str]] = {}  # (room, room it imports) -> one such import
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            a, b = _room(name), _room(target)
+            if a and b and a != b:
+                first.setdefault((a, b), (name, target))
+    return [
+        f"{a} <-> {b} ({' -> '.join(first[a, b])}, {' -> '.join(first[b, a])})"
+        for a, b in sorted(first)
+        if a < b and (b, a) in first
+    ]
+
+
+def test_the_room_walker_finds_a_planted_two_way_tie():
+    graph = {k: set(v) for k, v in _graph().items()}
+    assert "headlab.interventions.sinks" in graph["headlab.analysis.sinks"]
+    graph["headlab.interventions.edits"].add("headlab.analysis.sinks")  # the tie sink detection once made
+    assert _ties(graph) == [
+        "analysis <-> interventions (headlab.analysis.heads -> headlab.interventions, "
+        "headlab.interventions.edits -> headlab.analysis.sinks)"
+    ]
+
+
+def test_no_two_rooms_import_each_other():
+    assert _ties(_graph()) == []
 
 
 def test_no_private_name_imported_across_modules():

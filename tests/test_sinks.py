@@ -14,18 +14,12 @@ from omegaconf import OmegaConf
 
 import headlab
 from conftest import counting_cfg, error_line, run_headlab
-from headlab.analysis.sinks import (
-    SINK_QUANTITIES,
-    hidden_sinks,
-    most_often,
-    real_tokens,
-    sink_quantities,
-    sink_scores,
-)
+from headlab.analysis.sinks import SINK_QUANTITIES, most_often, sink_quantities, sink_scores
 from headlab.config import PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.edits import calibrated
 from headlab.interventions.engine import execute
+from headlab.interventions.sinks import hidden_sinks, real_tokens
 from headlab.models.hf import load_hf
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
 from headlab.tasks import TaskData

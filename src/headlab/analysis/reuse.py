@@ -18,8 +18,8 @@ import pandas as pd
 from scipy import stats
 
 from ..errors import UsageError
-from ..figures.heads import effects, panels
 from ..results import conform
+from ..tables import effects, panels
 
 SIDES = ("a", "b")
 HEAD_NODE = re.compile(r"a(\d+)\.h(\d+)")

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .heads import FILE_UNSAFE, head_name
+from ..tables import head_name
+from .heads import FILE_UNSAFE
 
 PAIR = ("writer_layer", "writer_head")
 

@@ -2,6 +2,7 @@
 
   plan.py          Intervention (one row of the result table), its Edits, and the plan a config expands to
   edits.py         replacement values (Sources), site indexing and the hooks that edit stacked copies
+  sinks.py         real tokens and hidden attention sinks, which sink calibration edits and analyses score
   engine.py        execute (the batched sweep) and execute_joint (several layers at once)
   path.py          path patching
   attribution.py   attribution patching (a first-order estimate of activation patching)

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..analysis.sinks import hidden_sinks, real_tokens
 from ..config import MeanOver, option
 from ..errors import UsageError
 from ..models.hooked import HookedModel
@@ -32,6 +31,7 @@ from ..models.sites import Hook
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
 from .plan import Edit, Intervention
+from .sinks import hidden_sinks, real_tokens
 
 Place = int | Tensor | None  # where an intervention edits: every position | one index | one per prompt [n]
 Position = Place | slice  # an index into a site's positions: also a range (a suffix run's)
@@ -233,7 +233,7 @@ def calibrated(pattern: Tensor, factor: float, sinks: Tensor | None = None) -> T
     keys times `factor`, and what they give up, (1 - factor) times it, added to the other keys in
     proportion to their attention, so each row still sums to one.
 
-    sinks: a bool mask broadcastable to the rows (ACT: the head's hidden sinks, analysis/sinks.py);
+    sinks: a bool mask broadcastable to the rows (ACT: the head's hidden sinks, sinks.py);
     default the first key, which on right-padded prompts (tasks/base.py) is every prompt's first real
     token. A row with no attention off the sinks (the first query, which sees only itself) is left as it
     is, as the authors' code leaves it."""

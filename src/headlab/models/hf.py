@@ -1,7 +1,7 @@
 """Hugging Face causal LMs, by hub name or local path.
 
 HF models compute attention through `headlab_attention`, registered in transformers' attention
-interface as "headlab"; the only per-family knowledge is the small table of module names below.
+interface as "headlab"; the only per-family knowledge is a model_type's row of FAMILIES (families.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import HeadlabError
+from .families import FAMILIES, Family, attribute
 from .hooked import HookedModel, torch_dtype
 from .sites import HeadSites, headlab_attention
 
@@ -22,32 +23,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 ATTN_IMPLEMENTATION = "headlab"
-
-
-@dataclass(frozen=True)
-class Family:
-    blocks: str  # ModuleList of decoder blocks
-    attn: str  # attention module inside a block
-    out_proj: str  # output projection inside the attention module (its input is z)
-    final_norm: str
-    mlp: str = "mlp"  # position-wise feed-forward inside a block
-    down_proj: str = "mlp.down_proj"  # inside a block: the MLP's output projection (its input is "neurons")
-    attn_norm: str = "input_layernorm"  # inside a block: the norm the attention reads the residual stream through
-    mlp_norm: str = "post_attention_layernorm"  # the same for the MLP
-
-
-_LLAMA_LIKE = Family("model.layers", "self_attn", "o_proj", "model.norm", down_proj="mlp.down_proj")
-FAMILIES: dict[str, Family] = {
-    "gpt2": Family(
-        "transformer.h", "attn", "c_proj", "transformer.ln_f", down_proj="mlp.c_proj", attn_norm="ln_1", mlp_norm="ln_2"
-    ),
-    "gpt_neox": Family(
-        "gpt_neox.layers", "attention", "dense", "gpt_neox.final_layer_norm", down_proj="mlp.dense_4h_to_h"
-    ),
-    **{t: _LLAMA_LIKE for t in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo", "olmo2")},
-}
-# a norm on each component's output before the residual sum: no edges between components there
-POST_NORM = {"gemma2", "gemma3", "olmo2"}
 
 
 @dataclass(frozen=True)
@@ -81,16 +56,13 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
 
 
-def _get(root: nn.Module, dotted: str) -> Any:
-    for part in dotted.split("."):
-        root = getattr(root, part)
-    return root
-
-
-def _find(root: nn.Module, dotted: str) -> nn.Module | None:
-    """Like _get, but None when a block lacks the module (a layer without an MLP)."""
+def _find(root: nn.Module, dotted: str | None) -> nn.Module | None:
+    """Like attribute, but None when a block lacks the module (a layer without an MLP) or its family
+    names none (a norm OLMo 2 does not have)."""
+    if dotted is None:
+        return None
     try:
-        return _get(root, dotted)
+        return attribute(root, dotted)
     except AttributeError:
         return None
 
@@ -154,18 +126,17 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    blocks = list(_get(model, family.blocks))
-    attns = [_get(b, family.attn) for b in blocks]
-    outs = [_get(a, family.out_proj) for a in attns]
+    blocks = list(attribute(model, family.blocks))
+    attns = [attribute(b, family.attn) for b in blocks]
+    outs = [attribute(a, family.out_proj) for a in attns]
 
     def w_o(layer: int) -> Tensor:
         weight = outs[layer].weight
-        # Conv1D (GPT-2) stores [in, out]; nn.Linear stores [out, in].
-        w_in_out = weight if type(outs[layer]).__name__ == "Conv1D" else weight.T
+        w_in_out = weight if family.conv1d else weight.T
         return w_in_out.reshape(n_heads, d_head, -1)
 
     def w_qkv(layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        return _qkv_weights(attns[layer], cfg.model_type, n_heads, n_kv, d_head)
+        return family.qkv(attns[layer], n_heads, n_kv, d_head)
 
     sites = HeadSites(attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size, w_qkv, out_projs=outs)
     return HookedModel(
@@ -173,7 +144,7 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         module=model,
         sites=sites,
         blocks=blocks,
-        final_norm=_get(model, family.final_norm),
+        final_norm=attribute(model, family.final_norm),
         unembed=model.get_output_embeddings(),
         call=_call_hf,
         family=cfg.model_type,
@@ -185,7 +156,8 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         attn_inputs=[_find(b, family.attn_norm) for b in blocks],
         mlp_inputs=[_find(b, family.mlp_norm) for b in blocks],
         parallel=bool(getattr(cfg, "use_parallel_residual", False)),
-        residual_sum=cfg.model_type not in POST_NORM,
+        residual_sum=not family.post_norm,
+        runs_suffixes=family.suffix_runs,
     )
 
 
@@ -199,18 +171,6 @@ def _fuse_activations(model: nn.Module) -> None:
         for child_name, child in parent.named_children():
             if type(child) is NewGELUActivation:
                 setattr(parent, child_name, GELUTanh())
-
-
-def _qkv_weights(attn: nn.Module, model_type: str, n_heads: int, n_kv: int, d_head: int) -> Any:
-    """W_Q [head, d_model, d_head], W_K, W_V [kv_head, d_model, d_head] of one attention module."""
-    if model_type == "gpt2":  # Conv1D c_attn [d_model, 3 * d_model]: q, k, v side by side
-        per_head = _get(attn, "c_attn.weight").unflatten(1, (3, n_heads, d_head))  # [d_model, 3, head, d_head]
-        return tuple(per_head[:, i].transpose(0, 1) for i in range(3))
-    if model_type == "gpt_neox":  # Linear [3 * d_model, d_model], q, k, v interleaved per head
-        per_head = _get(attn, "query_key_value.weight").unflatten(0, (n_heads, 3, d_head))  # [head, 3, d_head, d_model]
-        return tuple(per_head[:, i].transpose(1, 2) for i in range(3))
-    projections = [_get(attn, f"{x}_proj.weight") for x in "qkv"]  # Linear [heads * d_head, d_model]
-    return tuple(w.unflatten(0, (n, d_head)).transpose(1, 2) for w, n in zip(projections, (n_heads, n_kv, n_kv)))
 
 
 def _tokenizer(model: PreTrainedModel, source: str, revision: str | None, where: str) -> Any:

@@ -4,7 +4,7 @@ The sweep engine needs three things from a model, and nothing about its family:
   trace(inputs)                    one clean forward pass that keeps each block's input (the residual
                                    stream) and the extra arguments the block was called with;
   run_blocks(h, start, trace, g)   blocks start..L-1 on a batch that stacks g copies of the prompts,
-                                   on every position or (families in SUFFIX_FAMILIES, a trace that kept
+                                   on every position or (runs_suffixes, a trace that kept
                                    keys and values) on positions p.. alone, the clean keys and values of
                                    the positions before p put in front of the suffix's own;
   readout(h, positions)            final norm + unembedding at the positions the metrics read only.
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
 
 Inputs = dict[str, Tensor]
-# Families whose blocks take their positions only through the extra arguments a Trace keeps (masks
-# [batch, 1, query, key], rotary tables [batch, pos, d], position ids [batch, pos]), so that slicing
-# those runs a block on a suffix of positions; checked against full passes in tests/test_prefix.py.
-SUFFIX_FAMILIES = frozenset({"toy", "gpt2", "gpt_neox", "llama", "qwen2", "mistral"})
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -136,6 +132,7 @@ class HookedModel:
         mlp_inputs: list[nn.Module | None] | None = None,
         parallel: bool = False,
         residual_sum: bool = True,
+        runs_suffixes: bool = False,
     ):
         self.name = name
         self.module = module
@@ -156,6 +153,9 @@ class HookedModel:
         # False where a norm sits on a component's output (Gemma 2, OLMo 2): the residual stream is then
         # no sum of the components' outputs, and edges between them are not defined
         self.residual_sum = residual_sum
+        # run_blocks may run its blocks on a suffix of positions: they take positions only through the
+        # extra arguments a Trace keeps (Family.suffix_runs; toy models)
+        self.runs_suffixes = runs_suffixes
         self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
         self.config: ModelConfig | None = None  # the config it was loaded from, where headlab.load_model set it
         self.source: object = None  # what its loader needs to load it again (hf.Pretrained); None: built here
@@ -302,11 +302,6 @@ class HookedModel:
         finally:
             for handle in handles:
                 handle.remove()
-
-    @property
-    def runs_suffixes(self) -> bool:
-        """Can run_blocks run its blocks on a suffix of positions (SUFFIX_FAMILIES)?"""
-        return self.family in SUFFIX_FAMILIES
 
     def trace(self, inputs: Inputs, keep_kv: bool = False, keep_z: bool = False) -> Trace:
         """One clean pass keeping each block's input and extra arguments; with `keep_kv`, each layer's

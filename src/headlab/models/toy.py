@@ -177,6 +177,7 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
         down_projs=[None if b.mlp is None else b.mlp[2] for b in blocks],  # Linear(d_mlp, d_model)
         attn_inputs=[b.ln1 for b in blocks],
         mlp_inputs=[b.ln2 if b.mlp is not None else None for b in blocks],
+        runs_suffixes=True,  # its attention reads where a suffix starts from HeadSites (prefix_length)
     )
 
 

@@ -2,7 +2,7 @@
 
 A sweep here is one (experiment, model, task) and the values of the swept overrides that are not seeds
 (collect adds each job's overrides as columns named like task.n_prompts): runs that differ only in seed
-are averaged, as headlab.figures.heads.effects does for the PNG figures, whose numbers these are. A cell
+are averaged, as headlab.tables.effects does for the PNG figures, whose numbers these are. A cell
 is coloured by its mean effect (RdBu, white at the clean value, limits symmetric and shared by a metric's
 panels) and its title (the tooltip) holds the mean, the bootstrap interval over prompts, the range over
 seeds and the number of seeds; its data-* attributes hold the same numbers unrounded.
@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib import colormaps, colors
 
-from ..figures import heads
+from .. import tables
 
 TOP_K = 5
 CMAP = colormaps["RdBu"]
@@ -34,10 +34,10 @@ table.heatmap td.empty { background: #bfbfbf; } table.top td:nth-child(-n+3) { t
 
 def swept(table: pd.DataFrame) -> list[str]:
     """Override columns whose value differs between head rows of one (experiment, model, task) and panel."""
-    rows = heads.head_rows(table)
+    rows = tables.head_rows(table)
     if rows.empty:
         return []
-    keys = [rows[c] for c in heads.SECTION if c in rows] + [heads.panel_label(rows)]
+    keys = [rows[c] for c in tables.SECTION if c in rows] + [tables.panel_label(rows)]
     overrides = [c for c in rows.columns if "." in str(c)]
     varies = rows.groupby(keys, dropna=False)[overrides].nunique(dropna=False).gt(1).any()
     return [c for c in overrides if varies[c]]
@@ -56,7 +56,7 @@ def tooltip(cell: pd.Series, metric: str) -> str:
     ci = interval(cell["ci_low"], cell["ci_high"])
     return "\n".join(
         (
-            f"{heads.head_name(cell['layer'], cell['head'])} {metric}, {cell['panel']}",
+            f"{tables.head_name(cell['layer'], cell['head'])} {metric}, {cell['panel']}",
             f"effect {number(cell['effect'])} (value {number(cell['value'])}, clean {number(cell['clean'])})",
             f"95% CI over prompts {ci}" if ci else "no interval over prompts",
             f"range over {n} seeds {interval(cell['seed_low'], cell['seed_high'])}" if n > 1 else "1 seed",
@@ -110,9 +110,9 @@ def top_heads(cells: pd.DataFrame) -> str:
     rows = []
     for metric, of_metric in cells.groupby("metric", sort=False):
         moved = of_metric[of_metric["effect"] != 0]  # heads that change nothing are no one's top head
-        for _, c in heads.strongest(moved, TOP_K).iterrows():
+        for _, c in tables.strongest(moved, TOP_K).iterrows():
             seeds = interval(c["seed_low"], c["seed_high"]) if c["n_seeds"] > 1 else ""
-            name, ci = heads.head_name(c["layer"], c["head"]), interval(c["ci_low"], c["ci_high"])
+            name, ci = tables.head_name(c["layer"], c["head"]), interval(c["ci_low"], c["ci_high"])
             cols = (metric, name, c["panel"], number(c["effect"]), ci, seeds, int(c["n_seeds"]))
             rows.append("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in cols) + "</tr>")
     header = "".join(
@@ -124,20 +124,20 @@ def top_heads(cells: pd.DataFrame) -> str:
 
 def section(table: pd.DataFrame) -> str:
     """The report's head-effect sections, one per sweep; empty when the table has no head rows."""
-    cells = heads.effects(table, by=swept(table))
+    cells = tables.effects(table, by=swept(table))
     if cells.empty:
         return ""
-    keys = heads.section_columns(cells)
+    keys = tables.section_columns(cells)
     parts = ["<h2>Head effects</h2>"]
     for key, of_sweep in cells.groupby(keys, dropna=False, sort=False):
-        names = [str(v) if k in heads.SECTION else f"{k}={v}" for k, v in zip(keys, key)]
+        names = [str(v) if k in tables.SECTION else f"{k}={v}" for k, v in zip(keys, key)]
         seeds = int(of_sweep["n_seeds"].max())
         what = "one seed" if seeds == 1 else f"the mean over seeds (up to {seeds} per head)"
         parts.append(f"<h3>{html.escape(' / '.join(names))}</h3><p>Each head's effect, value - clean: {what}.</p>")
-        size = heads.shape(of_sweep)
+        size = tables.shape(of_sweep)
         for metric, of_metric in of_sweep.groupby("metric", sort=False):
             lim = float(of_metric["effect"].abs().max()) or 1.0
-            maps = "".join(heatmap(t, c, str(metric), size, lim) for t, c in heads.panels(of_metric))
+            maps = "".join(heatmap(t, c, str(metric), size, lim) for t, c in tables.panels(of_metric))
             legend_html = legend(lim, float(of_metric["clean"].mean()))
             parts.append(f"<h4>{html.escape(str(metric))}</h4><div class='maps'>{maps}{legend_html}</div>")
         parts.append(top_heads(of_sweep))

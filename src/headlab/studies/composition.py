@@ -16,7 +16,7 @@ from .. import results
 from ..analysis.head_composition import MODES, composition
 from ..config import Config, option, run_info
 from ..errors import UsageError
-from ..figures.heads import head_name
+from ..tables import head_name
 from .context import RunContext
 
 NAME = "composition"

@@ -25,7 +25,7 @@ from ..analysis.retrieval import (
 )
 from ..config import Config, option, run_info
 from ..errors import HeadlabError, UsageError
-from ..figures.heads import head_name
+from ..tables import head_name
 from ..tasks import mean_of, nanmean_of
 from ..tasks.needle import NeedleTask
 from .context import RunContext

@@ -19,7 +19,7 @@ import pandas as pd
 from .. import results
 from ..analysis.sinks import SINK_QUANTITIES, most_often, sink_scores
 from ..config import Config, option, run_info
-from ..figures.heads import head_name
+from ..tables import head_name
 from ..tasks import mean_of
 from .context import RunContext
 

@@ -1,0 +1,129 @@
+"""What headlab knows of each Hugging Face model family, one `Family` row per transformers `model_type`.
+
+Attention itself needs no row: every family computes it through headlab's attention function (sites.py).
+A row says where the modules around it are and the few ways families differ that headlab must know: how
+q, k and v are stored, whether a norm sits on each component's output, and whether a block can run on a
+suffix of positions. A random-weight model of every row is held to its row (tests/test_families.py), to the
+checks of `headlab check` (tests/test_check.py) and, where it claims suffix runs, to full passes
+(tests/test_prefix.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+QKV = tuple[Tensor, Tensor, Tensor]
+
+
+def attribute(root: nn.Module, dotted: str) -> Any:
+    """root.a.b.c for dotted "a.b.c": a module or a weight."""
+    for part in dotted.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def separate_qkv(attn: nn.Module, n_heads: int, n_kv: int, d_head: int) -> QKV:
+    """q_proj, k_proj, v_proj: nn.Linear [heads * d_head, d_model] each (Llama and most later families)."""
+    q, k, v = (
+        attribute(attn, f"{x}_proj.weight").unflatten(0, (n, d_head)) for x, n in zip("qkv", (n_heads, n_kv, n_kv))
+    )
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def conv1d_qkv(attn: nn.Module, n_heads: int, n_kv: int, d_head: int) -> QKV:
+    """c_attn: GPT-2's Conv1D [d_model, 3 * d_model], q, k and v side by side."""
+    per_head = (
+        attribute(attn, "c_attn.weight").unflatten(1, (3, n_heads, d_head)).transpose(0, 2)
+    )  # [head, 3, d_model, d_head]
+    return per_head[:, 0], per_head[:, 1], per_head[:, 2]
+
+
+def interleaved_qkv(attn: nn.Module, n_heads: int, n_kv: int, d_head: int) -> QKV:
+    """query_key_value: nn.Linear [3 * d_model, d_model], q, k and v interleaved per head (GPT-NeoX)."""
+    per_head = (
+        attribute(attn, "query_key_value.weight").unflatten(0, (n_heads, 3, d_head)).transpose(2, 3)
+    )  # [head, 3, d_model, d_head]
+    return per_head[:, 0], per_head[:, 1], per_head[:, 2]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Module paths are dotted attribute names: `blocks` and `final_norm` from the model, the rest from
+    one block (`out_proj` from the attention module)."""
+
+    blocks: str  # ModuleList of decoder blocks
+    attn: str  # attention module inside a block
+    out_proj: str  # output projection inside the attention module (its input is z)
+    final_norm: str
+    # W_Q [head, d_model, d_head], W_K, W_V [kv_head, d_model, d_head] of one attention module
+    qkv: Callable[[nn.Module, int, int, int], QKV] = separate_qkv
+    conv1d: bool = False  # out_proj is GPT-2's Conv1D, weight [in, out], not nn.Linear's [out, in]
+    mlp: str = "mlp"  # position-wise feed-forward inside a block
+    down_proj: str = "mlp.down_proj"  # the MLP's output projection (its input is "neurons")
+    attn_norm: str | None = "input_layernorm"  # the norm the attention reads the residual stream through
+    mlp_norm: str | None = "post_attention_layernorm"  # the same for the MLP; None: the block has none
+    # a norm on each component's output before the residual sum: the residual stream is then no sum of
+    # the components' outputs, and edges between them (circuit=...) are not defined
+    post_norm: bool = False
+    # the blocks take positions only through the arguments a Trace keeps (masks [batch, 1, query, key],
+    # rotary tables [batch, pos, d], position ids), so a sweep may run them on a suffix of positions;
+    # tests/test_prefix.py holds every row that says so to full passes. False for a family whose blocks
+    # work out positions themselves: its sweeps then run every position
+    suffix_runs: bool = True
+
+
+_LLAMA = Family("model.layers", "self_attn", "o_proj", "model.norm")
+# Gemma 2 and 3 norm each component's output (post_attention_layernorm, post_feedforward_layernorm) and
+# read the MLP through pre_feedforward_layernorm
+_GEMMA2 = Family(
+    "model.layers",
+    "self_attn",
+    "o_proj",
+    "model.norm",
+    mlp_norm="pre_feedforward_layernorm",
+    post_norm=True,
+)
+
+FAMILIES: dict[str, Family] = {
+    "gpt2": Family(
+        "transformer.h",
+        "attn",
+        "c_proj",
+        "transformer.ln_f",
+        qkv=conv1d_qkv,
+        conv1d=True,
+        down_proj="mlp.c_proj",
+        attn_norm="ln_1",
+        mlp_norm="ln_2",
+    ),
+    "gpt_neox": Family(
+        "gpt_neox.layers",
+        "attention",
+        "dense",
+        "gpt_neox.final_layer_norm",
+        qkv=interleaved_qkv,
+        down_proj="mlp.dense_4h_to_h",
+    ),
+    "llama": _LLAMA,
+    "qwen2": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen3": _LLAMA,
+    "gemma": _LLAMA,
+    "olmo": _LLAMA,
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA2,
+    # OLMo 2 norms only the components' outputs (post_attention_layernorm, post_feedforward_layernorm)
+    "olmo2": Family(
+        "model.layers",
+        "self_attn",
+        "o_proj",
+        "model.norm",
+        attn_norm=None,
+        mlp_norm=None,
+        post_norm=True,
+    ),
+}
