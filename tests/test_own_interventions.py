@@ -5,6 +5,7 @@ one line at the door when they name what the model or the prompts do not have.""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,3 +223,15 @@ def test_a_bad_built_in_intervention_or_argument_is_refused_in_one_line():
     assert "needs other_head" in _refusal(model, task, data, headlab.Intervention("pattern_from", "zero", 0, 1))
     assert "method 'sideways'" in _refusal(model, task, data, headlab.Intervention("ablate_head", "sideways", 0, 1))
     assert "not str" in _refusal(model, task, data, "ablate_head")  # type: ignore[arg-type]
+
+
+def test_the_readme_recipe_runs_as_written():
+    """README's "Your own intervention" block, executed on a toy model: it stays true."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Your own intervention") :]
+    block = section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
+    scope = {"headlab": headlab, "model": _toy(), "task": headlab.load_task("counting", n_prompts=32)}
+    exec(block, scope)
+    table = scope["table"]
+    assert list(table.loc[table["metric"] == "label_acc", "intervention"]) == ["none"] + ["half"] * 6
+    assert (table["n"] == 64).all()
