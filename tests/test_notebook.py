@@ -19,4 +19,5 @@ def test_quickstart_notebook_runs(demo_root, tmp_path):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the heatmaps were drawn"
     assert any("the most important head: L" in o.get("text", "") for o in outputs)
+    assert any("edits batched == " in o.get("text", "") for o in outputs), "your own intervention equals a naive pass"
     assert len(list(demo_root.glob("checkpoints/*/model.safetensors"))) == 1  # the demo model, reused

@@ -8,6 +8,7 @@ from .api import Verdict as Verdict
 from .api import check as check
 from .api import circuit as circuit
 from .api import compose as compose
+from .api import execute as execute
 from .api import load_model as load_model
 from .api import load_task as load_task
 from .api import reuse as reuse
@@ -16,5 +17,6 @@ from .api import scores as scores
 from .api import sweep as sweep
 from .errors import HeadlabError as HeadlabError
 from .errors import UsageError as UsageError
+from .interventions import Intervention as Intervention
 
 __version__ = "0.1.0"

@@ -26,14 +26,17 @@ from .composition import compose as compose_config
 from .composition import compose_raw, group_options, option_overrides, typed, validate_overrides
 from .config import Config, ModelConfig, ModelKind
 from .errors import UsageError
+from .interventions import CLEAN, Intervention
+from .interventions.user import checked
 from .io import atomic_write_bytes
 from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .studies.context import RunContext, apply_threads
 from .studies.registry import study_for
 from .studies.runner import execute_run
+from .studies.sweep import run as run_sweep
 from .task_models import choose_model
-from .tasks import Task, build_task
+from .tasks import Task, TaskData, build_task
 from .train.obtain import is_trained_here, obtain_model
 
 log = logging.getLogger("headlab")
@@ -170,6 +173,43 @@ def sweep(
     return _run_study(model, task, overrides, n_prompts, show_progress)
 
 
+def execute(
+    model: HookedModel,
+    task: Task,
+    interventions: Sequence[Intervention],
+    data: TaskData | None = None,
+    n_prompts: int | None = None,
+    seed: int = 0,
+    show_progress: bool = False,
+    **options: Any,
+) -> pd.DataFrame:
+    """Run these interventions on `task`'s prompts and return the tidy table `sweep` returns: the clean
+    row (intervention "none") first, then one per intervention, batched and started from the cached
+    residual streams as every sweep is. Nothing is written.
+
+    An Intervention is a built-in kind (`Intervention("ablate_head", "mean", layer=0, head=1)`) or your
+    own: a name and `edit`, a function from the site's values where it touches them to their
+    replacement, e.g. `Intervention("half", layer=0, head=1, position=3, edit=lambda z: 0.5 * z)`, with
+    `site` one of z (default), pattern, q, k, v (interventions/user.py says what `edit` receives).
+    data: the prompts (`task.build(n, seed, model)`); default: those `sweep` draws for n_prompts and
+    seed. Options: config keys, e.g. `per_prompt=True` (rows per prompt, with prompt_id), `n_boot=200`,
+    `naive=True` (one full forward pass per intervention: the reference). Bad input is refused in one
+    line (UsageError) before anything runs."""
+    if data is not None and n_prompts is not None:
+        raise UsageError("give the prompts (data=) or how many to draw (n_prompts=), not both")
+    overrides = [
+        f"task={task.name}",
+        "ablate=none",
+        "patch=none",
+        f"seed={seed}",
+        *option_overrides(options, prefer=("output", "engine", "ablate")),
+    ]
+    ctx = _context(model, task, overrides, n_prompts, show_progress)
+    ctx.data = data
+    ctx.interventions = [CLEAN, *checked(interventions, ctx.get_model(), ctx.get_data())]
+    return run_sweep(ctx)
+
+
 def circuit(
     model: HookedModel,
     task: Task,
@@ -273,12 +313,19 @@ def _run_study(
     model: HookedModel, task: Task, overrides: list[str], n_prompts: int | None, show_progress: bool
 ) -> pd.DataFrame:
     """The table of the run study the overrides choose, on this model and task, nothing written."""
+    ctx = _context(model, task, overrides, n_prompts, show_progress)
+    return study_for("run", ctx.cfg).run(ctx)
+
+
+def _context(
+    model: HookedModel, task: Task, overrides: list[str], n_prompts: int | None, show_progress: bool
+) -> RunContext:
+    """A study's context for this model and task with the config the overrides compose; writes nothing."""
     cfg = compose_config(overrides)
     cfg.task = _task_config(task, n_prompts)
     cfg.model = getattr(model, "config", None) or ModelConfig(name=model.name, kind=ModelKind.hf)
     apply_threads(cfg)
-    ctx = RunContext(cfg, show_progress=show_progress, task=task, model=model)
-    return study_for("run", cfg).run(ctx)
+    return RunContext(cfg, show_progress=show_progress, task=task, model=model)
 
 
 def _task_config(task: Task, n_prompts: int | None) -> Any:

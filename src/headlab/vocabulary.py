@@ -57,6 +57,7 @@ class Source(Name):
     # the other keys in proportion to their attention (sink calibration, interventions/edits.py)
     calibrate = "calibrate"
     calibrate_hidden = "calibrate_hidden"  # the same with the head's hidden sinks (analysis/sinks.py) as sinks
+    function = "function"  # a user's function of the site's own value (headlab.Intervention's `edit`)
 
 
 class Kind(Name):
@@ -90,6 +91,7 @@ class Method(Name):
     uniform = "uniform"
     calibration = "calibration"  # the attention calibration rule of Yu et al. 2024 (ACT), on the first token
     calibration_hidden = "calibration_hidden"  # the same on each head's hidden sinks, as ACT itself
+    custom = "custom"  # a user's own edit (headlab.Intervention with `edit`), named in the intervention column
 
 
 # typed by str: methods arrive as plain strings from configs and callers (members hash as their values)

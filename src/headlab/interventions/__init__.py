@@ -6,6 +6,7 @@
   engine.py        execute (the batched sweep) and execute_joint (several layers at once)
   path.py          path patching
   attribution.py   attribution patching (a first-order estimate of activation patching)
+  user.py          what a user hands in (headlab.execute): specs checked at the door, their own edits
 The names of sites, sources, kinds and methods are those of headlab.vocabulary.
 """
 

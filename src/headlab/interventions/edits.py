@@ -32,11 +32,12 @@ from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
 from .plan import Edit, Intervention
 from .sinks import hidden_sinks, real_tokens
+from .user import edited
 
 Place = int | Tensor | None  # where an intervention edits: every position | one index | one per prompt [n]
 Position = Place | slice  # an index into a site's positions: also a range (a suffix run's)
 # sources that need no recorded value: the edit makes its replacement from the edited run itself
-UNRECORDED = (Source.zero, Source.head, Source.scale, Source.calibrate, Source.calibrate_hidden)
+UNRECORDED = (Source.zero, Source.head, Source.scale, Source.calibrate, Source.calibrate_hidden, Source.function)
 
 
 class Sources:
@@ -222,6 +223,8 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
         x[index] = calibrated(pattern, edit.scale[0], hidden_sinks(pattern, real, edit.scale[1])[:, :, None, :])
     elif edit.source == Source.zero:
         x[index] = 0.0
+    elif edit.source == Source.function:
+        x[index] = edited(iv, x[index])
     else:
         value, value_rows = sources.value(edit.source, site, iv.layer)  # type: ignore[arg-type]
         at = source_pos.to(x.device) if isinstance(source_pos, Tensor) else source_pos  # value: recorded at this layer

@@ -18,6 +18,9 @@ layer, each on one site (z, pattern, q, k, v, mlp or neurons):
                                            sinks, by alpha = scale[1]) times scale[0], what it gives up
                                            shared among the other keys in proportion (edits.calibrated;
                                            every head of the layer if `head` is None)
+  a user's own (`edit` set)                the head's site (every head if `head` is None) at `position`
+                                           (or `token`, or every position) <- edit(that value); its
+                                           name is free (interventions/user.py checks it at the door)
 An ablation or patch edits z unless `site` names another head site (pattern, q, k, v); it edits every
 position, or `position`, or per prompt the position of the role `token` (e.g. IOI's END).
 Interventions at several layers act together through engine.execute_joint (circuit knockouts).
@@ -26,12 +29,16 @@ The names of sites, sources, kinds and methods are those of headlab.vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config, option
 from ..errors import UsageError
 from ..vocabulary import HEAD_SITES, SOURCE_OF_METHOD, Kind, Method, Site, Source
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 LOGITS = "logits"  # the receiver set of path patching that is the model's output itself
 RECEIVER_SITES = (Site.q, Site.k, Site.v)  # path patching enters a receiver head by one of its inputs
@@ -60,6 +67,8 @@ class Intervention:
     scale: tuple[float, ...] = ()
     neurons: tuple[int, ...] = ()  # ablate_neurons: MLP hidden units (not tabular; `group` names the set)
     group: str | None = None  # a label for the table, e.g. "recall_top8"
+    # a user's own edit: the site's value where this intervention touches it -> its replacement (same shape)
+    edit: Callable[[Tensor], Tensor] | None = None
 
     def edits(self, n_heads: int) -> list[Edit]:
         everyone = tuple(range(n_heads))
@@ -67,6 +76,9 @@ class Intervention:
         kind = self.intervention
         if kind == Kind.none:
             return []
+        if self.edit is not None:
+            site = Site(self.site) if self.site else Site.z
+            return [Edit(site, everyone if self.head is None else (self.head,), Source.function)]
         if kind in (Kind.ablate_head, Kind.patch_head, Kind.path_patch):
             site = Site(self.site) if kind != Kind.path_patch and self.site else Site.z
             return [Edit(site, everyone if self.head is None else (self.head,), SOURCE_OF_METHOD[self.method])]
@@ -97,8 +109,9 @@ class Intervention:
         raise ValueError(f"unknown intervention '{kind}'")
 
     def row(self) -> dict[str, Any]:
-        """The table's columns for this intervention (the scale and neuron vectors are not tabular)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("scale", "neurons")}
+        """The table's columns for this intervention (the scale and neuron vectors and a user's edit
+        function are not tabular)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("scale", "neurons", "edit")}
 
 
 CLEAN = Intervention(Kind.none)

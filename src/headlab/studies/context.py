@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config import Config, option
+from ..interventions.plan import Intervention
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData, build_task
 
@@ -30,6 +31,9 @@ class RunContext:
     model: HookedModel | None = None
     timings: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # what a study adds to meta.json
+    data: TaskData | None = None  # the prompts where the Python API hands them in (headlab.execute)
+    # the sweep's interventions where the Python API hands them in (headlab.execute); None: the config's plan
+    interventions: list[Intervention] | None = None
     _data: TaskData | None = None
 
     @contextmanager
@@ -70,12 +74,14 @@ class RunContext:
         return self.model
 
     def get_data(self) -> TaskData:
-        """The evaluation prompts (task.n_prompts, drawn from seed + EVAL_SEED_OFFSET) where the model,
-        placed on cfg.device, reads its inputs."""
+        """The evaluation prompts (those handed in, else task.n_prompts drawn from seed + EVAL_SEED_OFFSET)
+        where the model, placed on cfg.device, reads its inputs."""
         if self._data is None:
             model, task = self.get_model(), self.get_task()
             with self.timed("build_task"):
-                data = task.build(self.cfg.task.n_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET, model=model)
+                data = self.data
+                if data is None:
+                    data = task.build(self.cfg.task.n_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET, model=model)
                 model.place(self.cfg.device)
                 self._data = data.to(str(model.input_device))
         return self._data

@@ -41,7 +41,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             ctx.note(
                 f"head_scores: task {task.name} has no IOI roles; the IOI scores (END attention, copy) are left out"
             )
-    interventions = plan(cfg, model.n_layers, model.n_heads, scales)
+    interventions = plan(cfg, model.n_layers, model.n_heads, scales) if ctx.interventions is None else ctx.interventions
     unknown = sorted({iv.token for iv in interventions if iv.token} - set(data.token_positions or {}))
     if unknown:
         names = ", ".join(data.token_positions or {}) or "none"
