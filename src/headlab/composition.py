@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .config import GROUPS, SCHEMAS, TASK_SCHEMAS, Config, EngineConfig, OutputConfig, TaskConfig, config_dir
-from .config_rules import check_device, validate
+from .config_rules import check_device, clipped, validate
 from .errors import UsageError
 
 
@@ -88,15 +88,15 @@ def _one_line(e: BaseException) -> str:
         if key and msg:
             first = str(msg).strip().splitlines()[0]
             # an enum's members as a plain list: the line is printed as rich markup, where [..] is a tag
-            first = re.sub(r"expected one of \[(.*)\]", r"expected one of \1", first)
-            return f"{key}: {first}"
+            member = re.fullmatch(r"Invalid value '(.*)', expected one of \[(.*)\]", first)
+            return clipped(f"{key}={member[1]}: expected one of {member[2]}" if member else f"{key}: {first}")
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     cause = e.__cause__
     if cause is not None and str(cause).strip():
         first = str(cause).strip().splitlines()[0]
         if first not in lines:
             lines.append(first)
-    return "; ".join(lines[:2]) or type(e).__name__
+    return clipped("; ".join(lines[:2]) or type(e).__name__)
 
 
 def check_overrides(overrides: Sequence[str]) -> list[list[str]]:

@@ -9,6 +9,7 @@ rules here are what a type cannot say.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class Range:
     integer: bool = False
 
     def accepts(self, value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
@@ -279,10 +280,15 @@ def shown(value: Any) -> str:
     return text if len(text) <= MAX_VALUE else text[: MAX_VALUE - 3] + "..."
 
 
+def clipped(line: str) -> str:
+    """A line that fits MAX_LINE with the CLI's "error: " before it."""
+    room = MAX_LINE - len("error: ") - 1
+    return line if len(line) <= room else line[: room - 3] + "..."
+
+
 def refusal(key: str, value: Any, expected: str) -> UsageError:
     """The one line that names the option, its value and what it accepts."""
-    line = f"invalid configuration: {key}={shown(value)}: expected {expected}"
-    return UsageError(line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "...")
+    return UsageError(clipped(f"invalid configuration: {key}={shown(value)}: expected {expected}"))
 
 
 def sections(cfg: Config) -> list[tuple[str, Any]]:
