@@ -325,6 +325,7 @@ def test_cli_runs_ioi_on_a_local_model_and_refuses_bad_input_with_one_line(tiny_
     assert set(patched["token"]) == {"END", "S2"} and set(patched["site"]) == {"z"} and len(patched) == 2 * 12
     assert len(df[(df.intervention == "ablate_head") & (df.metric == "accuracy")]) == 12
     proc = headlab("run", *model, *small, "patch=activation", "patch.positions=[XYZ]", cwd=tmp_path)
-    assert proc.returncode == 2 and "task ioi names no position XYZ; it names: IO, S1, S2, END" in _error_line(proc)
+    roles = "patch.positions=XYZ: expected all, an index, or a role task ioi names: IO, S1, S2, END"
+    assert proc.returncode == 2 and roles in _error_line(proc)
     proc = headlab("run", "model=hf", f"model.path={tiny_hf_dir('gpt2')}", *small, cwd=tmp_path)
     assert proc.returncode == 1 and "set model.tokenizer=" in _error_line(proc)

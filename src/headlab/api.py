@@ -23,7 +23,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from .composition import compose as compose_config
-from .composition import compose_raw, group_options, option_overrides, typed, validate_overrides
+from .composition import compose_checked, group_options, option_overrides
 from .config import Config, ModelConfig, ModelKind
 from .errors import UsageError
 from .interventions import CLEAN, Intervention
@@ -357,15 +357,15 @@ def run(*overrides: str, command: str = "run", show_progress: bool = False) -> R
     the study run, results.parquet, results.csv, meta.json and .hydra/config.yaml written there. A run
     dir given by hydra.run.dir=... that already holds this config's complete result is reused
     (`skipped`)."""
-    validate_overrides(overrides)
-    chosen, note = choose_model(overrides)
+    raw, cfg = compose_checked(overrides, hydra_config=True)
+    chosen, note = choose_model(overrides, cfg)
     if note:
         log.warning("%s", note)
-    raw = compose_raw(chosen, hydra_config=True)
+    if chosen != list(overrides):  # the task's own model: a config other than the one composed above
+        raw, cfg = compose_checked(chosen, hydra_config=True)
     run_dir = Path(str(raw.hydra.run.dir))
     if not any(o.startswith("hydra.run.dir=") for o in chosen):
         run_dir = _unused(run_dir)
-    cfg = typed(raw)
     table = execute_run(command, cfg, run_dir, show_progress)
     skipped = bool(table.attrs.get("skipped"))
     if not skipped:

@@ -12,11 +12,12 @@ import pandas as pd
 import typer
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .composition import group_options, typed, validate_overrides
-from .config import GROUPS, config_dir
+from .composition import group_options, launcher_of, typed, validate_overrides
+from .config import GROUPS, Config, config_dir
 from .errors import HeadlabError, UsageError
 from .io import atomic_write_bytes
 
@@ -99,11 +100,20 @@ def _job(command: str, cfg: DictConfig) -> str:
     return "done"
 
 
-def _with_task_model(overrides: list[str]) -> list[str]:
+def _sweep(overrides: list[str], task_function: Callable) -> None:
+    """A multirun: every job's config and the launcher's cluster checked here, then Hydra's."""
+    from .sweeps import check_cluster
+
+    raw, cfg = validate_overrides(overrides)
+    check_cluster(*launcher_of(raw))
+    _hydra_run(_with_task_model(overrides, cfg), task_function)
+
+
+def _with_task_model(overrides: list[str], cfg: Config) -> list[str]:
     """The task's default model where the user named none and the configured one cannot serve it."""
     from .task_models import choose_model
 
-    chosen, note = choose_model(overrides)
+    chosen, note = choose_model(overrides, cfg)
     if note:
         err.print(f"note: {note}", highlight=False, soft_wrap=True)
     return chosen
@@ -254,9 +264,8 @@ def run(
     multirun: bool = MULTIRUN,
 ) -> None:
     """Run an experiment: `headlab run model=... task=... ablate=heads [key=value ...]`."""
-    validate_overrides(ctx.args)
     if multirun:
-        _hydra_run(_with_task_model(ctx.args), run_task)
+        _sweep(ctx.args, run_task)
     else:
         _single("run", ctx.args)
 
@@ -267,9 +276,8 @@ def train(
     multirun: bool = MULTIRUN,
 ) -> None:
     """Train a toy model from scratch: `headlab train model=toy-attn-1l task=counting train.steps=2000`."""
-    validate_overrides(ctx.args)
     if multirun:
-        _hydra_run(_with_task_model(ctx.args), train_task)
+        _sweep(ctx.args, train_task)
     else:
         _single("train", ctx.args)
 
@@ -280,9 +288,8 @@ def sae(
     multirun: bool = MULTIRUN,
 ) -> None:
     """Fit a sparse autoencoder on one layer's head outputs z: `headlab sae sae=topk sae.layer=1 [key=value ...]`."""
-    validate_overrides(ctx.args)
     if multirun:
-        _hydra_run(_with_task_model(ctx.args), sae_task)
+        _sweep(ctx.args, sae_task)
     else:
         _single("sae", ctx.args)
 
@@ -422,7 +429,7 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except HeadlabError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")

@@ -1,11 +1,12 @@
 """Composing a run's config: Hydra's composition of configs/ plus overrides, validation at the door
-(one line for an unknown option, key or type), the typed result, and Python keyword options as
-overrides. The schemas themselves live in config.py.
+(one line for an unknown option, key, type or value out of range), the typed result, and Python keyword
+options as overrides. The schemas themselves live in config.py, the ranges in config_rules.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .config import GROUPS, SCHEMAS, TASK_SCHEMAS, Config, EngineConfig, OutputConfig, TaskConfig, config_dir
+from .config_rules import check_device, clipped, validate
 from .errors import UsageError
 
 
@@ -40,34 +42,66 @@ def compose_raw(overrides: Sequence[str] = (), hydra_config: bool = False) -> Di
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
 
 
-def typed(cfg: DictConfig) -> Config:
-    """The composed config as the dataclasses above: the core never sees an untyped config."""
+def typed(cfg: DictConfig, device: bool = True) -> Config:
+    """The composed config as the dataclasses above, every value checked against config_rules (and, with
+    `device`, cfg.device against this machine): the core never sees an untyped or unchecked config."""
     if "hydra" in cfg:
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    try:
+        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except Exception as e:  # a value no override gave (MISSING) or that cannot take its type
+        raise UsageError(f"invalid configuration: {_one_line(e)}") from None
+    validate(config, device)
+    return config
 
 
 def compose(overrides: Sequence[str] = ()) -> Config:
     """The typed, validated config of `headlab run <overrides>`; bad input raises UsageError."""
-    validate_overrides(overrides)
-    return typed(compose_raw(overrides))
+    return compose_checked(overrides)[1]
+
+
+def compose_checked(
+    overrides: Sequence[str] = (), hydra_config: bool = False, device: bool = True
+) -> tuple[DictConfig, Config]:
+    """(the composed config as Hydra gives it, the typed and validated one): one composition, every
+    check of the door, the group options named before anything is composed."""
+    check_overrides(overrides)
+    try:
+        raw = compose_raw(overrides, hydra_config)
+    except Exception as e:
+        raise UsageError(f"invalid configuration: {_one_line(e)}") from None
+    return raw, typed(raw, device)
 
 
 def _one_line(e: BaseException) -> str:
+    """OmegaConf's and Hydra's multi-line errors as one line that names the option (its full key)."""
+    chain: list[BaseException] = []
+    link: BaseException | None = e
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    for err in chain:
+        key = getattr(err, "full_key", None)
+        msg = getattr(err, "msg", None)
+        if key and msg:
+            first = str(msg).strip().splitlines()[0]
+            # an enum's members as a plain list: the line is printed as rich markup, where [..] is a tag
+            member = re.fullmatch(r"Invalid value '(.*)', expected one of \[(.*)\]", first)
+            return clipped(f"{key}={member[1]}: expected one of {member[2]}" if member else f"{key}: {first}")
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     cause = e.__cause__
     if cause is not None and str(cause).strip():
         first = str(cause).strip().splitlines()[0]
         if first not in lines:
             lines.append(first)
-    return "; ".join(lines[:2]) or type(e).__name__
+    return clipped("; ".join(lines[:2]) or type(e).__name__)
 
 
-def validate_overrides(overrides: Sequence[str]) -> None:
-    """Fail with one line on an unknown group option, key or wrong type, before any work; a sweep
-    (comma-separated values) is checked value by value."""
+def check_overrides(overrides: Sequence[str]) -> list[list[str]]:
+    """The overrides parsed, each group option one configs/ has, before anything is composed; returns
+    each override's values (several for a sweep's comma-separated ones) as `key=value` strings."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -84,13 +118,35 @@ def validate_overrides(overrides: Sequence[str]) -> None:
                 if v not in valid and not (group == "experiment" and v == "null"):
                     raise UsageError(f"unknown {group} '{v}'; choose from: {', '.join(valid)}")
         choices.append([f"{o.get_key_element()}={v}" for v in values])
+    return choices
+
+
+def validate_overrides(overrides: Sequence[str]) -> tuple[DictConfig, Config]:
+    """A sweep checked at the door, value by value: the first job's config, then each other value of
+    each swept option in it, each composed and validated; returns the first job's (raw with Hydra's
+    config, typed). Jobs that a cluster runs elsewhere have their device checked there."""
+    choices = check_overrides(overrides)
     base = [c[0] for c in choices]
-    variants = [base] + [base[:i] + [v] + base[i + 1 :] for i, c in enumerate(choices) for v in c[1:]]
-    for variant in variants:
-        try:
-            compose_raw(variant)
-        except Exception as e:
-            raise UsageError(f"invalid configuration: {_one_line(e)}") from e
+    raw, cfg = compose_checked(base, hydra_config=True, device=False)
+    here = not runs_elsewhere(raw)
+    if here:
+        check_device(cfg.device)
+    for i, c in enumerate(choices):
+        for v in c[1:]:
+            compose_checked(base[:i] + [v] + base[i + 1 :], device=here)
+    return raw, cfg
+
+
+def launcher_of(raw: DictConfig) -> tuple[str, str]:
+    """(the sweep's launcher as the user chose it, "slurm" where its jobs go to a SLURM cluster, else "")."""
+    target = str(OmegaConf.select(raw, "hydra.launcher._target_", default="") or "")
+    name = OmegaConf.select(raw, "hydra.runtime.choices", default={}).get("hydra/launcher") or target or "basic"
+    return str(name), "slurm" if "slurm" in target.lower() else ""
+
+
+def runs_elsewhere(raw: DictConfig) -> bool:
+    """A launcher whose jobs run on other machines (SLURM's): their devices are theirs, not this one's."""
+    return launcher_of(raw)[1] != ""
 
 
 # Sections searched for a bare option name (`n_boot` -> output.n_boot), in this order.

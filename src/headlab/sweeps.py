@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
 STATUS = "status.json"
+# sinfo asks slurmctld; a controller that is down makes it retry for its MessageTimeout (10 s by default)
+# and more, so a sweep that cannot be submitted is refused after this long
+CLUSTER_TIMEOUT_S = 5.0
 _last_sweep_dir: Path | None = None
 
 
@@ -47,6 +51,29 @@ class SweepStatus(Callback):
         status["overrides"] = list(job_return.overrides or [])
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(run_dir / STATUS, json.dumps(status).encode())
+
+
+def check_cluster(launcher: str, cluster: str) -> None:
+    """The sweep's scheduler answers (`cluster`: "slurm" for a SLURM launcher, "" for one that runs here),
+    else one line naming the launcher and what failed, before a job is submitted or a dir made."""
+    from .errors import UsageError
+
+    if cluster != "slurm":
+        return
+    where = f"hydra/launcher={launcher}: the SLURM controller cannot be reached"
+    try:
+        probe = subprocess.run(
+            ["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=CLUSTER_TIMEOUT_S
+        )
+    except FileNotFoundError:
+        raise UsageError(f"{where}: sinfo is not on PATH (no SLURM client here)") from None
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"{where}: sinfo did not answer within {CLUSTER_TIMEOUT_S:g} s") from None
+    except OSError as e:
+        raise UsageError(f"{where}: sinfo cannot run ({e.strerror or e})") from None
+    if probe.returncode != 0:
+        said = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        raise UsageError(f"{where}: sinfo failed: {said[:100]}")
 
 
 def last_sweep_dir() -> Path | None:

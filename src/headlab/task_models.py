@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .composition import compose
-from .config import ModelConfig, option
+from .config import Config, ModelConfig, option
 from .errors import HeadlabError, UsageError
 from .tasks import build_task
 
@@ -24,14 +24,15 @@ HUB_TIMEOUT_S = 2.0  # a probe, not a download: offline machines must not wait o
 CHOSEN_ELSEWHERE = ("model=", "model.", "experiment=")
 
 
-def choose_model(overrides: Sequence[str]) -> tuple[list[str], str | None]:
+def choose_model(overrides: Sequence[str], cfg: Config | None = None) -> tuple[list[str], str | None]:
     """(the overrides, with the task's default model added where needed; a one-line note saying which
-    model runs and how to choose another, or None when nothing was added)."""
+    model runs and how to choose another, or None when nothing was added). `cfg`: the overrides' config
+    where the caller has composed it already."""
     if any(o.lstrip("+~").startswith(CHOSEN_ELSEWHERE) for o in overrides):
         return list(overrides), None
     if _is_sweep(overrides):  # each job of a sweep is one config; Hydra composes them one by one
         return list(overrides), None
-    cfg = compose(overrides)
+    cfg = cfg or compose(overrides)
     task = build_task(cfg.task)
     # a task with default models of its own runs on them rather than on the configured toy model: it needs
     # a tokenizer, or (task needle) a toy model of another shape

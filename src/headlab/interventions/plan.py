@@ -142,12 +142,8 @@ def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]
         out += [Intervention(Kind.ablate_head, method, l, h) for l, h in cells]
         out += [Intervention(kind, method, l) for l in range(n_layers) for kind in (Kind.ablate_layer, Kind.ablate_mlp)]
     elif sweep == "sink_calibration":
-        factor = float(cfg.ablate.calibration)
-        if not 0.0 <= factor <= 1.0:  # above 1 the other keys could be left with negative attention
-            raise UsageError(f"ablate.calibration is a factor in [0, 1] on the sinks' attention, not {factor}")
+        factor = float(cfg.ablate.calibration)  # in [0, 1], as config_rules checks at the door
         hidden = option(cfg.ablate.sinks) == "hidden"
-        if hidden and not cfg.ablate.sink_alpha > 0:
-            raise UsageError(f"ablate.sink_alpha must be positive, not {cfg.ablate.sink_alpha}")
         label = f"calibration {factor:g}"  # the factor in the table, where the vector `scale` is not
         method, scale = (
             (Method.calibration_hidden, (factor, cfg.ablate.sink_alpha)) if hidden else (Method.calibration, (factor,))

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config import Config, option
+from ..config_rules import refusal
 from ..interventions.plan import Intervention
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData, build_task
@@ -35,6 +36,7 @@ class RunContext:
     # the sweep's interventions where the Python API hands them in (headlab.execute); None: the config's plan
     interventions: list[Intervention] | None = None
     _data: TaskData | None = None
+    _prompts: TaskData | None = None  # built, checked, not yet placed on the model's device
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -65,6 +67,9 @@ class RunContext:
             wanted = self.cfg.model
             if is_trained_here(self.cfg):
                 task.refuse_model(wanted.name, option(wanted.kind) == "hf", task.vocab_size)
+                # a toy model's prompts are the task's alone: a bad position is refused before training
+                if runs_task and option(wanted.kind) == "toy" and positions_to_check(self.cfg):
+                    self.prompts(None)
             with self.timed("load_model"):
                 self.model = obtain_model(self.cfg, task, self.show_progress)
         if self.model.weights is not None:
@@ -77,14 +82,43 @@ class RunContext:
         """The evaluation prompts (those handed in, else task.n_prompts drawn from seed + EVAL_SEED_OFFSET)
         where the model, placed on cfg.device, reads its inputs."""
         if self._data is None:
-            model, task = self.get_model(), self.get_task()
+            model = self.get_model()
+            data = self.prompts(model)
             with self.timed("build_task"):
-                data = self.data
-                if data is None:
-                    data = task.build(self.cfg.task.n_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET, model=model)
                 model.place(self.cfg.device)
                 self._data = data.to(str(model.input_device))
         return self._data
+
+    def prompts(self, model: HookedModel | None) -> TaskData:
+        """The evaluation prompts, built once (for `model`'s tokenizer; None: a task with its own
+        vocabulary) and checked against patch.positions before anything is swept."""
+        if self._prompts is None:
+            task, data = self.get_task(), self.data
+            if data is None:
+                with self.timed("build_task"):
+                    data = task.build(self.cfg.task.n_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET, model=model)
+            check_positions(positions_to_check(self.cfg), data, task.name)
+            self._prompts = data
+        return self._prompts
+
+
+def positions_to_check(cfg: Config) -> list[str]:
+    """patch.positions other than `all`: indices and roles, which only the prompts can confirm."""
+    return [str(p) for p in cfg.patch.positions if str(p) != "all"]
+
+
+def check_positions(positions: list[str], data: TaskData, task: str) -> None:
+    """Each index within the longest prompt, each role one the task names, else one line."""
+    width = max(int(t.shape[-1]) for t in data.inputs.values())
+    roles = list(data.token_positions or {})
+    for p in positions:
+        if p.lstrip("-").isdigit() and not -width <= int(p) < width:
+            expected = f"an index in [{-width}, {width - 1}] (task {task}'s longest prompt has {width} tokens)"
+            raise refusal("patch.positions", p, expected)
+        if not p.lstrip("-").isdigit() and p not in roles:
+            raise refusal(
+                "patch.positions", p, f"all, an index, or a role task {task} names: {', '.join(roles) or 'none'}"
+            )
 
 
 def apply_threads(cfg: Config) -> None:

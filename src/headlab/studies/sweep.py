@@ -13,7 +13,7 @@ import torch
 from .. import results
 from ..analysis.heads import MEAN_HEAD_LOGITS, attention_by_token, head_output_norms, mean_head_logits, uniform_scales
 from ..config import Config, option, run_info
-from ..errors import HeadlabError, UsageError
+from ..errors import HeadlabError
 from ..interventions import plan
 from ..interventions.engine import execute
 from ..models.hooked import HookedModel
@@ -42,12 +42,6 @@ def run(ctx: RunContext) -> pd.DataFrame:
                 f"head_scores: task {task.name} has no IOI roles; the IOI scores (END attention, copy) are left out"
             )
     interventions = plan(cfg, model.n_layers, model.n_heads, scales) if ctx.interventions is None else ctx.interventions
-    unknown = sorted({iv.token for iv in interventions if iv.token} - set(data.token_positions or {}))
-    if unknown:
-        names = ", ".join(data.token_positions or {}) or "none"
-        raise UsageError(
-            f"task {task.name} names no position {', '.join(unknown)}; it names: {names} (or all, or an index)"
-        )
     with ctx.timed("sweep"):
         quantities = execute(
             model,
