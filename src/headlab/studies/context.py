@@ -30,6 +30,7 @@ class RunContext:
     model: HookedModel | None = None
     timings: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # what a study adds to meta.json
+    options: Any = None  # the study's own options (study.options), typed by its Study's schema
     _data: TaskData | None = None
 
     @contextmanager
