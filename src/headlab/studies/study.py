@@ -12,7 +12,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..config import Config, config_hash
+from ..config import Config, config_hash, to_plain
 from ..errors import UsageError
 from .context import RunContext
 
@@ -36,7 +36,9 @@ class Study:
     schema: type | None = None
 
     def hash(self, cfg: Config) -> str:
-        return config_hash(cfg, (*ALWAYS_READ, *self.reads))
+        plain = to_plain(cfg)
+        plain["study"] = {**plain["study"], "name": self.name}  # whether or not cfg was resolved yet
+        return config_hash(plain, (*ALWAYS_READ, *self.reads))
 
     def options(self, cfg: Config) -> Any:
         """`study.options` typed by the schema (None without one); an unknown key or a wrong type is refused."""
