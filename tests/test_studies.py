@@ -229,16 +229,16 @@ def test_each_study_prints_its_own_summary(capsys):
     numbers = {"cpr": 0.9, "cmd": 0.1, "target_edges": 3, "target_faithfulness": 0.85, "clean": 2.0, "corrupted": 0.5}
     circuit = [{**base, "intervention": "circuit", "method": "eap", "metric": k, "value": numbers[k]} for k in numbers]
     registry.get("circuit").summary(pd.DataFrame(edges + circuit), 1)
-    shown = capsys.readouterr().out
+    shown = " ".join(capsys.readouterr().out.split())  # titles wrap at the table's width
     assert "a0->m0" in shown and "a1->logits" not in shown and "1 of 2 edges" in shown
     assert "eap: CPR 0.900, CMD 0.100; 3 edges recover 0.850" in shown
     curve = [{**base, "intervention": "none", "method": "train", "step": s, "metric": "label_acc", "value": s / 200}
              for s in (50, 100)]  # fmt: skip
     registry.get("train").summary(pd.DataFrame(curve), 24)
-    shown = capsys.readouterr().out
+    shown = " ".join(capsys.readouterr().out.split())  # titles wrap at the table's width
     assert "m on t: step 100" in shown and "0.5000" in shown and "0.2500" not in shown
     sweep = [{**base, "intervention": i, "method": "zero", "layer": l, "head": 0, "metric": "acc", "value": v}
              for i, l, v in (("none", None, 0.9), ("ablate_head", 0, 0.2), ("ablate_head", 1, 0.85))]  # fmt: skip
     registry.get("sweep").summary(pd.DataFrame(sweep), 1)
-    shown = capsys.readouterr().out
+    shown = " ".join(capsys.readouterr().out.split())  # titles wrap at the table's width
     assert "1 of 2 interventions, largest change in acc" in shown and "0.200" in shown and "0.850" not in shown
