@@ -146,6 +146,9 @@ def _run_weights(run_dir: Path) -> dict | None:
         return None
 
 
+# ---------------------------------------------------------------- commands
+
+
 MULTIRUN = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each.")
 
 
