@@ -103,7 +103,7 @@ def test_tables_without_head_rows_draw_nothing(tmp_path, rows):
 def test_the_plain_sweep_draws_heads_by_default():
     from headlab.studies import sweep
 
-    assert sweep.DEFAULT_FIGURES == "heads" and "heads" in FIGURES
+    assert sweep.STUDY.figures == "heads" and "heads" in FIGURES
 
 
 def test_demo_run_writes_a_heatmap_per_metric(demo_root, tmp_path):

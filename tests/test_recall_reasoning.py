@@ -184,7 +184,7 @@ def test_circuits_run_writes_drops_classes_knockouts_and_figures(tmp_path):
 def test_circuits_on_a_pretrained_model_with_the_fact_table(tiny_hf_dir, gpt2_tokenizer):
     from conftest import GPT2_TOKENIZER
     from headlab.models.hf import load_hf
-    from headlab.studies import circuits
+    from headlab.studies import recall_reasoning
 
     model = load_hf(str(tiny_hf_dir("gpt2")), tokenizer=str(GPT2_TOKENIZER))  # 3 layers x 4 heads
     task = RecallReasoningTask(rr_cfg(source="facts"))
@@ -197,7 +197,7 @@ def test_circuits_on_a_pretrained_model_with_the_fact_table(tiny_hf_dir, gpt2_to
             "seed": 0,
         }
     )
-    table, extra = circuits.measure(
+    table, extra = recall_reasoning.measure(
         cfg, model, task, data, {"experiment": "t", "model": "tiny", "task": task.name, "seed": 0}
     )
     comps = table[table["metric"] == "drop_recall"]

@@ -14,6 +14,7 @@ from .api import load_task as load_task
 from .api import reuse as reuse
 from .api import run as run
 from .api import scores as scores
+from .api import study as study
 from .api import sweep as sweep
 from .errors import HeadlabError as HeadlabError
 from .errors import UsageError as UsageError

@@ -32,9 +32,9 @@ from .io import atomic_write_bytes
 from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .studies.context import RunContext, apply_threads
-from .studies.registry import study_for
-from .studies.runner import execute_run
-from .studies.sweep import run as run_sweep
+from .studies.registry import get as get_study
+from .studies.registry import named_study, resolve
+from .studies.runner import execute_run, run_in_memory
 from .task_models import choose_model
 from .tasks import Task, TaskData, build_task
 from .train.obtain import is_trained_here, obtain_model
@@ -146,10 +146,12 @@ def sweep(
     show_progress: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
-    """Run a sweep on `model` and `task` and return its tidy table; nothing is written to disk.
+    """Run the sweep study on `model` and `task` and return its tidy table; nothing is written to disk.
+    (`study(model, task, "sweep", ...)`; a task or model that is another study's, task=markov, is refused.)
 
-    ablate: an ablate option (`headlab list ablate`: heads, layers, keep_heads, components, circuits,
-    none, ...); method: zero | mean | resample; patch: a patch option (activation, path, attribution) or
+    ablate: an ablate option (`headlab list ablate`: heads, layers, keep_heads, components, none, ...;
+    circuits is study=recall_reasoning);
+    method: zero | mean | resample; patch: a patch option (activation, path, attribution) or
     a list of patching kinds; n_prompts: prompts drawn (default: the task's n_prompts); seed: draws the
     prompts and the bootstrap. Other options: config keys, e.g. `positions=["END"]`, `sites=["z","v"]`,
     `n_boot=200`, `per_prompt=True`, `head_scores=True`, `device="cuda"`.
@@ -158,19 +160,23 @@ def sweep(
     intervention, method, layer, head, position, metric, value, n, ci_low, ci_high (+ extras such as
     site, token, prompt_id); the row with intervention "none" is the clean baseline. It equals the
     table `headlab run` writes for the same config and seed."""
-    if patch is None or isinstance(patch, str):
-        patching = [f"patch={patch or 'none'}"]
-    else:
-        patching = ["patch=none", f"patch.kinds=[{','.join(patch)}]"]
-    overrides = [
-        f"task={task.name}",
-        f"ablate={ablate}",
-        f"ablate.method={method}",
-        f"seed={seed}",
-        *patching,
-        *option_overrides(options, prefer=("output", "engine", "ablate", "patch")),
-    ]
-    return _run_study(model, task, overrides, n_prompts, show_progress)
+    patching = (
+        {"patch": patch or "none"}
+        if patch is None or isinstance(patch, str)
+        else {"patch": "none", "patch__kinds": patch}
+    )
+    return study(
+        model,
+        task,
+        "sweep",
+        n_prompts,
+        seed,
+        show_progress,
+        ablate=ablate,
+        ablate__method=method,
+        **patching,
+        **options,
+    )
 
 
 def execute(
@@ -207,7 +213,7 @@ def execute(
     ctx = _context(model, task, overrides, n_prompts, show_progress)
     ctx.data = data
     ctx.interventions = [CLEAN, *checked(interventions, ctx.get_model(), ctx.get_data())]
-    return run_sweep(ctx)
+    return run_in_memory(get_study("sweep"), ctx)
 
 
 def circuit(
@@ -232,14 +238,7 @@ def circuit(
     intervention "circuit" hold the faithfulness curve (fraction, n_edges, ranking), cpr, cmd and
     target_edges. Node rows (level="nodes", intervention "node") hold each node's score. It equals the
     table `headlab run task=... circuit=<method>` writes for the same config and seed."""
-    overrides = [
-        f"task={task.name}",
-        f"circuit={method}",
-        f"circuit.level={level}",
-        f"seed={seed}",
-        *option_overrides(options, prefer=("circuit", "engine", "output")),
-    ]
-    return _run_study(model, task, overrides, n_prompts, show_progress)
+    return study(model, task, "circuit", n_prompts, seed, show_progress, circuit=method, level=level, **options)
 
 
 def scores(
@@ -261,13 +260,37 @@ def scores(
     retrieval (task needle: each head's retrieval score of Wu et al. 2024, then needle recall with the
     `top_k` best heads masked against `n_random` draws of as many other heads). Options: the scores
     config's keys (config.py's ScoresConfig), e.g. `epsilon=0.5`, `channels=8`, `top_k=2`."""
+    return study(model, task, kind, n_prompts, seed, show_progress, **options)
+
+
+def study(
+    model: HookedModel,
+    task: Task,
+    name: str = "sweep",
+    n_prompts: int | None = None,
+    seed: int = 0,
+    show_progress: bool = False,
+    **options: Any,
+) -> pd.DataFrame:
+    """Run study `name` (`headlab list study`) on `model` and `task` and return its tidy table, the one
+    `headlab run study=<name>` writes for the same config and seed; nothing written here.
+
+    Options are config keys, a bare name looked up first in the sections that hold the study's options
+    (Study.sections: ablate and patch for the sweep, circuit for circuit, scores for sinks, ...), then
+    in `study.options` for a study with a schema of its own, then everywhere: e.g.
+    `headlab.study(m, t, "circuit", method="eap", steps=10)`, `headlab.study(m, t, "sinks", epsilon=0.5)`.
+    A study that cannot run this task or model (the sweep on task=markov) is refused in one line."""
+    chosen = get_study(name)
+    own = {k: v for k, v in options.items() if k in chosen.option_names()}
+    rest = {k: v for k, v in options.items() if k not in own}
     overrides = [
+        f"study={name}",
         f"task={task.name}",
-        f"scores={kind}",
         f"seed={seed}",
-        *option_overrides(options, prefer=("scores", "engine", "output")),
+        *option_overrides({f"study__options__{k}": v for k, v in own.items()}),
+        *option_overrides(rest, prefer=(*chosen.sections, "engine", "output")),
     ]
-    return _run_study(model, task, overrides, n_prompts, show_progress)
+    return _run_study(model, task, name, overrides, n_prompts, show_progress)
 
 
 def reuse(
@@ -310,11 +333,12 @@ def _table_of(source: pd.DataFrame | str | Path) -> pd.DataFrame:
 
 
 def _run_study(
-    model: HookedModel, task: Task, overrides: list[str], n_prompts: int | None, show_progress: bool
+    model: HookedModel, task: Task, name: str, overrides: list[str], n_prompts: int | None, show_progress: bool
 ) -> pd.DataFrame:
-    """The table of the run study the overrides choose, on this model and task, nothing written."""
+    """The table of study `name` with the overrides, on this model and task, nothing written."""
     ctx = _context(model, task, overrides, n_prompts, show_progress)
-    return study_for("run", ctx.cfg).run(ctx)
+    # the model and task handed in may belong to another study (a PathNet, task=markov): `name` is refused then
+    return run_in_memory(resolve(ctx.cfg, named=name), ctx)
 
 
 def _context(
@@ -366,7 +390,7 @@ def run(*overrides: str, command: str = "run", show_progress: bool = False) -> R
     run_dir = Path(str(raw.hydra.run.dir))
     if not any(o.startswith("hydra.run.dir=") for o in chosen):
         run_dir = _unused(run_dir)
-    table = execute_run(command, cfg, run_dir, show_progress)
+    table = execute_run(command, cfg, run_dir, show_progress, named=named_study(chosen))
     skipped = bool(table.attrs.get("skipped"))
     if not skipped:
         saved = run_dir / ".hydra"

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import typer
 from omegaconf import DictConfig
 from rich.console import Console
@@ -87,10 +86,13 @@ def _job(command: str, cfg: DictConfig) -> str:
     from hydra.core.hydra_config import HydraConfig
 
     from .studies import execute_run
+    from .studies.registry import named_study
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        df = execute_run(command, typed(cfg), run_dir, show_progress=False)
+        named = named_study(list(hydra_cfg.overrides.task))
+        df = execute_run(command, typed(cfg), run_dir, show_progress=False, named=named)
     except HeadlabError as e:
         log.error("%s", e)
         raise
@@ -127,7 +129,9 @@ def _single(command: str, overrides: list[str]) -> None:
     if result.skipped:
         out.print(f"skipped: {result.run_dir} holds a complete result for this config", highlight=False, soft_wrap=True)
     else:
-        print_summary(result.table, result.config.output.print_rows)
+        from .studies import get
+
+        get(result.config.study.name).summary(result.table, result.config.output.print_rows)
     out.print(f"results: {result.run_dir}", highlight=False, soft_wrap=True)
     weights = _run_weights(result.run_dir)
     if weights:
@@ -152,107 +156,7 @@ def _run_weights(run_dir: Path) -> dict | None:
         return None
 
 
-def print_summary(df: pd.DataFrame, max_rows: int = 24) -> None:
-    agg = df[df["n"] > 1] if "prompt_id" in df else df
-    if agg.empty:
-        return
-    if (agg["intervention"] == "sae").all():
-        _print_sae(agg)
-        return
-    if "edge" in agg or "node" in agg:
-        _print_circuit(agg, max_rows)
-        return
-    if (agg["method"] == "train").all():
-        last = agg[agg["step"] == agg["step"].max()]
-        table = Table(title=f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]}: step {int(last['step'].iloc[0])}")
-        for col in ("metric", "value"):
-            table.add_column(col)
-        for _, r in last.iterrows():
-            table.add_row(str(r["metric"]), f"{r['value']:.4f}")
-        out.print(table)
-        return
-    keys = ["intervention", "method", "layer", "head"]
-    wide = agg.pivot_table(index=keys, columns="metric", values="value", dropna=False, sort=False)
-    wide = wide.dropna(how="all").reset_index()
-    metrics = [m for m in agg["metric"].unique()]
-    clean = wide[wide["intervention"] == "none"]
-    rest = wide[wide["intervention"] != "none"]
-    if len(rest) > max_rows and len(clean):
-        key = metrics[0]
-        rest = rest.assign(_drop=(clean[key].iloc[0] - rest[key]).abs()).nlargest(max_rows, "_drop")
-    shown = pd.concat([clean, rest])
-    title = f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]} ({int(agg['n'].iloc[0])} prompts)"
-    if len(wide) - len(clean) > len(rest):
-        title += f": {len(rest)} of {len(wide) - len(clean)} interventions, largest change in {metrics[0]}"
-    table = Table(title=title)
-    for col in keys + metrics:
-        table.add_column(col, justify="right" if col not in ("intervention", "method") else "left")
-    fmt = lambda v: "" if pd.isna(v) else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-    for _, r in shown.iterrows():
-        table.add_row(*[fmt(r[c]) for c in keys + metrics])
-    out.print(table)
-
-
 # ---------------------------------------------------------------- commands
-
-
-def _print_circuit(df: pd.DataFrame, max_rows: int) -> None:
-    """The strongest edges (or nodes) per method, then each method's faithfulness summary."""
-    column = "edge" if "edge" in df else "node"
-    items = df[df["intervention"] == column]
-    for method, rows in items.groupby("method", sort=False):
-        top = rows.assign(_size=rows["value"].abs()).nlargest(max_rows, "_size")
-        table = Table(
-            title=f"{df['model'].iloc[0]} on {df['task'].iloc[0]} ({int(df['n'].iloc[0])} prompts): {method}, "
-            f"{len(top)} of {len(rows)} {column}s by |change in {rows['metric'].iloc[0]}|"
-        )
-        shown = [column, "value"] + (["in_circuit"] if "in_circuit" in rows else [])
-        for col in shown:
-            table.add_column(col, justify="left" if col == column else "right")
-        for _, r in top.iterrows():
-            table.add_row(
-                str(r[column]), f"{r['value']:.4f}", *([str(r["in_circuit"])] if "in_circuit" in rows else [])
-            )
-        out.print(table)
-    summary = df[(df["intervention"] == "circuit") & (df["metric"] != "faithfulness")]
-    for method, rows in summary.groupby("method", sort=False):
-        values = dict(zip(rows["metric"], rows["value"]))
-        out.print(
-            f"{method}: CPR {values['cpr']:.3f}, CMD {values['cmd']:.3f}; {int(values['target_edges'])} edges "
-            f"recover {values['target_faithfulness']:.3f} of the clean-corrupted gap "
-            f"({values['clean']:.3f} vs {values['corrupted']:.3f})",
-            highlight=False,
-        )
-
-
-def _print_sae(df: pd.DataFrame) -> None:
-    top = df[(df["method"] != "fit") & df["head"].isna()]
-    arch, layer = top["method"].iloc[0], int(top["layer"].iloc[0])
-    table = Table(
-        title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z "
-        f"({int(top['n'].iloc[0])} held-out tokens)"
-    )
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for _, r in top.iterrows():
-        table.add_row(str(r["metric"]), f"{r['value']:.4f}")
-    out.print(table)
-    columns = ("n_dominated", "effective_features", "n_context_classes", "min_class_overlap", "polysemantic")
-    heads = df[df["metric"].isin(columns) & df["head"].notna()]
-    wide = heads.pivot(index="head", columns="metric", values="value").reset_index()  # keeps nan overlaps
-    table = Table(title="features per head (decoder-norm dominance; polysemantic: two with unrelated contexts)")
-    for col in ("head", *columns):
-        table.add_column(col, justify="right")
-    for _, r in wide.iterrows():
-        table.add_row(
-            str(int(r["head"])),
-            str(int(r["n_dominated"])),
-            f"{r['effective_features']:.2f}",
-            str(int(r["n_context_classes"])),
-            f"{r['min_class_overlap']:.2f}",
-            "yes" if r["polysemantic"] else "no",
-        )
-    out.print(table)
 
 
 MULTIRUN = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values, one job each.")
@@ -318,6 +222,11 @@ def list_(group: str | None = typer.Argument(None, help="One of: " + ", ".join(G
 
 
 def _describe(group: str, name: str) -> str:
+    if group == "study":  # the Study record is the one place that describes a study
+        from .studies.registry import studies
+
+        found = studies().get(name)
+        return found.description if found else "(no study of this name is registered: studies/registry.py)"
     path = config_dir() / group / f"{name}.yaml"
     if path.is_file():
         for line in path.read_text().splitlines():

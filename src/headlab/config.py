@@ -18,7 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-GROUPS = ("model", "task", "ablate", "patch", "circuit", "scores", "train", "sae", "experiment")
+GROUPS = ("study", "model", "task", "ablate", "patch", "circuit", "scores", "train", "sae", "experiment")
 
 
 def config_dir() -> Path:
@@ -389,6 +389,16 @@ class ScoresConfig:
 
 
 @dataclass
+class StudyConfig:
+    """`study=<name>`: which study runs (studies/registry.py); `scores=`, `circuit=`, `ablate=circuits`,
+    `model=pathnet` and `task=markov` name theirs too. A study of its own options keeps them in `options`,
+    typed by its Study record's schema."""
+
+    name: str = "sweep"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class EngineConfig:
     # Size of the widest activation (tokens x max(d_model, d_mlp) floats) in one batched pass of stacked
     # interventions. Small enough to stay in cache beats large batches on CPUs (benchmarks/sweep_speed.py).
@@ -417,6 +427,7 @@ class Config:
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     scores: ScoresConfig = field(default_factory=ScoresConfig)
     sae: SaeConfig = field(default_factory=SaeConfig)
+    study: StudyConfig = field(default_factory=StudyConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     name: str = "default"
@@ -435,6 +446,7 @@ SCHEMAS: dict[str, type] = {
     "sae": SaeConfig,
     "circuit": CircuitConfig,
     "scores": ScoresConfig,
+    "study": StudyConfig,
 }
 TASK_SCHEMAS: dict[str, type] = {
     "prompts": PromptsConfig,
@@ -481,6 +493,8 @@ def config_hash(cfg: Any, keys: tuple[str, ...] | None = None) -> str:
     """Stable short hash of (a part of) a resolved config; output paths never enter it."""
     data = to_plain(cfg)
     data = {k: v for k, v in data.items() if k not in ("output", "hydra")}
+    if keys is None:  # the whole-config hash of runs from before studies had names (a Study hashes its own)
+        data.pop("study", None)
     if data.get("circuit", {}).get("method") == CircuitMethod.none.name:
         del data["circuit"]  # no circuit: the hash of every run from before circuits existed still holds
     if data.get("scores", {}).get("kind", ScoreKind.none.name) == ScoreKind.none.name:

@@ -199,6 +199,7 @@ def run_all(
     name: str, root: Path, quick: bool = False, extra: tuple[str, ...] = (), log: Callable[[str], object] = print
 ) -> dict:
     from .studies import already_done, execute_run
+    from .studies.registry import named_study
 
     repro = get(name)
     base = root / "reproduce" / (name + ("-quick" if quick else ""))
@@ -206,11 +207,12 @@ def run_all(
     for i, overrides in enumerate(runs, 1):
         cfg = compose([*overrides, f"output.root={root}", *extra])
         run_dir = base / _slug(overrides)
-        if already_done(cfg, run_dir):
+        named = named_study([*overrides, *extra])
+        if already_done(cfg, run_dir, repro.command, named):
             log(f"[{i}/{len(runs)}] skip (done): {run_dir.name}")
             continue
         log(f"[{i}/{len(runs)}] run: {' '.join(overrides)}")
-        execute_run(repro.command, cfg, run_dir, show_progress=False)
+        execute_run(repro.command, cfg, run_dir, show_progress=False, named=named)
     table = results.collect(base)
     figures = base / "figures"
     figures.mkdir(exist_ok=True)

@@ -14,18 +14,14 @@ import torch
 
 from .. import results
 from ..analysis.head_composition import MODES, composition
-from ..config import Config, option, run_info
+from ..config import run_info
 from ..errors import UsageError
 from ..tables import head_name
 from .context import RunContext
+from .study import Study
+from .summary import head_table
 
-NAME = "composition"
-DEFAULT_FIGURES = "scores"
 TOP_PAIRS = 5  # named in meta.json per mode
-
-
-def serves(cfg: Config) -> bool:
-    return option(cfg.scores.kind) == "composition"
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -71,3 +67,14 @@ def _top(scores: torch.Tensor) -> list[str]:
         l1, h1, l2, h2 = (int(x) for x in torch.unravel_index(torch.tensor(i), scores.shape))
         named.append(f"{head_name(l1, h1)}->{head_name(l2, h2)} {scores[l1, h1, l2, h2].item():.3f}")
     return named
+
+
+STUDY = Study(
+    name="composition",
+    description="Q-, K- and V-composition of head pairs from the weights, and their low-rank channels",
+    run=run,
+    summary=head_table,
+    reads=("model", "task", "train", "scores"),
+    sections=("scores",),
+    figures="scores",
+)

@@ -35,6 +35,7 @@ class RunContext:
     data: TaskData | None = None  # the prompts where the Python API hands them in (headlab.execute)
     # the sweep's interventions where the Python API hands them in (headlab.execute); None: the config's plan
     interventions: list[Intervention] | None = None
+    options: Any = None  # the study's own options (study.options), typed by its Study's schema
     _data: TaskData | None = None
     _prompts: TaskData | None = None  # built, checked, not yet placed on the model's device
 

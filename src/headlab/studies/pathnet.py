@@ -30,15 +30,12 @@ from ..progress import progress_bar
 from ..tasks.markov import MarkovTask
 from ..train.bayes import HMCStats, gradient_descent, hmc
 from .context import RunContext
+from .study import Study
+from .summary import head_table
 
 log = logging.getLogger("headlab")
 TEST_SEED_OFFSET = 20_000  # the test chains never overlap the training chains' random stream
 MAX_RANDOM_ORDERS = 120  # every pruning order up to 5 heads, else this many drawn at random
-NAME = "pathnet"
-
-
-def serves(cfg: Config) -> bool:
-    return option(cfg.model.kind) == "pathnet" or cfg.task.name == "markov"
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -403,3 +400,13 @@ def measure(cfg: Config, show_progress: bool = False) -> tuple[pd.DataFrame, dic
         if key in df:
             df[key] = df[key].astype("Int64")
     return df, {"pathnet": study.info, "timings": {k: round(v, 3) for k, v in timings.items()}}
+
+
+STUDY = Study(
+    name="pathnet",
+    description="PathNet on task=markov (Tiberi et al. 2024): theory, GP, posterior samples, GD, pruning",
+    run=run,
+    summary=head_table,
+    reads=("model", "task", "train"),
+    sections=("model",),
+)

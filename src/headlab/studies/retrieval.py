@@ -23,20 +23,16 @@ from ..analysis.retrieval import (
     retrieval_scores,
     top_heads,
 )
-from ..config import Config, option, run_info
+from ..config import run_info
 from ..errors import HeadlabError, UsageError
 from ..tables import head_name
 from ..tasks import mean_of, nanmean_of
 from ..tasks.needle import NeedleTask
 from .context import RunContext
+from .study import Study
+from .summary import head_table
 
-NAME = "retrieval"
-DEFAULT_FIGURES = "scores"
 TOP_HEADS = 10  # named in meta.json
-
-
-def serves(cfg: Config) -> bool:
-    return option(cfg.scores.kind) == "retrieval"
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -122,3 +118,14 @@ def _mask_rows(quantities: np.ndarray, groups: list[str], task, answers: dict, i
     aggregate = {"needle_recall_drop": mean_of(0)}
     drops = results.tidy(info, labels[1:], drop, ["needle_recall_drop"], {}, aggregate, n_boot=n_boot)
     return pd.concat([metrics, drops], ignore_index=True)
+
+
+STUDY = Study(
+    name="retrieval",
+    description="retrieval heads on task=needle (Wu et al. 2024): scores, then top heads masked vs random",
+    run=run,
+    summary=head_table,
+    reads=("model", "task", "train", "scores"),
+    sections=("scores",),
+    figures="scores",
+)

@@ -1,7 +1,9 @@
 """One run, start to end: skip it if done, run its study, write its run dir, draw its figures.
 
 A run dir is complete when meta.json exists (results.write puts it last), and its config hash says
-which config it holds: a second run of the same config into the same dir returns the stored table.
+which config it holds: a second run of the same config into the same dir returns the stored table. The
+hash covers what the study reads (Study.hash); a run dir written before studies had names holds the
+whole-config hash (config.config_hash), which is still recognised.
 """
 
 from __future__ import annotations
@@ -17,24 +19,27 @@ from ..config import Config, config_hash
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from .context import RunContext, apply_threads
-from .registry import study_for
+from .registry import legacy_hash_holds, study_for
+from .study import Study
 
 log = logging.getLogger("headlab")
 
 
-def already_done(cfg: Config, run_dir: Path) -> bool:
+def already_done(cfg: Config, run_dir: Path, command: str = "run", named: str | None = None) -> bool:
     """A complete result for the same config: the job is skipped (resume, idempotent sweeps)."""
     if not results.is_complete(run_dir):
         return False
+    study = study_for(command, cfg, named)
     try:
-        return json.loads((Path(run_dir) / results.META).read_text()).get("config_hash") == config_hash(cfg)
+        stored = json.loads((Path(run_dir) / results.META).read_text()).get("config_hash")
     except json.JSONDecodeError:
         return False
+    return stored == study.hash(cfg) or (legacy_hash_holds(command, cfg) and stored == config_hash(cfg))
 
 
-def previous_result(cfg: Config, run_dir: Path) -> pd.DataFrame | None:
+def previous_result(cfg: Config, run_dir: Path, command: str, named: str | None) -> pd.DataFrame | None:
     """The table of a finished run of this same config (marked skipped), else None."""
-    if not already_done(cfg, run_dir):
+    if not already_done(cfg, run_dir, command, named):
         return None
     log.info("skipped: %s holds a complete result for this config", run_dir)
     df = pd.read_parquet(Path(run_dir) / results.TABLE)
@@ -42,23 +47,34 @@ def previous_result(cfg: Config, run_dir: Path) -> pd.DataFrame | None:
     return df
 
 
-def execute_run(command: str, cfg: Config, run_dir: Path, show_progress: bool = True) -> pd.DataFrame:
-    """`headlab <command>` for one config into run_dir; returns the table (attrs["skipped"] if reused)."""
-    study = study_for(command, cfg)
-    previous = previous_result(cfg, run_dir)
+def execute_run(
+    command: str, cfg: Config, run_dir: Path, show_progress: bool = True, named: str | None = None
+) -> pd.DataFrame:
+    """`headlab <command>` for one config into run_dir; returns the table (attrs["skipped"] if reused).
+    `named`: the study the user named with `study=` (registry.named_study), else None; cfg.study.name is
+    set to the study that runs."""
+    study = study_for(command, cfg, named)
+    previous = previous_result(cfg, run_dir, command, named)
     if previous is not None:
         return previous
     check_figures(cfg)
     apply_threads(cfg)
-    ctx = RunContext(cfg, Path(run_dir), show_progress)
+    ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg))
     df = study.run(ctx)
-    results.write(df, run_dir, results.run_meta(config_hash(cfg), ctx.timings, ctx.meta))
-    # a study's own figure set (DEFAULT_FIGURES) is always drawn; output.figures adds a set, and the sets'
-    # numbers are merged into one numbers.json, which an earlier config's run in this dir must not seed
+    results.write(df, run_dir, results.run_meta(study.hash(cfg), ctx.timings, {"study": study.name, **ctx.meta}))
+    # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
+    # merged into one numbers.json, which an earlier config's run in this dir must not seed
     (Path(run_dir) / "figures" / "numbers.json").unlink(missing_ok=True)
-    for figures in dict.fromkeys(f for f in (getattr(study, "DEFAULT_FIGURES", None), cfg.output.figures) if f):
+    for figures in dict.fromkeys(f for f in (study.figures, cfg.output.figures) if f):
         draw_figures(figures, df, Path(run_dir))
     return df
+
+
+def run_in_memory(study: Study, ctx: RunContext) -> pd.DataFrame:
+    """The study's table in ctx (the Python API's model and task), nothing written."""
+    apply_threads(ctx.cfg)
+    ctx.options = study.options(ctx.cfg)
+    return study.run(ctx)
 
 
 def check_figures(cfg: Config) -> None:

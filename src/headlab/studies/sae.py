@@ -28,6 +28,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from rich.table import Table
 
 from .. import results
 from ..config import Config, config_hash, option, run_info, to_plain
@@ -42,6 +43,8 @@ from ..sae.fit import fit
 from ..sae.metrics import ce_recovered, reconstruction_metrics
 from ..tasks import Task
 from .context import RunContext
+from .study import Study
+from .summary import aggregated, console
 
 DONE = "headlab.json"
 EVAL_SEED = 77_777  # held-out prompts: apart from the training stream's passes
@@ -49,7 +52,6 @@ HELD_OUT = 10  # a text corpus keeps its last 1/10 of windows out of training
 DFA_FEATURES = 8  # features whose top context is split by head and source position
 # settings that do not change the fitted SAE (evaluation and display only)
 DISPLAY_KEYS = ("eval_sequences", "top_contexts", "context_window", "dominance")
-NAME = "sae"
 HEAD_METRICS = (
     "n_dominated",
     "effective_features",
@@ -273,3 +275,47 @@ def dfa_rows(model, layer, sae, corpus, locate, values, where, frequency, info) 
     if not frames:
         return pd.DataFrame()
     return pd.concat(frames).assign(**info, metric="dfa", n=1)
+
+
+def summary(df: pd.DataFrame, max_rows: int) -> None:
+    """The SAE's metrics, then per head how many features it dominates and how polysemantic they are."""
+    df = aggregated(df)
+    top = df[(df["intervention"] == "sae") & (df["method"] != "fit") & df["head"].isna()]
+    if top.empty:
+        return
+    arch, layer = top["method"].iloc[0], int(top["layer"].iloc[0])
+    table = Table(
+        title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z "
+        f"({int(top['n'].iloc[0])} held-out tokens)"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for _, r in top.iterrows():
+        table.add_row(str(r["metric"]), f"{r['value']:.4f}")
+    console.print(table)
+    columns = ("n_dominated", "effective_features", "n_context_classes", "min_class_overlap", "polysemantic")
+    heads = df[(df["intervention"] == "sae") & df["metric"].isin(columns) & df["head"].notna()]
+    wide = heads.pivot(index="head", columns="metric", values="value").reset_index()  # keeps nan overlaps
+    table = Table(title="features per head (decoder-norm dominance; polysemantic: two with unrelated contexts)")
+    for col in ("head", *columns):
+        table.add_column(col, justify="right")
+    for _, r in wide.head(max_rows).iterrows():
+        table.add_row(
+            str(int(r["head"])),
+            str(int(r["n_dominated"])),
+            f"{r['effective_features']:.2f}",
+            str(int(r["n_context_classes"])),
+            f"{r['min_class_overlap']:.2f}",
+            "yes" if r["polysemantic"] else "no",
+        )
+    console.print(table)
+
+
+STUDY = Study(
+    name="sae",
+    description="`headlab sae`: an SAE on one layer's head outputs z; its metrics and features per head",
+    run=run,
+    summary=summary,
+    reads=("model", "task", "train", "sae"),
+    sections=("sae",),
+)

@@ -18,18 +18,14 @@ import pandas as pd
 
 from .. import results
 from ..analysis.sinks import SINK_QUANTITIES, most_often, sink_scores
-from ..config import Config, option, run_info
+from ..config import run_info
 from ..tables import head_name
 from ..tasks import mean_of
 from .context import RunContext
+from .study import Study
+from .summary import head_table
 
-NAME = "sinks"
-DEFAULT_FIGURES = "scores"
 TOP_HEADS = 5  # named in meta.json
-
-
-def serves(cfg: Config) -> bool:
-    return option(cfg.scores.kind) == "sinks"
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -71,3 +67,14 @@ def _token(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return str(token_id)
     return f"{token_id} {tokenizer.decode([token_id])!r}"
+
+
+STUDY = Study(
+    name="sinks",
+    description="attention sinks per head: sink rate, first-token attention, hidden sinks (Yu et al. 2024)",
+    run=run,
+    summary=head_table,
+    reads=("model", "task", "train", "scores"),
+    sections=("scores",),
+    figures="scores",
+)

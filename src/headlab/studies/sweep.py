@@ -19,13 +19,8 @@ from ..interventions.engine import execute
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData, mean_of, nanmean_of
 from .context import RunContext
-
-NAME = "sweep"
-DEFAULT_FIGURES = "heads"  # layer x head heatmaps of every head sweep, per metric
-
-
-def serves(cfg: Config) -> bool:
-    return True
+from .study import Study
+from .summary import head_table
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -95,3 +90,14 @@ def attention_table(cfg: Config, task: Task, model: HookedModel, data: TaskData,
     metrics = {f"attn_to_{name}": mean_of(j) for j, name in enumerate(tokens.values())}
     metrics |= {f"attn_per_{name}": nanmean_of(len(tokens) + j) for j, name in enumerate(tokens.values())}
     return results.tidy(info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
+
+
+STUDY = Study(
+    name="sweep",
+    description="every intervention ablate= and patch= plan (heads, layers, patching, ...), per metric",
+    run=run,
+    summary=head_table,
+    reads=("model", "task", "train", "ablate", "patch", "engine", "attention_by_token", "head_scores"),
+    sections=("ablate", "patch"),
+    figures="heads",  # layer x head heatmaps of every head sweep, per metric
+)

@@ -1,4 +1,4 @@
-"""circuit=<method>: circuit discovery on the task's clean and counterfactual prompts (edges/).
+"""study=circuit (or circuit=<method>): circuit discovery on the task's clean and counterfactual prompts (edges/).
 
 Scores every edge (or node) of the model's graph, then, for edges, the faithfulness curve, CPR, CMD and
 the smallest circuit reaching circuit.target; writes <run>/circuit.json (EAP-IG's graph layout, the
@@ -12,25 +12,22 @@ import random
 import numpy as np
 import pandas as pd
 import torch
+from rich.table import Table
 from torch import Tensor
 
 from .. import results
-from ..config import Config, option, run_info
+from ..config import option, run_info
 from ..edges.attribution import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
 from ..edges.graph import EdgeGraph, write_json
 from ..edges.record import metric_column
 from .context import RunContext
+from .study import Study
+from .summary import aggregated, console
 
-NAME = "edges"
-DEFAULT_FIGURES = "circuit"
 CIRCUIT_FILE = "circuit.json"
 MIN_GAP = 0.01  # a clean-corrupted gap in the metric below which faithfulness is noise
-
-
-def serves(cfg: Config) -> bool:
-    return option(cfg.circuit.method) != "none"
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -168,3 +165,44 @@ def faithfulness_rows(f: Faithfulness, method: str, info: dict) -> pd.DataFrame:
         )
     ]
     return pd.DataFrame(rows)
+
+
+def summary(df: pd.DataFrame, max_rows: int) -> None:
+    """The strongest edges (or nodes) per method, then each method's faithfulness summary."""
+    df = aggregated(df)
+    column = "edge" if "edge" in df else "node"
+    items = df[df["intervention"] == column]
+    for method, rows in items.groupby("method", sort=False):
+        top = rows.assign(_size=rows["value"].abs()).nlargest(max_rows, "_size")
+        table = Table(
+            title=f"{df['model'].iloc[0]} on {df['task'].iloc[0]} ({int(df['n'].iloc[0])} prompts): {method}, "
+            f"{len(top)} of {len(rows)} {column}s by |change in {rows['metric'].iloc[0]}|"
+        )
+        shown = [column, "value"] + (["in_circuit"] if "in_circuit" in rows else [])
+        for col in shown:
+            table.add_column(col, justify="left" if col == column else "right")
+        for _, r in top.iterrows():
+            table.add_row(
+                str(r[column]), f"{r['value']:.4f}", *([str(r["in_circuit"])] if "in_circuit" in rows else [])
+            )
+        console.print(table)
+    faithfulness = df[(df["intervention"] == "circuit") & (df["metric"] != "faithfulness")]
+    for method, rows in faithfulness.groupby("method", sort=False):
+        values = dict(zip(rows["metric"], rows["value"]))
+        console.print(
+            f"{method}: CPR {values['cpr']:.3f}, CMD {values['cmd']:.3f}; {int(values['target_edges'])} edges "
+            f"recover {values['target_faithfulness']:.3f} of the clean-corrupted gap "
+            f"({values['clean']:.3f} vs {values['corrupted']:.3f})",
+            highlight=False,
+        )
+
+
+STUDY = Study(
+    name="circuit",
+    description="edge (or node) circuits from counterfactual prompts: EAP, EAP-IG, exact; faithfulness",
+    run=run,
+    summary=summary,
+    reads=("model", "task", "train", "circuit", "engine"),
+    sections=("circuit",),
+    figures="circuit",
+)

@@ -1,5 +1,5 @@
-"""ablate=circuits, the recall vs reasoning study (arXiv 2510.03366): component ablations, neuron
-groups, patching, classes, knockouts.
+"""study=recall_reasoning (short form: ablate=circuits), the recall vs reasoning study (arXiv
+2510.03366): component ablations, neuron groups, patching, classes, knockouts.
 
 1. Ablate (ablate.method: zero | mean) every head, every layer's attention output and MLP output, and MLP
    neurons in groups: per layer, the neurons ranked by mean activation on recall prompts minus on
@@ -28,24 +28,22 @@ from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData
 from ..tasks.recall_reasoning import other_kind
 from .context import RunContext
+from .study import Study
+from .summary import head_table
 
 NEURON_GROUP = 16  # neurons per group
 NEURON_GROUPS = 2  # groups per sign and layer
 KNOCKOUT_K = 10
 KNOCKOUT_DRAWS = 5
 OTHER_KIND = "other_kind"  # the group of the heads patched from the paired prompt of the other kind
-NAME = "circuits"
-
-
-def serves(cfg: Config) -> bool:
-    return option(cfg.ablate.sweep) == "circuits"
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
     data = ctx.get_data()
     if "kind" not in data.answers:
         raise UsageError(
-            f"ablate=circuits needs a task with recall and reasoning prompts, not task={ctx.cfg.task.name}"
+            f"ablate=circuits needs a task with recall and reasoning prompts, not task={ctx.cfg.task.name} "
+            "(study=recall_reasoning)"
         )
     with ctx.timed("circuits"):
         df, extra = measure(ctx.cfg, ctx.get_model(), ctx.get_task(), data, run_info(ctx.cfg), ctx.show_progress)
@@ -248,3 +246,13 @@ def _knockout_rows(knockouts: list[dict], info: dict) -> pd.DataFrame:
     out = pd.DataFrame(rows).assign(**info)
     out["k"] = out["k"].astype("Int64")
     return out
+
+
+STUDY = Study(
+    name="recall_reasoning",
+    description="recall vs reasoning (arXiv 2510.03366): component drops, selectivity, classes, knockouts",
+    run=run,
+    summary=head_table,
+    reads=("model", "task", "train", "ablate", "engine"),
+    sections=("ablate",),
+)
