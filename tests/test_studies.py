@@ -101,6 +101,8 @@ def test_study_circuit_alone_runs_eap_ig():
         (["study=sweep", "scores=composition"], ("study=sweep", "scores=composition")),
         (["study=composition", "scores=sinks"], ("study=composition", "scores=sinks")),
         (["ablate=circuits", "task=markov"], ("ablate=circuits", "task=markov")),
+        # a sweep: refused at the door, before Hydra starts any job, where only one job disagrees
+        (["-m", "seed=0,1", "scores=none,sinks", "circuit=eap"], ("circuit=eap", "scores=sinks")),
     ],
 )
 def test_disagreeing_study_names_are_refused_in_one_line_with_exit_2(args, named, tmp_path):

@@ -102,11 +102,13 @@ def _job(command: str, cfg: DictConfig) -> str:
     return "done"
 
 
-def _sweep(overrides: list[str], task_function: Callable) -> None:
-    """A multirun: every job's config and the launcher's cluster checked here, then Hydra's."""
+def _sweep(overrides: list[str], task_function: Callable, command: str) -> None:
+    """A multirun: every job's config (and the one study it runs) and the launcher's cluster checked
+    here, then Hydra's."""
+    from .studies.registry import named_study, study_for
     from .sweeps import check_cluster
 
-    raw, cfg = validate_overrides(overrides)
+    raw, cfg = validate_overrides(overrides, lambda job, chosen: study_for(command, job, named_study(chosen)))
     check_cluster(*launcher_of(raw))
     _hydra_run(_with_task_model(overrides, cfg), task_function)
 
@@ -169,7 +171,7 @@ def run(
 ) -> None:
     """Run an experiment: `headlab run model=... task=... ablate=heads [key=value ...]`."""
     if multirun:
-        _sweep(ctx.args, run_task)
+        _sweep(ctx.args, run_task, "run")
     else:
         _single("run", ctx.args)
 
@@ -181,7 +183,7 @@ def train(
 ) -> None:
     """Train a toy model from scratch: `headlab train model=toy-attn-1l task=counting train.steps=2000`."""
     if multirun:
-        _sweep(ctx.args, train_task)
+        _sweep(ctx.args, train_task, "train")
     else:
         _single("train", ctx.args)
 
@@ -193,7 +195,7 @@ def sae(
 ) -> None:
     """Fit a sparse autoencoder on one layer's head outputs z: `headlab sae sae=topk sae.layer=1 [key=value ...]`."""
     if multirun:
-        _sweep(ctx.args, sae_task)
+        _sweep(ctx.args, sae_task, "sae")
     else:
         _single("sae", ctx.args)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -121,19 +121,27 @@ def check_overrides(overrides: Sequence[str]) -> list[list[str]]:
     return choices
 
 
-def validate_overrides(overrides: Sequence[str]) -> tuple[DictConfig, Config]:
+def validate_overrides(
+    overrides: Sequence[str], check_job: Callable[[Config, list[str]], object] | None = None
+) -> tuple[DictConfig, Config]:
     """A sweep checked at the door, value by value: the first job's config, then each other value of
-    each swept option in it, each composed and validated; returns the first job's (raw with Hydra's
-    config, typed). Jobs that a cluster runs elsewhere have their device checked there."""
+    each swept option in it, each composed and validated (and given to check_job with its overrides:
+    the caller's own check, e.g. that the job names one study); returns the first job's (raw with
+    Hydra's config, typed). Jobs that a cluster runs elsewhere have their device checked there."""
     choices = check_overrides(overrides)
     base = [c[0] for c in choices]
     raw, cfg = compose_checked(base, hydra_config=True, device=False)
     here = not runs_elsewhere(raw)
     if here:
         check_device(cfg.device)
+    if check_job is not None:
+        check_job(typed(raw, device=False), base)
     for i, c in enumerate(choices):
         for v in c[1:]:
-            compose_checked(base[:i] + [v] + base[i + 1 :], device=here)
+            job = base[:i] + [v] + base[i + 1 :]
+            job_cfg = compose_checked(job, device=here)[1]
+            if check_job is not None:
+                check_job(job_cfg, job)
     return raw, cfg
 
 
