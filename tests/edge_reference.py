@@ -104,9 +104,12 @@ def _head(x: Tensor, weight: Tensor, bias: Tensor | None, i: int, hd: int) -> Te
     return y + bias[rows] if bias is not None else y
 
 
-def split_forward(model, input_ids: Tensor, receiver_inputs: dict[str, Callable] | None = None) -> tuple[Tensor, dict]:
+def split_forward(
+    model, input_ids: Tensor, receiver_inputs: dict[str, Callable] | None = None, embed: Tensor | None = None
+) -> tuple[Tensor, dict]:
     """Logits [batch, pos, vocab] of the hand-built forward pass in which each receiver reads its own copy of the
-    residual stream; receiver_inputs maps a receiver name to a callable(resid) -> new resid applied to that copy only.
+    residual stream; receiver_inputs maps a receiver name to a callable(resid) -> new resid applied to that copy only;
+    embed, where given, is the input sender's output in place of input_ids' embedding (EAP-IG's interpolation).
     Returns (logits, outputs) with outputs[sender] = that sender's output [batch, pos, d_model] in this run."""
     gpt2, n_layers, n_heads, n_kv = _shape(model)
     receiver_inputs = receiver_inputs or {}
@@ -116,10 +119,9 @@ def split_forward(model, input_ids: Tensor, receiver_inputs: dict[str, Callable]
     batch, n_pos = input_ids.shape
     positions = torch.arange(n_pos, device=input_ids.device)[None].expand(batch, n_pos)
     core = model.transformer if gpt2 else model.model
-    if gpt2:
-        embed = core.wte(input_ids) + core.wpe(positions)
-    else:
-        embed = core.embed_tokens(input_ids)
+    if embed is None:
+        embed = core.wte(input_ids) + core.wpe(positions) if gpt2 else core.embed_tokens(input_ids)
+    if not gpt2:
         cos, sin = core.rotary_emb(embed, positions)
     outputs: dict[str, Tensor] = {"input": embed}
     const = torch.zeros_like(embed)  # attention output biases so far (not attributed to any sender)
@@ -189,6 +191,32 @@ def eap_scores(model, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric) ->
         logits, _ = split_forward(model, clean_ids, {r: (lambda x, t=t: x + t) for r, t in taps.items()})
         grads = torch.autograd.grad(metric(logits).mean(), list(taps.values()))
     grad = dict(zip(taps, grads))
+    out = {}
+    for edge in edges(model):
+        sender, receiver = edge.split("->")
+        out[edge] = float((diffs[sender] * grad[receiver]).sum())
+    return out
+
+
+def eap_ig_scores(
+    model, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, steps: int, steps_from: int
+) -> dict[str, float]:
+    """EAP-IG, summed by hand: as eap_scores, with the gradient averaged over `steps` runs of the clean prompts whose
+    input embedding is corrupt + alpha * (clean - corrupt), alpha = k / steps for k = steps_from .. steps_from+steps-1
+    (steps_from 1: the paper's k = 1..steps; 0: hannamw/EAP-IG's code and MIB, k = 0..steps-1)."""
+    diffs = _sender_diffs(model, clean_ids, corrupt_ids)
+    with torch.no_grad():
+        _, clean = split_forward(model, clean_ids)
+        _, corrupt = split_forward(model, corrupt_ids)
+    grad = {r: torch.zeros_like(diffs["input"]) for r in receivers(model)}
+    for k in range(steps_from, steps_from + steps):
+        embed = corrupt["input"] + k / steps * (clean["input"] - corrupt["input"])
+        taps = {r: torch.zeros_like(embed, requires_grad=True) for r in receivers(model)}
+        with torch.enable_grad():
+            fns = {r: (lambda x, t=t: x + t) for r, t in taps.items()}
+            logits, _ = split_forward(model, clean_ids, fns, embed=embed)
+            for r, g in zip(taps, torch.autograd.grad(metric(logits).mean(), list(taps.values()))):
+                grad[r] += g / steps
     out = {}
     for edge in edges(model):
         sender, receiver = edge.split("->")

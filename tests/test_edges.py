@@ -382,6 +382,27 @@ def test_eap_ig_with_one_step_is_eap(case):
     assert float((one[real] - case.eap[real]).abs().max()) <= case.tol(float(case.eap[real].abs().max()))
 
 
+@WITH_LLAMA64
+def test_eap_ig_equals_a_sum_by_hand_in_both_conventions_which_differ(case):
+    # the reference sums the gradient over alpha = k/3 with autograd on its own forward pass: k = 1..3 (the paper,
+    # headlab's default) and k = 0..2 (hannamw/EAP-IG's code, MIB)
+    real = case.graph.real
+    got = {}
+    for steps_from in (0, 1):
+        got[steps_from] = scores(case.model, case.task, case.data, case.graph, "eap_ig", 3, ig_steps_from=steps_from)
+        with case.reference():
+            by_hand = ref.eap_ig_scores(case.hf, case.clean_ids, case.corrupt_ids, case.metric, 3, steps_from)
+        want = _values(case, by_hand)
+        scale = float(want.abs().max())
+        assert scale > 1e-4
+        err = float((got[steps_from][real] - want).abs().max())
+        assert err <= min(1e-5, case.tol(scale)), (steps_from, err, scale)
+    apart = float((got[0][real] - got[1][real]).abs().max())
+    assert apart > 1e-2 * float(got[1][real].abs().max()), apart  # the conventions are not the same number
+    with pytest.raises(UsageError, match="ig_steps_from=2"):
+        scores(case.model, case.task, case.data, case.graph, "eap_ig", steps=3, ig_steps_from=2)
+
+
 def test_eap_ig_tracks_exact_patching_better_than_eap(case):
     # measured over 5 seeds x {gpt2, llama} (2 layers, d 32, 8 IOI prompts): Pearson(EAP-IG 10 steps, exact) was
     # 0.9982-0.9999, Pearson(EAP, exact) 0.86-0.99, EAP-IG above EAP every time; this seed: 0.998 / 0.877 (GPT-2),

@@ -244,3 +244,11 @@ def test_each_study_prints_its_own_summary(capsys):
     registry.get("sweep").summary(pd.DataFrame(sweep), 1)
     shown = " ".join(capsys.readouterr().out.split())  # titles wrap at the table's width
     assert "1 of 2 interventions, largest change in acc" in shown and "0.200" in shown and "0.850" not in shown
+
+
+def test_options_added_later_keep_old_hashes_at_their_neutral_value():
+    # circuit.ig_steps_from=1 is what headlab computed before the option existed
+    for base, added, other in ((["circuit=eap_ig"], "circuit.ig_steps_from=1", "circuit.ig_steps_from=0"),):
+        before = config_hash(compose(base))
+        assert config_hash(compose([*base, added])) == before
+        assert config_hash(compose([*base, other])) != before

@@ -353,6 +353,10 @@ class CircuitConfig:
     method: CircuitMethod = CircuitMethod.none
     level: CircuitLevel = CircuitLevel.edges
     steps: int = 5  # eap_ig*: interpolation steps (Hanna et al. use 5)
+    # eap_ig*: the sum runs over alpha = k/steps for k = ig_steps_from .. ig_steps_from + steps - 1. 1 (the
+    # paper's k = 1..steps, the clean endpoint in) is what headlab has always computed, so old runs keep
+    # their hashes; 0 (the corrupted endpoint in, the clean one out) is hannamw/EAP-IG's code and MIB's
+    ig_steps_from: int = 1
     selection: CircuitSelection = CircuitSelection.top_n
     faithfulness: bool = True  # the faithfulness curve, CPR, CMD and the smallest circuit reaching target
     target: float = 0.8  # share of the clean-corrupted gap the reported circuit recovers
@@ -486,6 +490,7 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("model", "gguf_file"): None,
     ("model", "package"): None,
     ("engine", "gpu_memory_share"): 0.5,
+    ("circuit", "ig_steps_from"): 1,
 }
 
 

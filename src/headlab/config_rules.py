@@ -231,6 +231,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (SaeConfig, "context_window"): NATURAL,
     (SaeConfig, "dominance"): SHARE,
     (CircuitConfig, "steps"): COUNT,
+    (CircuitConfig, "ig_steps_from"): Range(0, 1, integer=True),  # 0 or 1 (attribution.IG_STEPS_FROM)
     (CircuitConfig, "target"): SHARE,
     (CircuitConfig, "fractions"): Each(Range(0, 1, low_open=True)),
     (CircuitConfig, "exact_check"): NATURAL,

@@ -6,7 +6,9 @@ patched from the corrupted run. in_R is R's own copy of the residual stream (as 
 private copy), so its gradient is that of the receiver alone:
   eap                 the gradient on the clean run;
   eap_ig              its mean over `steps` runs whose input embeddings are interpolated from the
-                      corrupted to the clean ones (alpha = k/steps, k = 1..steps; the paper's sum);
+                      corrupted to the clean ones (alpha = k/steps, k = 1..steps as the paper writes
+                      it; with ig_steps_from=0, k = 0..steps-1 as hannamw/EAP-IG's current code and
+                      MIB sum it: the corrupted endpoint in, the clean one out);
   eap_ig_activations  its mean over runs in which one node at a time (the input, a layer's attention,
                       a layer's MLP) outputs the interpolation of its clean and corrupted outputs.
 
@@ -45,10 +47,15 @@ class Interpolation:
     alpha: float = 1.0
 
 
-def runs_of(method: str, graph: EdgeGraph, steps: int) -> list[Interpolation]:
+IG_STEPS_FROM = (0, 1)  # the first k of the sum: 0 (the authors' code, MIB) or 1 (the paper)
+
+
+def runs_of(method: str, graph: EdgeGraph, steps: int, steps_from: int = 1) -> list[Interpolation]:
     if method == "eap":
         return [Interpolation()]
-    alphas = [k / steps for k in range(1, steps + 1)]
+    if steps_from not in IG_STEPS_FROM:
+        raise UsageError(f"ig_steps_from={steps_from}: choose 0 (k = 0..steps-1) or 1 (k = 1..steps)")
+    alphas = [k / steps for k in range(steps_from, steps_from + steps)]
     if method == "eap_ig":
         return [Interpolation("input", 0, a) for a in alphas]
     if method == "eap_ig_activations":
@@ -71,11 +78,13 @@ def scores(
     steps: int = 5,
     prompts_per_pass: int = 16,
     show_progress: bool = False,
+    ig_steps_from: int = 1,
 ) -> Tensor:
-    """[senders, receivers] float64: each edge's score (NaN where there is no edge)."""
+    """[senders, receivers] float64: each edge's score (NaN where there is no edge). `ig_steps_from`: the
+    first k of eap_ig*'s sum over alpha = k/steps (0: hannamw/EAP-IG's code and MIB, 1: the paper)."""
     check_pairs(data)
     column = metric_column(task)
-    runs = runs_of(method, graph, steps)
+    runs = runs_of(method, graph, steps, ig_steps_from)
     total = torch.zeros(graph.real.shape, dtype=torch.float64)
     slices = [slice(s, s + prompts_per_pass) for s in range(0, data.n, prompts_per_pass)]
     with progress_bar(f"edges ({method})", total=len(slices) * len(runs), enabled=show_progress) as bar:

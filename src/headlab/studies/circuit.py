@@ -43,7 +43,9 @@ def run(ctx: RunContext) -> pd.DataFrame:
             if method == "exact":
                 node_scores = exact_node_scores(model, task, data, graph)
             else:
-                edge = attribution_scores(model, task, data, graph, method, c.steps, c.prompts_per_pass)
+                edge = attribution_scores(
+                    model, task, data, graph, method, c.steps, c.prompts_per_pass, ig_steps_from=c.ig_steps_from
+                )
                 node_scores = torch.nan_to_num(edge).sum(1)
         return results.conform(node_rows(graph, node_scores, method, info))
     with ctx.timed(method):
@@ -78,7 +80,9 @@ def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str) -> Tensor:
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
     if method == "exact":
         return exact_scores(model, task, data, graph, chunk_mb=ctx.cfg.engine.chunk_mb, show_progress=ctx.show_progress)
-    return attribution_scores(model, task, data, graph, method, c.steps, c.prompts_per_pass, ctx.show_progress)
+    return attribution_scores(
+        model, task, data, graph, method, c.steps, c.prompts_per_pass, ctx.show_progress, c.ig_steps_from
+    )
 
 
 def exact_check(ctx: RunContext, graph: EdgeGraph, scores: Tensor, info: dict) -> pd.DataFrame:
