@@ -4,6 +4,8 @@ products and against TransformerLens on the same random GPT-2; GQA; the study's 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,7 +57,8 @@ def test_scores_and_channels_equal_the_definition_and_gqa_shares_kv(tiny_hf_dir)
             assert found.channels[mode][l1, h1, l2, h2] == pytest.approx(sv[:3].tolist(), rel=1e-7, abs=1e-12)
 
 
-def tl_gpt2(hf):
+def tl_gpt2(hf, processed: bool = False):
+    """TransformerLens's HookedTransformer on hf's weights: raw, or processed as from_pretrained does by default."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
 
@@ -72,6 +75,9 @@ def tl_gpt2(hf):
         normalization_type="LN",
     )
     model = HookedTransformer(cfg)
+    if processed:  # from_pretrained's defaults: fold_ln, center_writing_weights, center_unembed, fold_value_biases
+        model.load_and_process_state_dict(convert_gpt2_weights(hf, cfg))
+        return model
     model.load_and_process_state_dict(
         convert_gpt2_weights(hf, cfg),
         fold_ln=False,
@@ -80,6 +86,15 @@ def tl_gpt2(hf):
         fold_value_biases=False,
     )
     return model
+
+
+def randomise_norms(hf) -> None:
+    """Norm scales and biases away from their initial 1 and 0, so that folding them changes the scores."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "ln" in name or "norm" in name:
+                p.copy_(p + 0.5 * torch.randn(p.shape, generator=generator))
 
 
 def test_scores_equal_transformerlens_on_the_same_gpt2_weights(tiny_hf_dir):
@@ -92,6 +107,50 @@ def test_scores_equal_transformerlens_on_the_same_gpt2_weights(tiny_hf_dir):
         ours = torch.nan_to_num(found.scores[mode], nan=0.0)
         assert torch.allclose(ours, theirs, atol=1e-5), f"{mode}: {(ours - theirs).abs().max():.2e}"
         assert (ours > 0).sum() == 3 * 16  # layer pairs (0,1), (0,2), (1,2) x 4 x 4 heads
+
+
+def test_folded_scores_equal_transformerlens_default_processing_and_differ_from_the_raw_ones(tiny_hf_dir):
+    pytest.importorskip("transformer_lens")
+    model = load_hf(str(tiny_hf_dir("gpt2")), name="gpt2", need_tokenizer=False)
+    randomise_norms(model.module)
+    tl = tl_gpt2(model.module, processed=True)
+    assert tl.cfg.normalization_type == "LNPre"  # TransformerLens did fold the LayerNorms
+    folded, raw = composition(model, fold_norms=True), composition(model)
+    for mode in ("q", "k", "v"):
+        theirs = tl.all_composition_scores(mode.upper()).double()
+        ours = torch.nan_to_num(folded.scores[mode], nan=0.0)
+        assert torch.allclose(ours, theirs, atol=1e-5), f"{mode}: {(ours - theirs).abs().max():.2e}"
+        apart = (ours - torch.nan_to_num(raw.scores[mode], nan=0.0)).abs().max()
+        assert apart > 1e-2, f"{mode}: folding changed the scores by {apart:.2e} only"
+
+
+def rms_explicit(model, mode: str, l1: int, h1: int, l2: int, h2: int) -> float:
+    """The score of an RMSNorm model with each layer's attention norm scale multiplied into its W_Q, W_K, W_V by
+    hand (the writer's W_V too), full d_model x d_model products, nothing centred."""
+    sites = model.sites
+    group = sites.n_heads // sites.n_kv_heads
+    scale = [model.module.model.layers[layer].input_layernorm.weight.double()[:, None] for layer in (l1, l2)]
+    v1 = sites.W_QKV(l1)[2].double()[h1 // group] * scale[0]
+    q2, k2, v2 = (w.double() * scale[1] for w in sites.W_QKV(l2))
+    left = v1 @ sites.W_O(l1)[h1].double()
+    right = {
+        "q": q2[h2] @ k2[h2 // group].T,
+        "k": k2[h2 // group] @ q2[h2].T,
+        "v": v2[h2 // group] @ sites.W_O(l2)[h2].double(),
+    }[mode]
+    norms = torch.linalg.matrix_norm(left) * torch.linalg.matrix_norm(right)
+    return (torch.linalg.matrix_norm(left @ right) / norms).item()
+
+
+def test_an_rms_model_folds_the_scale_and_centres_nothing(tiny_hf_dir):
+    model = load_hf(str(tiny_hf_dir("llama")), name="llama", need_tokenizer=False)
+    randomise_norms(model.module)
+    folded, raw = composition(model, fold_norms=True), composition(model)
+    for mode in ("q", "k", "v"):
+        for l1, h1, l2, h2 in ((0, 0, 1, 3), (0, 3, 2, 1), (1, 2, 2, 2)):
+            want = rms_explicit(model, mode, l1, h1, l2, h2)
+            assert folded.scores[mode][l1, h1, l2, h2].item() == pytest.approx(want, rel=1e-9)
+            assert abs(want - raw.scores[mode][l1, h1, l2, h2].item()) > 1e-4
 
 
 def test_the_study_writes_one_row_per_pair_mode_and_channel(tiny_hf_dir, tmp_path):
@@ -109,3 +168,5 @@ def test_the_study_writes_one_row_per_pair_mode_and_channel(tiny_hf_dir, tmp_pat
     row = scores[(scores["writer_layer"] == 0) & (scores["writer_head"] == 2) & (scores["layer"] == 2)]
     assert row[row["head"] == 1]["value"].item() == pytest.approx(explicit(model, "k", 0, 2, 2, 1)[0], rel=1e-9)
     assert (result.run_dir / "figures" / "composition_k_composition.png").is_file()
+    meta = json.loads((result.run_dir / "meta.json").read_text())
+    assert meta["weights"].startswith("raw")  # scores.fold_norms=false: the processing is named with the numbers

@@ -247,8 +247,11 @@ def test_each_study_prints_its_own_summary(capsys):
 
 
 def test_options_added_later_keep_old_hashes_at_their_neutral_value():
-    # circuit.ig_steps_from=1 is what headlab computed before the option existed
-    for base, added, other in ((["circuit=eap_ig"], "circuit.ig_steps_from=1", "circuit.ig_steps_from=0"),):
+    # circuit.ig_steps_from=1 and scores.fold_norms=false are what headlab computed before they existed
+    for base, added, other in (
+        (["circuit=eap_ig"], "circuit.ig_steps_from=1", "circuit.ig_steps_from=0"),
+        (["scores=composition"], "scores.fold_norms=false", "scores.fold_norms=true"),
+    ):
         before = config_hash(compose(base))
         assert config_hash(compose([*base, added])) == before
         assert config_hash(compose([*base, other])) != before

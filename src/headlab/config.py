@@ -384,6 +384,9 @@ class ScoresConfig:
     alpha: float = 5.0
     # composition
     channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair
+    # on TransformerLens's default weights (fold_ln, center_writing_weights) instead of the raw ones; false is
+    # what headlab always computed (and what keeps old runs' hashes)
+    fold_norms: bool = False
     # retrieval
     top_k: int = 5  # heads masked together
     n_random: int = 5  # draws of as many random other heads, for the baseline
@@ -491,6 +494,7 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("model", "package"): None,
     ("engine", "gpu_memory_share"): 0.5,
     ("circuit", "ig_steps_from"): 1,
+    ("scores", "fold_norms"): False,
 }
 
 

@@ -7,8 +7,14 @@ A writer head w (layer l1) composes with a reader head r (layer l2 > l1) through
     K:  W_OV(w) @ W_QK(r)^T    ... r's keys
     V:  W_OV(w) @ W_OV(r)      ... r's values                     (W_OV = W_V W_O)
 and the score is ||left @ right||_F / (||left||_F ||right||_F), as TransformerLens's
-`all_composition_scores` computes it (raw weights: the norms before attention, biases and rotary stay
-out). Under grouped-query attention a reader's W_K and W_V are those of its key/value head.
+`all_composition_scores` computes it. By default on the raw weights (the norms before attention, biases and
+rotary stay out); with fold_norms, on the weights TransformerLens's from_pretrained gives by default
+(fold_ln, center_writing_weights): each reader's W_Q, W_K, W_V scaled row by row by its attention norm's
+scale (1 + weight for Gemma's RMSNorm) and, behind a LayerNorm, centred over d_model, and every W_O centred
+over d_model where every attention reads through a LayerNorm (TransformerLens centres LayerNorm models only;
+an RMSNorm does not remove the mean, so centring would change what the reader sees). Biases never enter the
+scores, so folding the LayerNorm bias changes nothing here. Under grouped-query attention a reader's W_K and
+W_V are those of its key/value head.
 
 Every matrix is d_model x d_model of rank d_head, so the products are never formed: with left = A B and
 right = C D (A, C: [d_model, d_head]; B, D: [d_head, d_model]) and A = Q_A R_A, D^T = Q_D R_D (QR), the
@@ -24,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..models.hooked import HookedModel
+from ..models.norms import norm_factors
 
 MODES = ("q", "k", "v")
 
@@ -37,24 +44,42 @@ class Composition:
     channels: dict[str, Tensor]
 
 
-def _head_factors(model: HookedModel, layer: int) -> dict[str, Tensor]:
+def _head_factors(model: HookedModel, layer: int, fold_norms: bool, centre_writes: bool) -> dict[str, Tensor]:
     """The layer's W_Q, W_K, W_V [head, d_model, d_head] (kv weights repeated per query head) and W_O
-    [head, d_head, d_model], in float64 (products of four matrices lose digits in float32)."""
+    [head, d_head, d_model], in float64 (products of four matrices lose digits in float32); with fold_norms,
+    processed as the module docstring says."""
     sites = model.sites
     w_q, w_k, w_v = (w.detach().double() for w in sites.W_QKV(layer))
+    w_o = sites.W_O(layer).detach().double()
+    if fold_norms:
+        norm = norm_factors(model.attn_inputs[layer])
+        if norm.scale is not None:
+            scale = norm.scale.double().to(w_q.device)[None, :, None]
+            w_q, w_k, w_v = w_q * scale, w_k * scale, w_v * scale
+        if norm.centres:
+            w_q, w_k, w_v = (w - w.mean(1, keepdim=True) for w in (w_q, w_k, w_v))
+        if centre_writes:
+            w_o = w_o - w_o.mean(-1, keepdim=True)
     group = sites.n_heads // sites.n_kv_heads
     w_k, w_v = w_k.repeat_interleave(group, 0), w_v.repeat_interleave(group, 0)
-    return {"q": w_q, "k": w_k, "v": w_v, "o": sites.W_O(layer).detach().double()}
+    return {"q": w_q, "k": w_k, "v": w_v, "o": w_o}
+
+
+def centres_writes(model: HookedModel) -> bool:
+    """Whether fold_norms centres W_O: every attention reads through a norm that removes the mean."""
+    return all(norm_factors(module).centres for module in model.attn_inputs)
 
 
 def _r(m: Tensor) -> Tensor:
     return torch.linalg.qr(m, mode="reduced").R
 
 
-def composition(model: HookedModel, channels: int = 4) -> Composition:
-    """Q-, K- and V-composition scores and channels of every pair of heads in different layers."""
+def composition(model: HookedModel, channels: int = 4, fold_norms: bool = False) -> Composition:
+    """Q-, K- and V-composition scores and channels of every pair of heads in different layers; fold_norms:
+    on TransformerLens's default processing of the weights (the module docstring), else on the raw ones."""
     n_layers, n_heads = model.n_layers, model.n_heads
-    factors = [_head_factors(model, layer) for layer in range(n_layers)]
+    centre = fold_norms and centres_writes(model)
+    factors = [_head_factors(model, layer, fold_norms, centre) for layer in range(n_layers)]
     # left = A B = W_V(w) W_O(w): R of A, and ||left|| = ||R_A B||
     r_v = [_r(f["v"]) for f in factors]
     left_b = [torch.einsum("hij,hjm->him", r, f["o"]) for r, f in zip(r_v, factors)]

@@ -13,9 +13,10 @@ import pandas as pd
 import torch
 
 from .. import results
-from ..analysis.head_composition import MODES, composition
+from ..analysis.head_composition import MODES, centres_writes, composition
 from ..config import run_info
 from ..errors import UsageError
+from ..models.hooked import HookedModel
 from ..tables import head_name
 from .context import RunContext
 from .study import Study
@@ -28,8 +29,9 @@ def run(ctx: RunContext) -> pd.DataFrame:
     model = ctx.get_model(runs_task=False)  # weights only: any model, whatever the task
     if model.n_layers < 2:
         raise UsageError(f"scores=composition: {model.name} has one layer; composition needs heads in two")
+    fold = bool(ctx.cfg.scores.fold_norms)
     with ctx.timed("composition"):
-        found = composition(model, ctx.cfg.scores.channels)
+        found = composition(model, ctx.cfg.scores.channels, fold)
     frames = []
     for mode in MODES:
         frames.append(_rows(found.scores[mode], f"{mode}_composition"))
@@ -39,7 +41,18 @@ def run(ctx: RunContext) -> pd.DataFrame:
     for key, value in run_info(ctx.cfg).items():
         table[key] = value
     ctx.meta.update({"model_family": model.family, "n_pairs": int(found.scores["q"].isfinite().sum())})
+    ctx.meta["weights"] = _processing(model, fold)
     return results.conform(table.assign(intervention="none", method="score", n=1))
+
+
+def _processing(model: HookedModel, fold: bool) -> str:
+    """Which weights the scores were computed on, for meta.json: a number is only comparable with another
+    computed on the same processing."""
+    if not fold:
+        return "raw (norms not folded, nothing centred)"
+    if centres_writes(model):
+        return "norms folded into W_Q/W_K/W_V, reading weights and W_O centred (TransformerLens's default)"
+    return "norm scales folded into W_Q/W_K/W_V, nothing centred (TransformerLens's default for RMSNorm)"
 
 
 def _rows(values: torch.Tensor, metric: str) -> pd.DataFrame:
