@@ -142,6 +142,48 @@ def rms_explicit(model, mode: str, l1: int, h1: int, l2: int, h2: int) -> float:
     return (torch.linalg.matrix_norm(left @ right) / norms).item()
 
 
+def tl_llama(hf):
+    """TransformerLens's HookedTransformer on a Llama's weights, processed as from_pretrained does by default."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+
+    c = hf.config
+    d_head = c.hidden_size // c.num_attention_heads
+    cfg = HookedTransformerConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        d_head=d_head,
+        n_heads=c.num_attention_heads,
+        n_key_value_heads=c.num_key_value_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=c.max_position_embeddings,
+        act_fn="silu",
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_dim=d_head,
+        gated_mlp=True,
+        final_rms=True,
+        original_architecture="LlamaForCausalLM",
+    )
+    model = HookedTransformer(cfg)
+    model.load_and_process_state_dict(convert_llama_weights(hf, cfg))
+    return model
+
+
+def test_folded_scores_of_a_gqa_rms_model_equal_transformerlens(tiny_hf_dir):
+    pytest.importorskip("transformer_lens")
+    model = load_hf(str(tiny_hf_dir("llama")), name="llama", need_tokenizer=False)
+    randomise_norms(model.module)
+    tl = tl_llama(model.module)
+    assert tl.cfg.normalization_type == "RMSPre"  # TransformerLens did fold the RMSNorms
+    folded = composition(model, fold_norms=True)
+    for mode in ("q", "k", "v"):
+        theirs = tl.all_composition_scores(mode.upper()).double()
+        ours = torch.nan_to_num(folded.scores[mode], nan=0.0)
+        assert torch.allclose(ours, theirs, atol=1e-5), f"{mode}: {(ours - theirs).abs().max():.2e}"
+
+
 def test_an_rms_model_folds_the_scale_and_centres_nothing(tiny_hf_dir):
     model = load_hf(str(tiny_hf_dir("llama")), name="llama", need_tokenizer=False)
     randomise_norms(model.module)
