@@ -283,7 +283,10 @@ def test_run_writes_every_method_and_pruning(tmp_path):
     [
         (["task=markov"], "task=markov runs on model=pathnet"),
         (["model=pathnet", "task=counting"], "model=pathnet runs task=markov only"),
-        (["experiment=markov_paths", "model.heads=[[same_token,banana],[uniform]]"], "unknown pathnet head 'banana'"),
+        (
+            ["experiment=markov_paths", "model.heads=[[same_token,banana],[uniform]]"],
+            "banana], [uniform]]: expected a list, each one of same_token",
+        ),
         (["experiment=markov_paths", "model.reference_paths={good:[7-7]}"], "unknown path 7-7"),
     ],
 )

@@ -212,7 +212,7 @@ def test_bad_text_inputs_give_one_line(tiny_hf_dir, tmp_path):
         headlab.load_task("text", path=str(tmp_path / "long.txt"), seq_len=300).build(0, seed=0, model=model)
     with pytest.raises(UsageError, match="needs task.path"):
         headlab.load_task("text").build(0, seed=0, model=model)
-    with pytest.raises(UsageError, match="seq_len must be at least 2"):
+    with pytest.raises(UsageError, match=r"task.seq_len=1: expected an integer >= 2"):
         headlab.load_task("text", path=str(tmp_path / "short.txt"), seq_len=1)
     untokenized = load_hf(str(tiny_hf_dir("gpt2")), need_tokenizer=False)
     with pytest.raises(HeadlabError, match="tokenizer") as e:
