@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import headlab
 from conftest import counting_cfg, error_line, run_headlab
-from headlab.analysis.sinks import SINK_QUANTITIES, most_often, sink_quantities, sink_scores
+from headlab.analysis.sinks import SINK_QUANTITIES, exact_length, most_often, sink_1, sink_quantities, sink_scores
 from headlab.config import PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.edits import calibrated
@@ -55,13 +55,55 @@ def test_hidden_sinks_by_hand_count_real_tokens_and_queries_only():
     #   key 1 (0.8 + 0.6 + 0.31) / 3 = 0.57 > 0.3    key 2 (0.3 + 0.24) / 2 = 0.27 (over 0.24 = 1.2 / 5:
     #   a sink if the padding counted in N)          key 3 0.35 / 1 > 0.3    key 4 padding
     assert hidden_sinks(pattern, real, alpha=1.2)[0, 0].tolist() == [False, True, False, True, False]
-    rate, first, count, share, mass = sink_quantities(pattern, real, epsilon=0.3, alpha=1.2)[0, 0].tolist()
+    rate, first, count, share, mass, gu, gu_sink = sink_quantities(pattern, real, epsilon=0.3, alpha=1.2)[0, 0].tolist()
     assert (rate, count) == (0.0, 2.0)
     assert first == pytest.approx((0.2 + 0.1 + 0.1) / 3)
     assert share == pytest.approx(2 / 3)  # of the three real tokens after the first
     assert mass == pytest.approx((0.8 + 0.6 + (0.31 + 0.35)) / 3)  # queries 1..3 on keys 1 and 3
+    # Gu et al. average over every real query, the first (1.0 on itself) included: (1 + 0.2 + 0.1 + 0.1) / 4
+    assert gu == pytest.approx(0.35) and gu_sink == 1.0
     # the first token is never a hidden sink, however much it draws
     assert not hidden_sinks(pattern, real, alpha=0.1)[0, 0, 0]
+
+
+def test_gu_sink_metric_equals_plain_transformers_attentions(tiny_hf_dir):
+    """Gu et al.'s alpha_1 (mean attention on the first token over all T queries), their sink heads and
+    Sink_1^epsilon, from the attentions transformers itself returns (eager attention) on a random Llama;
+    the sink rate (queries after the first above epsilon) from the same attentions, as before. Its heads
+    attend nearly uniformly (alpha_1 about H_T / T): at about their median, about half of them are sink heads."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_hf_dir("llama"))
+    model = load_hf(path, need_tokenizer=False)
+    ids = torch.randint(0, 50257, (6, 16), generator=torch.Generator().manual_seed(4))
+    data = TaskData(inputs={"input_ids": ids}, positions=torch.zeros(6, 1, dtype=torch.long), answers={})
+    plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        attentions = torch.stack(plain(ids, output_attentions=True).attentions, 1).double()  # [b, L, H, q, k]
+    on_first = attentions[..., 0]  # [b, L, H, query]
+    alpha_1 = on_first.mean(-1).flatten(1).T  # [L * H, b]: over all 16 queries, the first included
+    for epsilon in (0.3, float(alpha_1.median()) + 1e-4):  # clear of every alpha_1 by more than 1e-6
+        assert (alpha_1 - epsilon).abs().min() > 1e-6
+        scores = sink_scores(model, data, epsilon=epsilon, batch_size=4)
+        expected_sink_1 = 100 * (alpha_1 > epsilon).double().mean(0)  # per sequence: % of the L x H heads
+        got = scores.quantities.double()
+        torch.testing.assert_close(got[..., COLUMNS["gu_first_token_attention"]], alpha_1, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[..., COLUMNS["gu_sink"]], (alpha_1 > epsilon).double(), atol=0, rtol=0)
+        torch.testing.assert_close(sink_1(scores).double(), expected_sink_1, atol=1e-6, rtol=0)
+        rate = (on_first[..., 1:] > epsilon).double().mean(-1).flatten(1).T  # queries after the first only
+        torch.testing.assert_close(got[..., COLUMNS["sink_rate"]], rate, atol=1e-6, rtol=0)
+    assert 20 < expected_sink_1.mean() < 80, expected_sink_1  # a mix of sink heads and others: a real check
+    assert 0 < rate.mean() < 1
+
+
+def test_exact_length_cuts_long_prompts_and_leaves_out_short_ones():
+    ids = torch.arange(24).view(3, 8)
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 6 + [0] * 2])
+    data = TaskData(inputs={"input_ids": ids, "attention_mask": mask}, positions=ids[:, :1], answers={})
+    cut = exact_length(data, 6)
+    assert cut.n == 2
+    assert cut.inputs["input_ids"].tolist() == [list(range(6)), list(range(16, 22))]
+    assert cut.inputs["attention_mask"].eq(1).all()
 
 
 def test_left_padded_prompts_are_refused_in_one_line():
@@ -272,6 +314,24 @@ def test_the_sinks_study_gives_each_head_its_scores_with_intervals(trained_count
         assert (rows["ci_low"] <= rows["value"] + 1e-12).all() and (rows["value"] <= rows["ci_high"] + 1e-12).all()
         torch.testing.assert_close(torch.tensor(rows["value"].to_numpy()), direct[:, j], atol=1e-6, rtol=0)
     assert table.loc[table["metric"] == "sink_rate", "value"].between(0, 1).all()
+    overall = table[table["metric"] == "sink_1"]
+    assert len(overall) == 1 and overall["layer"].isna().all() and overall["epsilon"].iloc[0] == 0.5
+    direct_sink_1 = 100 * direct[:, COLUMNS["gu_sink"]].mean().item()  # the same prompts, all of them
+    assert overall["value"].iloc[0] == pytest.approx(direct_sink_1, abs=1e-9)
+    assert overall["ci_low"].iloc[0] <= direct_sink_1 <= overall["ci_high"].iloc[0]
+
+
+def test_the_sinks_study_takes_sequences_of_seq_len_tokens_exactly(trained_count01):
+    model, task, _ = trained_count01
+    table = headlab.scores(model, task, kind="sinks", n_prompts=64, n_boot=0, seq_len=12)
+    full = task.build(64, seed=20_000, model=model)
+    data = exact_length(full, 12)
+    assert full.inputs["input_ids"].shape[1] > 12 and data.inputs["input_ids"].shape == (64, 12)
+    direct = sink_scores(model, data).quantities.mean(1).double()
+    rows = table[table["metric"] == "gu_first_token_attention"]
+    torch.testing.assert_close(torch.tensor(rows["value"].to_numpy()), direct[:, COLUMNS["gu_first_token_attention"]])
+    with pytest.raises(headlab.HeadlabError, match="scores.seq_len=999"):
+        headlab.scores(model, task, kind="sinks", n_prompts=8, n_boot=0, seq_len=999)
 
 
 def test_cli_runs_the_sinks_study_and_the_calibration_sweep(demo_root, tmp_path):

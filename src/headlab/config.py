@@ -382,6 +382,9 @@ class ScoresConfig:
     # a token after the first is a hidden sink of a head when the attention it receives, averaged over the
     # queries that see it, exceeds alpha / N, N the prompt's length (Yu et al. 2024: alpha = 5)
     alpha: float = 5.0
+    # Gu et al. 2024's sequences of T tokens exactly (their T: 64): prompts cut to their first seq_len
+    # tokens, those shorter left out (a note says how many); 0: the prompts as the task gives them
+    seq_len: int = 0
     # composition
     channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair
     # on TransformerLens's default weights (fold_ln, center_writing_weights) instead of the raw ones; false is

@@ -238,6 +238,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (CircuitConfig, "prompts_per_pass"): COUNT,
     (ScoresConfig, "epsilon"): SHARE,
     (ScoresConfig, "alpha"): POSITIVE,
+    (ScoresConfig, "seq_len"): NATURAL,  # 0: prompts as the task gives them
     (ScoresConfig, "channels"): COUNT,
     (ScoresConfig, "top_k"): COUNT,
     (ScoresConfig, "n_random"): NATURAL,

@@ -15,6 +15,16 @@ layer and head (SINK_QUANTITIES):
                          real length (their alpha: 5)
   hidden_sink_share      hidden_sink_count over the prompt's N - 1 tokens after the first
   hidden_sink_mass       the real queries' (after the first) mean attention on the prompt's hidden sinks
+  gu_first_token_attention  Gu et al. 2024's alpha_1 ("When Attention Sink Emerges in Language Models"):
+                         the mean attention on the first token over ALL the real queries, the first one
+                         (which sees only itself, so puts 1 there) included, as their code averages
+  gu_sink                1 where gu_first_token_attention exceeds epsilon: the head is a sink head of
+                         this prompt by their metric, else 0
+
+Gu et al.'s model-level Sink_1^epsilon (`sink_1`): per prompt, the share (%) of the model's heads that are
+sink heads, then the mean over prompts (their code thresholds each sequence's alpha_1, then averages the
+indicator over sequences, layers and heads). Their sequences are T tokens exactly (T = 64): `exact_length`
+cuts the prompts to T and leaves out those shorter.
 """
 
 from __future__ import annotations
@@ -28,7 +38,16 @@ from ..interventions.sinks import ALPHA, hidden_sinks, real_tokens
 from ..models.hooked import HookedModel
 from ..tasks import TaskData
 
-SINK_QUANTITIES = ("sink_rate", "first_token_attention", "hidden_sink_count", "hidden_sink_share", "hidden_sink_mass")
+SINK_QUANTITIES = (
+    "sink_rate",
+    "first_token_attention",
+    "hidden_sink_count",
+    "hidden_sink_share",
+    "hidden_sink_mass",
+    "gu_first_token_attention",
+    "gu_sink",
+)
+GU_SINK = SINK_QUANTITIES.index("gu_sink")
 
 
 @dataclass
@@ -39,7 +58,7 @@ class SinkScores:
 
 
 def sink_quantities(pattern: Tensor, real: Tensor, epsilon: float, alpha: float = ALPHA) -> Tensor:
-    """pattern [batch, head, query, key], real [batch, pos] bool -> [batch, head, 5]: SINK_QUANTITIES."""
+    """pattern [batch, head, query, key], real [batch, pos] bool -> [batch, head, 7]: SINK_QUANTITIES."""
     later = pattern[..., 1:, :]  # the queries after the first
     counted = real[:, None, 1:].to(pattern.dtype)
     n = counted.sum(-1).clamp(min=1)
@@ -51,7 +70,24 @@ def sink_quantities(pattern: Tensor, real: Tensor, epsilon: float, alpha: float 
     share = count / (real.sum(-1) - 1).clamp(min=1)[:, None]
     on_hidden = (later * hidden[:, :, None, :]).sum(-1)
     mass = (on_hidden * counted).sum(-1) / n
-    return torch.stack([rate, mean, count, share, mass], dim=-1)
+    every = real[:, None, :].to(pattern.dtype)  # Gu et al. count the first query too
+    gu = (pattern[..., 0] * every).sum(-1) / every.sum(-1).clamp(min=1)
+    gu_sink = (gu > epsilon).to(pattern.dtype)
+    return torch.stack([rate, mean, count, share, mass, gu, gu_sink], dim=-1)
+
+
+def sink_1(scores: SinkScores) -> Tensor:
+    """[prompts]: Gu et al.'s Sink_1^epsilon of each prompt, the share (%) of all heads that are sink heads."""
+    return 100 * scores.quantities[..., GU_SINK].double().mean(0)  # float32 would round the share
+
+
+def exact_length(data: TaskData, seq_len: int) -> TaskData:
+    """The prompts of `seq_len` real tokens or more, each cut to its first `seq_len` (Gu et al.'s sequences
+    of T tokens exactly); the others left out. Only the inputs are kept: the sink scores read nothing else."""
+    real = real_tokens(data)
+    keep = real.sum(-1) >= seq_len
+    inputs = {name: value[keep, :seq_len] for name, value in data.inputs.items()}
+    return TaskData(inputs=inputs, positions=torch.zeros(int(keep.sum()), 1, dtype=torch.long), answers={})
 
 
 @torch.no_grad()
@@ -70,7 +106,7 @@ def sink_scores(
         rows = rows.to(patterns[0].device)
         parts.append(torch.stack([sink_quantities(p, rows, epsilon, alpha) for p in patterns], 1).cpu())
         hidden.append(torch.stack([hidden_sinks(p, rows, alpha).sum(1) for p in patterns]).sum(0).cpu())
-    quantities = torch.cat(parts).flatten(1, 2)  # [prompts, layers * heads, 5]
+    quantities = torch.cat(parts).flatten(1, 2)  # [prompts, layers * heads, len(SINK_QUANTITIES)]
     return SinkScores(quantities.transpose(0, 1), torch.cat(hidden), real.cpu())
 
 

@@ -4,8 +4,12 @@ with 95% bootstrap intervals over prompts.
 Rows: intervention "none", method "score", per layer and head; metrics sink_rate (queries with more than
 `scores.epsilon` of their attention on the first token), first_token_attention, and the hidden sinks of
 Yu et al. 2024 (tokens after the first receiving more than `scores.alpha` / N): hidden_sink_count,
-hidden_sink_share and hidden_sink_mass. meta.json names the top heads of each kind and the positions and
-tokens most often hidden sinks. The calibration of a head's sink is an intervention of the sweep:
+hidden_sink_share and hidden_sink_mass; and Gu et al. 2024's first-token attention over all the queries,
+gu_first_token_attention, with its sink-head indicator gu_sink. One model-level row more (layer and head
+empty): metric sink_1, Gu et al.'s Sink_1^epsilon in %, with the epsilon in its column `epsilon`; with
+`scores.seq_len=64` the prompts are their sequences of 64 tokens exactly. meta.json names the top heads
+of each kind and the positions and tokens most often hidden sinks. The calibration of a head's sink is an
+intervention of the sweep:
 `ablate=sink_calibration`.
 """
 
@@ -17,8 +21,9 @@ import numpy as np
 import pandas as pd
 
 from .. import results
-from ..analysis.sinks import SINK_QUANTITIES, most_often, sink_scores
+from ..analysis.sinks import SINK_QUANTITIES, exact_length, most_often, sink_1, sink_scores
 from ..config import run_info
+from ..errors import UsageError
 from ..tables import head_name
 from ..tasks import mean_of
 from .context import RunContext
@@ -31,6 +36,16 @@ TOP_HEADS = 5  # named in meta.json
 def run(ctx: RunContext) -> pd.DataFrame:
     cfg = ctx.cfg
     model, data = ctx.get_model(), ctx.get_data()
+    seq_len = cfg.scores.seq_len
+    if seq_len:
+        given = data.n
+        data = exact_length(data, seq_len)
+        if data.n == 0:
+            raise UsageError(
+                f"sinks: no prompt has scores.seq_len={seq_len} tokens (the longest task.seq_len allows counts)"
+            )
+        if data.n < given:
+            ctx.note(f"sinks: {given - data.n} of {given} prompts have fewer than {seq_len} tokens, left out")
     with ctx.timed("sinks"):
         scores = sink_scores(model, data, cfg.scores.epsilon, cfg.scores.alpha)
     labels = [
@@ -41,6 +56,11 @@ def run(ctx: RunContext) -> pd.DataFrame:
     metrics = {name: mean_of(j) for j, name in enumerate(SINK_QUANTITIES)}
     quantities = scores.quantities.numpy().astype(np.float64)
     table = results.tidy(run_info(cfg), labels, quantities, SINK_QUANTITIES, {}, metrics, n_boot=cfg.output.n_boot)
+    # the model-level row: one value per prompt, bootstrapped over prompts like the per-head rows
+    model_row = [{"intervention": "none", "method": "score", "layer": None, "head": None}]
+    shares = sink_1(scores).numpy().astype(np.float64)[None, :, None]
+    overall = results.tidy(run_info(cfg), model_row, shares, ("sink_1",), {}, {"sink_1": mean_of(0)}, cfg.output.n_boot)
+    table = results.conform(pd.concat([table, overall.assign(epsilon=cfg.scores.epsilon)], ignore_index=True))
     mean = scores.quantities.mean(1)  # [heads, quantities]
     for key, name in (("top_sink_heads", "sink_rate"), ("top_hidden_sink_heads", "hidden_sink_mass")):
         column = mean[:, SINK_QUANTITIES.index(name)]
@@ -56,6 +76,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             "n_prompts": data.n,
             "epsilon": cfg.scores.epsilon,
             "alpha": cfg.scores.alpha,
+            "seq_len": seq_len or None,
             "model_family": model.family,
         }
     )
