@@ -366,6 +366,9 @@ class ScoreKind(str, Enum):
     sinks = "sinks"  # sink rate, first-token attention and hidden sinks per head (analysis/sinks.py)
     composition = "composition"  # Q/K/V composition of head pairs and their channels (analysis/head_composition.py)
     retrieval = "retrieval"  # retrieval score per head; top heads masked against random ones (analysis/retrieval.py)
+    induction = (
+        "induction"  # induction score per head on repeated random tokens; top heads ablated (analysis/induction.py)
+    )
 
 
 @dataclass
@@ -380,9 +383,12 @@ class ScoresConfig:
     alpha: float = 5.0
     # composition
     channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair
-    # retrieval
-    top_k: int = 5  # heads masked together
+    # retrieval, induction
+    top_k: int = 5  # heads masked (retrieval) or zero-ablated (induction) together
     n_random: int = 5  # draws of as many random other heads, for the baseline
+    # induction: n_sequences sequences of repeat_len distinct random tokens, each repeated once after itself
+    repeat_len: int = 50
+    n_sequences: int = 100
     # a prompt counts towards the retrieval score when its needle recall exceeds this (Wu et al. count a
     # test when ROUGE-1 recall exceeds 50%); a negative value counts every prompt
     min_recall: float = 0.5
@@ -486,6 +492,8 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("model", "gguf_file"): None,
     ("model", "package"): None,
     ("engine", "gpu_memory_share"): 0.5,
+    ("scores", "repeat_len"): 50,
+    ("scores", "n_sequences"): 100,
 }
 
 
