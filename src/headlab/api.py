@@ -258,7 +258,9 @@ def scores(
     receive more than `alpha` / N) | composition (Q-, K-, V-composition scores of every pair of heads in
     different layers, from the weights, and each pair's `channels` largest normalised singular values) |
     retrieval (task needle: each head's retrieval score of Wu et al. 2024, then needle recall with the
-    `top_k` best heads masked against `n_random` draws of as many other heads). Options: the scores
+    `top_k` best heads masked against `n_random` draws of as many other heads) | induction (repeated
+    random tokens: each head's induction, duplicate- and previous-token score, the repeat loss per copy,
+    and that loss with the `top_k` best induction heads zero-ablated against `n_random` draws). Options: the scores
     config's keys (config.py's ScoresConfig), e.g. `epsilon=0.5`, `channels=8`, `top_k=2`."""
     return study(model, task, kind, n_prompts, seed, show_progress, **options)
 

@@ -370,6 +370,9 @@ class ScoreKind(str, Enum):
     sinks = "sinks"  # sink rate, first-token attention and hidden sinks per head (analysis/sinks.py)
     composition = "composition"  # Q/K/V composition of head pairs and their channels (analysis/head_composition.py)
     retrieval = "retrieval"  # retrieval score per head; top heads masked against random ones (analysis/retrieval.py)
+    induction = (
+        "induction"  # induction score per head on repeated random tokens; top heads ablated (analysis/induction.py)
+    )
 
 
 @dataclass
@@ -390,9 +393,12 @@ class ScoresConfig:
     # on TransformerLens's default weights (fold_ln, center_writing_weights) instead of the raw ones; false is
     # what headlab always computed (and what keeps old runs' hashes)
     fold_norms: bool = False
-    # retrieval
-    top_k: int = 5  # heads masked together
+    # retrieval, induction
+    top_k: int = 5  # heads masked (retrieval) or zero-ablated (induction) together
     n_random: int = 5  # draws of as many random other heads, for the baseline
+    # induction: n_sequences sequences of repeat_len distinct random tokens, each repeated once after itself
+    repeat_len: int = 50
+    n_sequences: int = 50  # smollm2-135m: ~5 min on 2 cores with the ablations; intervals about +-0.01 at 25
     # a prompt counts towards the retrieval score when its needle recall exceeds this (Wu et al. count a
     # test when ROUGE-1 recall exceeds 50%); a negative value counts every prompt
     min_recall: float = 0.5
@@ -498,6 +504,9 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("engine", "gpu_memory_share"): 0.5,
     ("circuit", "ig_steps_from"): 1,
     ("scores", "fold_norms"): False,
+    ("scores", "seq_len"): 0,
+    ("scores", "repeat_len"): 50,
+    ("scores", "n_sequences"): 50,
 }
 
 

@@ -21,10 +21,11 @@ REGISTERED: dict[str, Study] = {}  # studies from outside the package, by regist
 
 def builtin() -> tuple[Study, ...]:
     # imported on first use: `headlab list` and config composition need no torch model code
-    from . import circuit, composition, pathnet, recall_reasoning, retrieval, sae, sinks, sweep, train
+    from . import circuit, composition, induction, pathnet, recall_reasoning, retrieval, sae, sinks, sweep, train
 
     return tuple(
-        m.STUDY for m in (sweep, circuit, recall_reasoning, sinks, composition, retrieval, pathnet, train, sae)
+        m.STUDY
+        for m in (sweep, circuit, recall_reasoning, sinks, composition, retrieval, induction, pathnet, train, sae)
     )
 
 

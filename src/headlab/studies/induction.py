@@ -1,0 +1,161 @@
+"""`headlab run scores=induction`: induction heads (Olsson et al. 2022) on `scores.n_sequences` sequences
+of `scores.repeat_len` distinct random ordinary tokens repeated once, BOS first (analysis/scores.py's
+repeated_tokens, drawn with the run's seed); no task prompts are read.
+
+Rows:
+  per head      intervention "none", method "score", metrics prev_token_score, duplicate_token_score and
+                induction_score (analysis/scores.py's induction_scores), 95% bootstrap interval over sequences
+  ablation      the clean run (intervention "none", method "none"), then intervention "ablate_head", method
+                "zero", group "top{k}" (the `scores.top_k` heads of highest induction score zero-ablated
+                together) and "random{k}_{draw}" (`scores.n_random` seeded draws of k heads outside the top
+                k): metrics first_copy_loss, second_copy_loss, repeat_loss_drop (analysis/induction.py) and
+                second_copy_loss_increase (ablated minus clean, paired over sequences)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+from rich.table import Table
+
+from .. import results
+from ..analysis.induction import REPEAT_QUANTITIES, ablated_repeat_loss, repeat_data
+from ..analysis.retrieval import random_heads, top_heads
+from ..analysis.scores import SEQ_SCORES, induction_scores, ordinary_ids, repeated_tokens
+from ..config import option, run_info
+from ..errors import UsageError
+from ..tables import head_name
+from ..tasks import mean_of
+from .context import RunContext
+from .study import Study
+from .summary import aggregated, console
+
+TOP_HEADS = 10  # named in meta.json
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    cfg, sc = ctx.cfg, ctx.cfg.scores
+    if option(cfg.model.kind) == "toy" and 1 + 2 * sc.repeat_len > cfg.model.n_ctx:  # before it is trained
+        raise UsageError(
+            f"scores.repeat_len={sc.repeat_len}: BOS and two copies exceed the model's {cfg.model.n_ctx} positions"
+        )
+    model = ctx.get_model(runs_task=False)  # its own random-token sequences: any model, whatever the task
+    n_total = model.n_layers * model.n_heads
+    if not 1 <= sc.top_k <= n_total:
+        raise UsageError(f"scores.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
+    # a toy model's own small vocabulary holds fewer distinct tokens than repeat_len (as score_table does)
+    seq_len = max(2, min(sc.repeat_len, len(ordinary_ids(model))))
+    if seq_len < sc.repeat_len:
+        ctx.note(f"{model.name} has {seq_len} ordinary tokens: sequences of {seq_len}, not {sc.repeat_len}")
+    model.place(cfg.device)
+    info = run_info(cfg)
+    with ctx.timed("scores"):
+        scores = induction_scores(model, sc.n_sequences, seq_len, seed=cfg.seed)  # [layer, head, n, 3]
+    per_head = scores.flatten(0, 1).numpy().astype(np.float64)  # [layer * head, n, 3], layer-major
+    induction = per_head[..., SEQ_SCORES.index("induction_score")].mean(1)
+    top = top_heads(torch.from_numpy(induction), model.n_heads, sc.top_k)
+    draws, apart = random_heads(model.n_layers, model.n_heads, top, sc.top_k, sc.n_random, cfg.seed)
+    if not apart:
+        ctx.note(f"fewer than {sc.top_k} heads besides the top {sc.top_k}: random draws may include top heads")
+    ids = repeated_tokens(model, sc.n_sequences, seq_len, seed=cfg.seed)  # the sequences the scores read
+    data = repeat_data(ids, seq_len).to(str(model.input_device))
+    with ctx.timed("ablation"):
+        losses = ablated_repeat_loss(model, data, [top, *draws], seed=cfg.seed).cpu().numpy().astype(np.float64)
+    groups = [f"top{sc.top_k}", *(f"random{sc.top_k}_{d}" for d in range(len(draws)))]
+    table = pd.concat(
+        [_score_rows(per_head, model.n_heads, info, cfg.output.n_boot), _ablation_rows(losses, groups, info, cfg)],
+        ignore_index=True,
+    )
+    second = losses[..., REPEAT_QUANTITIES.index("second_copy_loss")].mean(1)  # [1 + groups]
+    ctx.meta.update(
+        {
+            "top_induction_heads": [
+                f"{head_name(*divmod(int(i), model.n_heads))} {induction[i]:.3f}"
+                for i in np.argsort(-induction, kind="stable")[:TOP_HEADS]
+            ],
+            "ablated_top_heads": [head_name(*h) for h in top],
+            "ablated_random_heads": [[head_name(*h) for h in heads] for heads in draws],
+            "first_copy_loss": float(losses[0, :, 0].mean()),
+            "second_copy_loss_clean": float(second[0]),
+            "second_copy_loss_top_k_ablated": float(second[1]),
+            "second_copy_loss_random_k_ablated": [float(s) for s in second[2:]],
+            "second_copy_loss_random_k_ablated_mean": float(second[2:].mean()) if len(draws) else None,
+            "top_k": sc.top_k,
+            "n_random": sc.n_random,
+            "repeat_len": seq_len,
+            "n_sequences": sc.n_sequences,
+            "ablation": "each head's output (z, before W_O) zeroed at every position, the group together",
+            "model_family": model.family,
+        }
+    )
+    return results.conform(table)
+
+
+def _score_rows(per_head: np.ndarray, n_heads: int, info: dict, n_boot: int) -> pd.DataFrame:
+    labels = [
+        {"intervention": "none", "method": "score", "layer": layer, "head": head}
+        for layer, head in (divmod(i, n_heads) for i in range(per_head.shape[0]))
+    ]
+    metrics = {name: mean_of(j) for j, name in enumerate(SEQ_SCORES)}
+    return results.tidy(info, labels, per_head, SEQ_SCORES, {}, metrics, n_boot=n_boot)
+
+
+def _ablation_rows(losses: np.ndarray, groups: list[str], info: dict, cfg) -> pd.DataFrame:
+    """The clean run and each ablated group: the repeat loss, and the second copy's loss increase paired
+    over sequences (the same sequences in every run, so the pairing removes their spread)."""
+    ablated = {"intervention": "ablate_head", "method": "zero"}
+    labels = [{"intervention": "none", "method": "none"}, *({**ablated, "group": g} for g in groups)]
+    metrics = {name: mean_of(j) for j, name in enumerate(REPEAT_QUANTITIES)}
+    loss_rows = results.tidy(info, labels, losses, REPEAT_QUANTITIES, {}, metrics, n_boot=cfg.output.n_boot)
+    column = REPEAT_QUANTITIES.index("second_copy_loss")
+    increase = (losses[1:, :, column] - losses[:1, :, column])[..., None]
+    aggregate = {"second_copy_loss_increase": mean_of(0)}
+    rows = results.tidy(info, labels[1:], increase, ["second_copy_loss_increase"], {}, aggregate, cfg.output.n_boot)
+    return pd.concat([loss_rows, rows], ignore_index=True)
+
+
+def summary(df: pd.DataFrame, max_rows: int) -> None:
+    """The heads of highest induction score with their other scores, then the repeat loss clean and with
+    each group ablated."""
+    agg = aggregated(df)
+    scores = agg[agg["method"] == "score"]
+    if len(scores):
+        wide = scores.pivot_table(index=["layer", "head"], columns="metric", values="value", sort=False)
+        best = wide.sort_values("induction_score", ascending=False, kind="stable").head(max_rows)
+        ci = scores[scores["metric"] == "induction_score"].set_index(["layer", "head"])
+        table = Table(title=f"{agg['model'].iloc[0]}: top induction heads ({int(scores['n'].iloc[0])} sequences)")
+        for col in ("head", "induction_score", "95% interval", "prev_token_score", "duplicate_token_score"):
+            table.add_column(col, justify="right")
+        for (layer, head), r in best.iterrows():
+            low, high = ci.loc[(layer, head), ["ci_low", "ci_high"]]
+            table.add_row(
+                head_name(int(layer), int(head)),
+                f"{r['induction_score']:.3f}",
+                f"{low:.3f}..{high:.3f}",
+                f"{r['prev_token_score']:.3f}",
+                f"{r['duplicate_token_score']:.3f}",
+            )
+        console.print(table)
+    runs = agg[agg["method"] != "score"]
+    if len(runs):
+        runs = runs.assign(group=runs["group"].fillna("clean") if "group" in runs else "clean")
+        wide = runs.pivot_table(index="group", columns="metric", values="value", sort=False)
+        table = Table(title="repeat loss (nats), heads zero-ablated together")
+        metrics = [m for m in (*REPEAT_QUANTITIES, "second_copy_loss_increase") if m in wide]
+        for col in ("group", *metrics):
+            table.add_column(col, justify="right")
+        for group, r in wide.iterrows():
+            table.add_row(str(group), *("" if pd.isna(r[m]) else f"{r[m]:.3f}" for m in metrics))
+        console.print(table)
+
+
+STUDY = Study(
+    name="induction",
+    description="induction heads on repeated random tokens (Olsson et al. 2022): scores, then top heads ablated",
+    run=run,
+    summary=summary,
+    reads=("model", "task", "train", "scores"),  # a toy model is trained on the task
+    sections=("scores",),
+    figures="scores",
+)

@@ -1,0 +1,147 @@
+"""The induction study (scores=induction) against computations that share none of its code path: a plain
+eager transformers Llama's attention weights, its logits' cross-entropy, and its forward pass with the
+ablated heads' slices zeroed by a pre-hook on o_proj."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import headlab
+from headlab.analysis.retrieval import random_heads
+from headlab.analysis.scores import repeated_tokens
+from headlab.errors import UsageError
+from headlab.models.hf import load_hf
+
+T = 7  # tokens per copy
+N = 6  # sequences
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, gpt2_tokenizer):
+    """(headlab model, the same weights as a plain eager HF model, the study's table) on a tiny random
+    Llama with grouped-query attention, its weights drawn wide enough (std 0.2, not 0.02) that zeroing
+    two heads moves the loss by more than the tolerance the ablation is checked to."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=50257,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    path = tmp_path_factory.mktemp("llama-wide")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = load_hf(str(path), need_tokenizer=False)
+    model.tokenizer = gpt2_tokenizer
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    task = headlab.load_task("counting", n_prompts=4)
+    table = headlab.scores(
+        model, task, kind="induction", seed=SEED, repeat_len=T, n_sequences=N, top_k=2, n_random=2, n_boot=50
+    )
+    return model, reference, table
+
+
+def _value(table, metric: str, **where) -> float:
+    rows = table[table["metric"] == metric]
+    for key, value in where.items():
+        rows = rows[rows[key] == value]
+    assert len(rows) == 1, (metric, where, len(rows))
+    return float(rows["value"].iloc[0])
+
+
+def _losses(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) -> tuple[float, float]:
+    """(first copy, second copy) mean cross-entropy of x_2..x_T by hand, with the `zeroed` heads' slices
+    of each o_proj input set to zero."""
+    d_head = reference.config.hidden_size // reference.config.num_attention_heads
+    handles = []
+    for layer in {layer for layer, _ in zeroed}:
+        heads = [h for lay, h in zeroed if lay == layer]
+
+        def zero(_module, args, heads=heads):
+            x = args[0].clone()
+            for h in heads:
+                x[..., h * d_head : (h + 1) * d_head] = 0
+            return (x,)
+
+        handles.append(reference.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero))
+    try:
+        with torch.inference_mode():
+            logits = reference(ids).logits.double()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def loss(first_read: int) -> float:
+        reads = torch.arange(first_read, first_read + T - 1)
+        per_token = F.cross_entropy(logits[:, reads].flatten(0, 1), ids[:, reads + 1].flatten(), reduction="none")
+        return float(per_token.view(N, T - 1).mean(1).mean())
+
+    return loss(1), loss(1 + T)
+
+
+def test_induction_score_equals_eager_attention_by_hand(llama):
+    model, reference, table = llama
+    ids = repeated_tokens(model, N, T, seed=SEED)
+    assert ids.shape == (N, 1 + 2 * T) and torch.equal(ids[:, 1 : 1 + T], ids[:, 1 + T :])
+    with torch.inference_mode():
+        attentions = reference(ids, output_attentions=True).attentions  # [n, head, q, k] per layer
+    second = np.arange(1 + T, 1 + 2 * T)
+    checked = 0
+    for layer, att in enumerate(attentions):
+        att = att.double().numpy()
+        for head in range(att.shape[1]):
+            induction = att[:, head, second, second - T + 1].mean()
+            duplicate = att[:, head, second, second - T].mean()
+            prev = att[:, head, np.arange(2, 1 + 2 * T), np.arange(1, 2 * T)].mean()
+            assert _value(table, "induction_score", layer=layer, head=head) == pytest.approx(induction, abs=1e-6)
+            assert _value(table, "duplicate_token_score", layer=layer, head=head) == pytest.approx(duplicate, abs=1e-6)
+            assert _value(table, "prev_token_score", layer=layer, head=head) == pytest.approx(prev, abs=1e-6)
+            checked += 1
+    assert checked == 12
+    scores = table[table["metric"] == "induction_score"]
+    assert (scores["n"] == N).all() and (scores["ci_low"] <= scores["value"]).all()
+    assert (scores["value"] <= scores["ci_high"]).all()
+
+
+def test_repeat_loss_equals_plain_cross_entropy(llama):
+    model, reference, table = llama
+    first, second = _losses(reference, repeated_tokens(model, N, T, seed=SEED))
+    assert first > 5  # a random model over a 50257-token vocabulary: about log(50257) = 10.8 or more
+    clean = {"intervention": "none", "method": "none"}
+    assert _value(table, "first_copy_loss", **clean) == pytest.approx(first, abs=1e-5)
+    assert _value(table, "second_copy_loss", **clean) == pytest.approx(second, abs=1e-5)
+    assert _value(table, "repeat_loss_drop", **clean) == pytest.approx(first - second, abs=1e-5)
+
+
+def test_ablated_heads_equal_a_hooked_pass_zeroing_their_o_proj_slices(llama):
+    model, reference, table = llama
+    ids = repeated_tokens(model, N, T, seed=SEED)
+    scores = table[table["metric"] == "induction_score"].sort_values(["layer", "head"])
+    order = sorted(range(len(scores)), key=lambda i: (-scores["value"].iloc[i], i))
+    top = [divmod(i, model.n_heads) for i in order[:2]]
+    draws, apart = random_heads(model.n_layers, model.n_heads, top, 2, 2, SEED)
+    assert apart and all(not set(top) & set(d) for d in draws)
+    _, clean_second = _losses(reference, ids)
+    for group, heads in (("top2", top), ("random2_0", draws[0]), ("random2_1", draws[1])):
+        first, second = _losses(reference, ids, heads)
+        assert abs(second - clean_second) > 1e-3  # the ablation moves the loss well past the tolerance
+        rows = {"intervention": "ablate_head", "method": "zero", "group": group}
+        assert _value(table, "first_copy_loss", **rows) == pytest.approx(first, abs=1e-5)
+        assert _value(table, "second_copy_loss", **rows) == pytest.approx(second, abs=1e-5)
+        increase = _value(table, "second_copy_loss_increase", **rows)
+        assert increase == pytest.approx(second - clean_second, abs=1e-5)
+
+
+def test_the_door_refuses_a_repeat_without_a_token_to_predict():
+    with pytest.raises(UsageError, match="scores.repeat_len=1"):
+        headlab.compose("scores=induction", "scores.repeat_len=1")
+    with pytest.raises(UsageError, match="scores.n_sequences=0"):
+        headlab.compose("scores=induction", "scores.n_sequences=0")
