@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import types
 from dataclasses import dataclass
 
 import pandas as pd
@@ -172,8 +174,10 @@ def tally_summary(table, max_rows):
     console.print(f"tally of {len(table)} rows: {', '.join(table['metric'][:max_rows])}", highlight=False)
 
 
-@pytest.fixture
-def tally_study(tmp_path, monkeypatch):
+@pytest.fixture(params=["BUILTIN", "register"])
+def tally_study(request, tmp_path, monkeypatch):
+    """The tally study added as the README says: its module's name in registry.BUILTIN (the module put
+    where headlab.studies.tally would be), or from outside the package with register()."""
     configs = tmp_path / "configs"
     shutil.copytree(ROOT / "configs", configs)
     (configs / "study" / "tally.yaml").write_text(
@@ -182,16 +186,21 @@ def tally_study(tmp_path, monkeypatch):
     monkeypatch.setenv("HEADLAB_CONFIG_DIR", str(configs))
     monkeypatch.setattr(registry, "REGISTERED", {})
     group_options.cache_clear()
-    study = registry.register(
-        Study(
-            name="tally",
-            description="counts to copies",
-            run=tally,
-            summary=tally_summary,
-            reads=("task",),
-            schema=TallyOptions,
-        )  # fmt: skip
-    )
+    study = Study(
+        name="tally",
+        description="counts to copies",
+        run=tally,
+        summary=tally_summary,
+        reads=("task",),
+        schema=TallyOptions,
+    )  # fmt: skip
+    if request.param == "register":
+        registry.register(study)
+    else:
+        module = types.ModuleType("headlab.studies.tally")
+        module.STUDY = study  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "headlab.studies.tally", module)
+        monkeypatch.setattr(registry, "BUILTIN", (*registry.BUILTIN, "tally"))
     yield study
     group_options.cache_clear()
 

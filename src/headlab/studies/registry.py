@@ -1,13 +1,14 @@
 """Every study by name (`study=<name>`), and which one a config asks for.
 
 A study is a module holding a `STUDY = Study(...)` record (study.py) and a configs/study/<name>.yaml; the
-module's name goes into builtin() below. A study from outside the package (a plugin, a test) enters with
+module's name goes into BUILTIN below. A study from outside the package (a plugin, a test) enters with
 register(). The short forms `scores=<kind>`, `circuit=<method>`, `ablate=circuits`, `model=pathnet` and
 `task=markov` name a study too; a config whose names disagree is refused in one line.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 from ..config import Config, option
@@ -19,14 +20,24 @@ COMMANDS = ("run", "train", "sae")  # `headlab train` and `headlab sae` run the 
 REGISTERED: dict[str, Study] = {}  # studies from outside the package, by register()
 
 
+# the built-in studies' modules, in the order `headlab list study` shows them: adding one is adding its name
+BUILTIN = (
+    "sweep",
+    "circuit",
+    "recall_reasoning",
+    "sinks",
+    "composition",
+    "retrieval",
+    "induction",
+    "pathnet",
+    "train",
+    "sae",
+)
+
+
 def builtin() -> tuple[Study, ...]:
     # imported on first use: `headlab list` and config composition need no torch model code
-    from . import circuit, composition, induction, pathnet, recall_reasoning, retrieval, sae, sinks, sweep, train
-
-    return tuple(
-        m.STUDY
-        for m in (sweep, circuit, recall_reasoning, sinks, composition, retrieval, induction, pathnet, train, sae)
-    )
+    return tuple(importlib.import_module(f"{__package__}.{name}").STUDY for name in BUILTIN)
 
 
 def studies() -> dict[str, Study]:
