@@ -253,15 +253,16 @@ def scores(
     """Per-head scores from the attention-head literature on `model` (and `task`'s prompts); the tidy
     table `headlab run scores=<kind>` writes, nothing written here.
 
-    kind: sinks (per head, the share of the prompts' queries with more than `epsilon` of their attention on
-    the first token, its mean attention there, and the hidden sinks of Yu et al. 2024: later tokens that
-    receive more than `alpha` / N) | composition (Q-, K-, V-composition scores of every pair of heads in
+    kind: sinks (per head, the share of the prompts' queries with more than `epsilon` of their attention on the
+    first token, its mean attention there, and the hidden sinks of Yu et al. 2024: later tokens that receive
+    more than `alpha` / N; Gu et al. 2024's mean over all queries and the share of sink heads, Sink_1^epsilon,
+    on prompts cut to `seq_len` tokens) | composition (Q-, K-, V-composition scores of every pair of heads in
     different layers, from the weights, and each pair's `channels` largest normalised singular values) |
-    retrieval (task needle: each head's retrieval score of Wu et al. 2024, then needle recall with the
-    `top_k` best heads masked against `n_random` draws of as many other heads) | induction (repeated
-    random tokens: each head's induction, duplicate- and previous-token score, the repeat loss per copy,
-    and that loss with the `top_k` best induction heads zero-ablated against `n_random` draws). Options: the scores
-    config's keys (config.py's ScoresConfig), e.g. `epsilon=0.5`, `channels=8`, `top_k=2`."""
+    retrieval (task needle: each head's retrieval score of Wu et al. 2024, then needle recall with the `top_k`
+    best heads masked against `n_random` draws of as many other heads) | induction (repeated random tokens: each
+    head's induction, duplicate- and previous-token score, the repeat loss per copy, and that loss with the
+    `top_k` best induction heads zero-ablated against `n_random` draws). Options: the scores config's keys
+    (config.py's ScoresConfig), e.g. `epsilon=0.5`, `seq_len=64`, `channels=8`, `fold_norms=True`, `top_k=2`."""
     return study(model, task, kind, n_prompts, seed, show_progress, **options)
 
 
