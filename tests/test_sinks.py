@@ -64,6 +64,12 @@ def test_hidden_sinks_by_hand_count_real_tokens_and_queries_only():
     assert gu == pytest.approx(0.35) and gu_sink == 1.0
     # the first token is never a hidden sink, however much it draws
     assert not hidden_sinks(pattern, real, alpha=0.1)[0, 0, 0]
+    # ACT's released code: a fixed threshold whatever N. At 0.28 key 2 (0.27) stays out and keys 1, 3 are in;
+    # at 0.26 key 2 joins, where alpha / N = 0.3 leaves it out; alpha is ignored then
+    assert hidden_sinks(pattern, real, alpha=1.2, fixed=0.28)[0, 0].tolist() == [False, True, False, True, False]
+    assert hidden_sinks(pattern, real, alpha=99.0, fixed=0.26)[0, 0].tolist() == [False, True, True, True, False]
+    count_fixed = sink_quantities(pattern, real, epsilon=0.3, alpha=1.2, fixed=0.26)[0, 0, 2].item()
+    assert count_fixed == 3.0
 
 
 def test_gu_sink_metric_equals_plain_transformers_attentions(tiny_hf_dir):
@@ -184,17 +190,19 @@ def _toy(n_layers=2, d_mlp=32, seed=0):
     return hooked_toy(model.eval(), "toy")
 
 
-def _calibration_plan(model, factor, sinks="first", alpha=5.0):
-    ablate = {"sweep": "sink_calibration", "method": "zero", "calibration": factor, "sinks": sinks, "sink_alpha": alpha}
+def _calibration_plan(model, factor, sinks="first", alpha=5.0, threshold=0.0):
+    ablate = {"sweep": "sink_calibration", "method": "zero", "calibration": factor, "sinks": sinks}
+    ablate |= {"sink_alpha": alpha, "sink_threshold": threshold}
     return plan(OmegaConf.create({"ablate": ablate, "patch": PatchConfig()}), model.n_layers, model.n_heads)
 
 
-@pytest.mark.parametrize("sinks", ["first", "hidden"])
-def test_the_calibration_sweep_batched_equals_naive_and_factor_one_equals_clean(sinks):
+@pytest.mark.parametrize("sinks,threshold", [("first", 0.0), ("hidden", 0.0), ("hidden", 0.05)])
+def test_the_calibration_sweep_batched_equals_naive_and_factor_one_equals_clean(sinks, threshold):
     model = _toy()
     task = CountingTask(counting_cfg())
     data = task.build(40, seed=1)
-    ivs = _calibration_plan(model, 0.4, sinks, alpha=1.5)  # a low alpha: every head has hidden sinks here
+    # a low alpha (or a fixed threshold, as ACT's code has, lower than its 0.1): every head has hidden sinks here
+    ivs = _calibration_plan(model, 0.4, sinks, alpha=1.5, threshold=threshold)
     assert len(ivs) == 1 + 6 and {iv.group for iv in ivs[1:]} == {"calibration 0.4"}
     fast = execute(model, task, data, ivs, chunk_mb=40 * 27 * 32 * 4 * 2 / 2**20)  # two copies a chunk
     slow = execute(model, task, data, ivs, naive=True)

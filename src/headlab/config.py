@@ -247,6 +247,8 @@ class AblateConfig:
     # sinks in each prompt, tokens after the first receiving more than sink_alpha / N: ACT's own choice)
     sinks: SinkChoice = SinkChoice.first
     sink_alpha: float = 5.0
+    # hidden sinks: 0, more than sink_alpha / N (the paper); > 0, more than this whatever N (ACT's code: 0.1)
+    sink_threshold: float = 0.0
 
 
 @dataclass
@@ -385,6 +387,8 @@ class ScoresConfig:
     # a token after the first is a hidden sink of a head when the attention it receives, averaged over the
     # queries that see it, exceeds alpha / N, N the prompt's length (Yu et al. 2024: alpha = 5)
     alpha: float = 5.0
+    # 0: the paper's alpha / N; > 0: a fixed threshold instead, whatever N (ACT's released code uses 0.1)
+    hidden_threshold: float = 0.0
     # Gu et al. 2024's sequences of T tokens exactly (their T: 64): prompts cut to their first seq_len
     # tokens, those shorter left out (a note says how many); 0: the prompts as the task gives them
     seq_len: int = 0
@@ -505,6 +509,8 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("circuit", "ig_steps_from"): 1,
     ("scores", "fold_norms"): False,
     ("scores", "seq_len"): 0,
+    ("scores", "hidden_threshold"): 0.0,
+    ("ablate", "sink_threshold"): 0.0,
     ("scores", "repeat_len"): 50,
     ("scores", "n_sequences"): 50,
 }

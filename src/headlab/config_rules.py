@@ -190,6 +190,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (NeedleConfig, "haystack_len"): COUNT,
     (NeedleConfig, "needle_len"): COUNT,
     (NeedleConfig, "n_symbols"): COUNT,
+    (AblateConfig, "sink_threshold"): SHARE,
     (AblateConfig, "calibration"): SHARE,  # above 1 the other keys could be left with negative attention
     (AblateConfig, "sink_alpha"): POSITIVE,
     (PatchConfig, "sites"): Each(OneOf(("z", "pattern", "q", "k", "v"))),
@@ -238,6 +239,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (CircuitConfig, "prompts_per_pass"): COUNT,
     (ScoresConfig, "epsilon"): SHARE,
     (ScoresConfig, "alpha"): POSITIVE,
+    (ScoresConfig, "hidden_threshold"): SHARE,
     (ScoresConfig, "seq_len"): NATURAL,  # 0: prompts as the task gives them
     (ScoresConfig, "channels"): COUNT,
     (ScoresConfig, "top_k"): COUNT,

@@ -57,7 +57,7 @@ class SinkScores:
     real: Tensor  # [prompts, pos] bool: the real tokens
 
 
-def sink_quantities(pattern: Tensor, real: Tensor, epsilon: float, alpha: float = ALPHA) -> Tensor:
+def sink_quantities(pattern: Tensor, real: Tensor, epsilon: float, alpha: float = ALPHA, fixed: float = 0.0) -> Tensor:
     """pattern [batch, head, query, key], real [batch, pos] bool -> [batch, head, 7]: SINK_QUANTITIES."""
     later = pattern[..., 1:, :]  # the queries after the first
     counted = real[:, None, 1:].to(pattern.dtype)
@@ -65,7 +65,7 @@ def sink_quantities(pattern: Tensor, real: Tensor, epsilon: float, alpha: float 
     on_first = later[..., 0]
     rate = ((on_first > epsilon).to(pattern.dtype) * counted).sum(-1) / n
     mean = (on_first * counted).sum(-1) / n
-    hidden = hidden_sinks(pattern, real, alpha)
+    hidden = hidden_sinks(pattern, real, alpha, fixed)
     count = hidden.sum(-1).to(pattern.dtype)
     share = count / (real.sum(-1) - 1).clamp(min=1)[:, None]
     on_hidden = (later * hidden[:, :, None, :]).sum(-1)
@@ -92,7 +92,12 @@ def exact_length(data: TaskData, seq_len: int) -> TaskData:
 
 @torch.no_grad()
 def sink_scores(
-    model: HookedModel, data: TaskData, epsilon: float = 0.3, alpha: float = ALPHA, batch_size: int = 16
+    model: HookedModel,
+    data: TaskData,
+    epsilon: float = 0.3,
+    alpha: float = ALPHA,
+    batch_size: int = 16,
+    fixed: float = 0.0,
 ) -> SinkScores:
     """SINK_QUANTITIES of every head (layer-major) on every prompt, and where the hidden sinks are."""
     real = real_tokens(data)
@@ -104,8 +109,8 @@ def sink_scores(
             model.forward(batch)
         patterns = [seen[("pattern", layer)].float() for layer in range(model.n_layers)]
         rows = rows.to(patterns[0].device)
-        parts.append(torch.stack([sink_quantities(p, rows, epsilon, alpha) for p in patterns], 1).cpu())
-        hidden.append(torch.stack([hidden_sinks(p, rows, alpha).sum(1) for p in patterns]).sum(0).cpu())
+        parts.append(torch.stack([sink_quantities(p, rows, epsilon, alpha, fixed) for p in patterns], 1).cpu())
+        hidden.append(torch.stack([hidden_sinks(p, rows, alpha, fixed).sum(1) for p in patterns]).sum(0).cpu())
     quantities = torch.cat(parts).flatten(1, 2)  # [prompts, layers * heads, len(SINK_QUANTITIES)]
     return SinkScores(quantities.transpose(0, 1), torch.cat(hidden), real.cpu())
 

@@ -220,7 +220,7 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
     elif edit.source == Source.calibrate_hidden:
         pattern = x[index]
         real = real_tokens(sources.data).to(pattern.device)
-        x[index] = calibrated(pattern, edit.scale[0], hidden_sinks(pattern, real, edit.scale[1])[:, :, None, :])
+        x[index] = calibrated(pattern, edit.scale[0], hidden_sinks(pattern, real, *edit.scale[1:])[:, :, None, :])
     elif edit.source == Source.zero:
         x[index] = 0.0
     elif edit.source == Source.function:

@@ -101,8 +101,8 @@ class Intervention:
             return [Edit(Site.z, everyone, Source.scale, scale=self.scale)]
         if kind == Kind.calibrate_sink:
             hidden = self.method == Method.calibration_hidden
-            if len(self.scale) != 1 + hidden:
-                raise ValueError(f"calibrate_sink needs scale=(factor{', alpha' if hidden else ''})")
+            if not (len(self.scale) in (2, 3) if hidden else len(self.scale) == 1):
+                raise ValueError(f"calibrate_sink needs scale=(factor{', alpha[, fixed]' if hidden else ''})")
             heads = everyone if self.head is None else (self.head,)
             source = Source.calibrate_hidden if hidden else Source.calibrate
             return [Edit(Site.pattern, heads, source, scale=self.scale)]
@@ -146,7 +146,9 @@ def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]
         hidden = option(cfg.ablate.sinks) == "hidden"
         label = f"calibration {factor:g}"  # the factor in the table, where the vector `scale` is not
         method, scale = (
-            (Method.calibration_hidden, (factor, cfg.ablate.sink_alpha)) if hidden else (Method.calibration, (factor,))
+            (Method.calibration_hidden, (factor, cfg.ablate.sink_alpha, cfg.ablate.sink_threshold))
+            if hidden
+            else (Method.calibration, (factor,))
         )
         out += [Intervention(Kind.calibrate_sink, method, l, h, scale=scale, group=label) for l, h in cells]
     kinds = [option(k) for k in cfg.patch.kinds]

@@ -26,10 +26,11 @@ def real_tokens(data: TaskData) -> Tensor:
     return real
 
 
-def hidden_sinks(pattern: Tensor, real: Tensor, alpha: float = ALPHA) -> Tensor:
+def hidden_sinks(pattern: Tensor, real: Tensor, alpha: float = ALPHA, fixed: float = 0.0) -> Tensor:
     """pattern [batch, head, query, key], real [batch, pos] bool -> [batch, head, key] bool: the real
     tokens after the first whose attention, averaged over the real queries at or after them, exceeds
-    alpha / N (N: the prompt's real tokens)."""
+    alpha / N (N: the prompt's real tokens), the paper's rule; or, where `fixed` > 0, exceeds `fixed`
+    whatever N, the rule of ACT's released code (0.1)."""
     n_pos = pattern.shape[-1]
     causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=pattern.device).tril()
     sees = real[:, None, :, None] & causal  # [batch, 1, query, key]
@@ -37,4 +38,5 @@ def hidden_sinks(pattern: Tensor, real: Tensor, alpha: float = ALPHA) -> Tensor:
     later = real.clone()
     later[:, 0] = False
     n = real.sum(-1).to(pattern.dtype)
-    return (received > alpha / n[:, None, None]) & later[:, None, :]
+    bound = torch.full_like(n, fixed) if fixed > 0 else alpha / n
+    return (received > bound[:, None, None]) & later[:, None, :]

@@ -47,7 +47,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         if data.n < given:
             ctx.note(f"sinks: {given - data.n} of {given} prompts have fewer than {seq_len} tokens, left out")
     with ctx.timed("sinks"):
-        scores = sink_scores(model, data, cfg.scores.epsilon, cfg.scores.alpha)
+        scores = sink_scores(model, data, cfg.scores.epsilon, cfg.scores.alpha, fixed=cfg.scores.hidden_threshold)
     labels = [
         {"intervention": "none", "method": "score", "layer": layer, "head": head}
         for layer in range(model.n_layers)
@@ -76,6 +76,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             "n_prompts": data.n,
             "epsilon": cfg.scores.epsilon,
             "alpha": cfg.scores.alpha,
+            "hidden_rule": f"> {cfg.scores.hidden_threshold:g}" if cfg.scores.hidden_threshold else "> alpha / N",
             "seq_len": seq_len or None,
             "model_family": model.family,
         }
