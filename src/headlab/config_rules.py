@@ -37,6 +37,7 @@ from .config import (
     TrainConfig,
 )
 from .errors import UsageError
+from .vocabulary import HEAD_SITES
 
 MAX_LINE = 200  # an error line the user reads at a glance
 MAX_VALUE = 40  # characters of a bad value quoted back
@@ -125,7 +126,10 @@ NON_NEGATIVE = Range(0)
 SHARE = Range(0, 1)  # a probability, a fraction or a share
 BETA = Range(0, 1, high_open=True)  # Adam's moment decay
 
+# the words options accept, said once here, where the door reads them; the code that acts on them imports them
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+HEAD_KINDS = ("same_token", "uniform", "random")  # PathNet's head templates (models/pathnet.py)
+MULTI_TOKEN = ("refuse", "first")  # what task=prompts does with an answer of several tokens
 PROMPT_FORMATS = ("auto", "jsonl", "csv", "autocircuit", "eap_ig", "mib")
 POSITION = Matches(r"all|-?\d+|[A-Za-z_][A-Za-z0-9_]*", "all, an index or a role name")
 RECEIVER = Matches(r"logits|\d+\.\d+", "logits or a head layer.head")
@@ -142,7 +146,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (ModelConfig, "d_mlp"): NATURAL,  # 0: attention only
     (ModelConfig, "n_ctx"): COUNT,
     (PathNetConfig, "width"): COUNT,
-    (PathNetConfig, "heads"): Each(OneOf(("same_token", "uniform", "random"))),
+    (PathNetConfig, "heads"): Each(OneOf(HEAD_KINDS)),
     (PathNetConfig, "beta"): POSITIVE,
     (PathNetConfig, "random_strength"): NON_NEGATIVE,
     (PathNetConfig, "variances"): Each(POSITIVE),
@@ -184,7 +188,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (MarkovConfig, "noise_orthogonal"): NON_NEGATIVE,
     (PromptsConfig, "n_prompts"): NATURAL,  # 0: every row of the file
     (PromptsConfig, "format"): OneOf(PROMPT_FORMATS),
-    (PromptsConfig, "multi_token"): OneOf(("refuse", "first")),
+    (PromptsConfig, "multi_token"): OneOf(MULTI_TOKEN),
     (TextConfig, "n_prompts"): NATURAL,  # 0: every document
     (TextConfig, "seq_len"): at_least(2),  # a next token to predict after the first
     (NeedleConfig, "haystack_len"): COUNT,
@@ -193,7 +197,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (AblateConfig, "sink_threshold"): SHARE,
     (AblateConfig, "calibration"): SHARE,  # above 1 the other keys could be left with negative attention
     (AblateConfig, "sink_alpha"): POSITIVE,
-    (PatchConfig, "sites"): Each(OneOf(("z", "pattern", "q", "k", "v"))),
+    (PatchConfig, "sites"): Each(OneOf(tuple(str(s) for s in HEAD_SITES))),
     (PatchConfig, "positions"): Each(POSITION),
     (PatchConfig, "receivers"): Each(RECEIVER),
     (PatchConfig, "receiver_site"): OneOf(("q", "k", "v")),

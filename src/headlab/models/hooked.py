@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..config_rules import DTYPES
 from ..errors import HeadlabError
 from ..vocabulary import MLP_SITES, Site
 from .sites import HeadSites
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
 
 Inputs = dict[str, Tensor]
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def torch_dtype(name: str) -> torch.dtype:

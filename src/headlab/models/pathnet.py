@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..config_rules import HEAD_KINDS
 from ..errors import UsageError
 
-HEAD_KINDS = ("same_token", "uniform", "random")
 BOS_SCORE = 1.5  # between a same-state (2) and a different-state (0) previous token
 
 

@@ -28,11 +28,11 @@ import torch
 from torch import Tensor
 
 from ..config import PromptsConfig
+from ..config_rules import MULTI_TOKEN
 from ..errors import HeadlabError, UsageError
 from .base import PRETRAINED_DEFAULTS, Inputs, Task, TaskData, mean_of, right_padded
 from .formats import Answer, Prompt, Record, read, short, to_record
 
-MULTI_TOKEN = ("refuse", "first")
 BASELINE_MB = 256  # logits held at once by build()'s clean and corrupted forward passes
 
 
