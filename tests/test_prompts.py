@@ -152,9 +152,16 @@ def test_the_ioi_set_in_every_format_gives_task_iois_numbers(fmt, gpt2, ioi, tmp
     got = execute(gpt2, task, data, ioi.ivs)
     # mean ablation of every head; activation patching of z at all positions and at END
     assert len(ioi.ivs) == 1 + 12 + 2 * 12
-    torch.testing.assert_close(got, ioi.quantities, atol=1e-5, rtol=0)  # logit_diff, answer_prob vs io_prob, correct
+    # logit_diff, answer_prob vs io_prob, correct
+    torch.testing.assert_close(got[..., :3], ioi.quantities, atol=1e-5, rtol=0)
     assert (got[1:, :, 0] - got[0, :, 0]).abs().max() > 1e-3  # the interventions do something
-    torch.testing.assert_close(data.answers["clean_logit_diff"], got[0, :, 0], atol=1e-5, rtol=0)
+    peer = {"mib_jsonl": "mib", "mib_json": "mib"}.get(fmt, fmt)
+    if peer in ("autocircuit", "eap_ig", "mib"):  # a peer's format is scored by the peer: one answer each, IOI's
+        assert task.quantities[-1] == task.smooth_quantity == f"{peer}_logit_diff"
+        torch.testing.assert_close(got[..., 3], ioi.quantities[..., 0], atol=1e-5, rtol=0)
+    else:
+        assert task.quantities == ("logit_diff", "answer_prob", "correct") and got.shape[-1] == 3
+    torch.testing.assert_close(data.answers["clean_score"], got[0, :, 0], atol=1e-5, rtol=0)
 
 
 # --- padding ------------------------------------------------------------------------------------------
@@ -232,6 +239,109 @@ def test_sweep_from_records_and_from_file(gpt2, tmp_path):
     pd.testing.assert_frame_equal(again, table)
     one = headlab.sweep(gpt2, from_file(path, n_prompts=1), ablate="none", n_boot=0)
     assert set(one.n) == {1}
+
+
+# --- a peer's format scored by the peer's metric ------------------------------------------------------
+def _by_hand(model, text: str, right: list[int], wrong: list[int]) -> tuple[float, float, float]:
+    """(auto-circuit's mean-over-alternatives difference, EAP-IG's / MIB's first-token difference, headlab's
+    max-over-alternatives difference) at the last token of `text`, from one unpadded forward pass."""
+    ids = torch.tensor([model.tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        last = model.module(input_ids=ids).logits[0, -1].double()
+    mean = last[right].mean() - last[wrong].mean()
+    first = last[right[0]] - last[wrong[0]]
+    best = last[right].max() - last[wrong].max()
+    return float(mean), float(first), float(best)
+
+
+def _same(got: torch.Tensor, expect: list[float]) -> None:
+    torch.testing.assert_close(got.double(), torch.tensor(expect, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def _alternatives(tok) -> list[dict]:
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"][0]  # noqa: E731
+    answers = [([" Paris", " London"], [" Madrid", " Rome", " Berlin"]), ([" Mary", " Anna"], [" John", " Tom"])]
+    return [
+        {
+            "clean": p["clean"],
+            "corrupted": p["corrupted"],
+            "right": [ids(a) for a in right],
+            "wrong": [ids(w) for w in wrong],
+        }
+        | {"answers": right, "wrong_answers": wrong}
+        for p, (right, wrong) in zip(PAIR, answers)
+    ]
+
+
+def test_an_autocircuit_file_is_scored_by_autocircuits_answer_diff(gpt2, tmp_path):
+    rows = _alternatives(gpt2.tokenizer)
+    prompts = [
+        {"clean": r["clean"], "corrupt": r["corrupted"], "answers": r["answers"], "wrong_answers": r["wrong_answers"]}
+        for r in rows
+    ]
+    path = tmp_path / "ac.json"
+    path.write_text(json.dumps({"prompts": prompts}))
+    clean = [_by_hand(gpt2, r["clean"], r["right"], r["wrong"]) for r in rows]
+    corrupted = [_by_hand(gpt2, r["corrupted"], r["right"], r["wrong"]) for r in rows]
+    mean = lambda values, j: sum(v[j] for v in values) / len(values)  # noqa: E731
+    assert abs(mean(clean, 0) - mean(clean, 2)) > 1e-2  # the two definitions differ on these prompts
+
+    task = from_file(path)
+    assert task.smooth_quantity == "autocircuit_logit_diff"
+    data = task.build(0, seed=0, model=gpt2)
+    _same(data.answers["clean_score"], [c[0] for c in clean])
+    _same(data.answers["corrupted_score"], [c[0] for c in corrupted])
+    table = headlab.sweep(gpt2, task, ablate="none", n_boot=0).set_index("metric").value
+    assert set(table.index) == METRICS | {"autocircuit_logit_diff"}
+    assert table["autocircuit_logit_diff"] == pytest.approx(mean(clean, 0), abs=1e-4)
+    assert table["logit_diff"] == pytest.approx(mean(clean, 2), abs=1e-4)  # headlab's own beside it
+    assert table["patching_score"] == pytest.approx(1.0, abs=1e-4)
+
+    # the user's override: headlab's own score, or auto-circuit's on a file of another format
+    own = from_file(path, peer="none")
+    assert own.smooth_quantity == "logit_diff" and own.quantities == ("logit_diff", "answer_prob", "correct")
+    own_data = own.build(0, seed=0, model=gpt2)
+    _same(own_data.answers["corrupted_score"], [c[2] for c in corrupted])
+    lines = [
+        {"clean": r["clean"], "corrupted": r["corrupted"], "answer": r["answers"], "wrong_answer": r["wrong_answers"]}
+        for r in rows
+    ]
+    as_jsonl = _write_lines(tmp_path / "ac.jsonl", lines)
+    assert from_file(as_jsonl).smooth_quantity == "logit_diff"
+    again = headlab.sweep(gpt2, from_file(as_jsonl, peer="autocircuit"), ablate="none", n_boot=0)
+    assert again.set_index("metric").value["autocircuit_logit_diff"] == pytest.approx(mean(clean, 0), abs=1e-4)
+
+
+def test_eap_ig_and_mib_files_are_scored_by_their_first_answer_tokens(gpt2, tmp_path):
+    rows = _alternatives(gpt2.tokenizer)
+    eap = [
+        {
+            "clean": r["clean"],
+            "corrupted": r["corrupted"],
+            "correct_idx": json.dumps(r["right"]),
+            "incorrect_idx": json.dumps(r["wrong"]),
+        }
+        for r in rows
+    ]
+    clean = [_by_hand(gpt2, r["clean"], r["right"], r["wrong"]) for r in rows]
+    task = from_file(_write_csv(tmp_path / "eap.csv", eap))
+    data = task.build(0, seed=0, model=gpt2)
+    assert task.smooth_quantity == "eap_ig_logit_diff"
+    _same(data.answers["clean_score"], [c[1] for c in clean])
+    assert max(abs(c[1] - c[2]) for c in clean) > 1e-2  # first-token and best-token differences differ
+    # MIB rows: the counterfactual's answer is the wrong one; MIB's logit_diff reads each one's first token
+    mib = [
+        {
+            "prompt": r["clean"],
+            "abc_counterfactual": {"prompt": r["corrupted"], "label": r["wrong_answers"][0]},
+            "label": r["answers"][0],
+        }
+        for r in rows
+    ]
+    task = from_file(_write_lines(tmp_path / "mib.jsonl", mib))
+    table = headlab.sweep(gpt2, task, ablate="none", n_boot=0).set_index("metric").value
+    expect = sum(c[1] for c in clean) / len(clean)
+    assert table["mib_logit_diff"] == pytest.approx(expect, abs=1e-4) == table["logit_diff"]
 
 
 # --- bad input ----------------------------------------------------------------------------------------
@@ -334,6 +444,7 @@ def test_bad_records_and_models_are_refused_in_one_line(gpt2):
         (lambda: from_records([{"clean": "a"}]), r"records\[0\]: missing corrupted, answer, wrong_answer"),
         (lambda: from_records(PAIR, colour="red"), "unknown task option colour; choose from: counterfactual, format"),
         (lambda: from_records(PAIR, multi_token="all"), "unknown task.multi_token 'all'; choose from: refuse, first"),
+        (lambda: from_records(PAIR, peer="acdc"), "unknown task.peer 'acdc'; choose from: auto, none, autocircuit"),
         (lambda: from_records(PAIR).build(0, 0, SimpleNamespace(name="toy")), "model toy has none"),
         (lambda: headlab.load_task("prompts"), "task=prompts reads your prompts from a file: set task.path=FILE"),
     ):

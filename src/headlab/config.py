@@ -209,6 +209,9 @@ class PromptsConfig(TaskConfig):
     format: str = "auto"  # auto (by extension and fields) | jsonl | csv | autocircuit | eap_ig | mib
     multi_token: str = "refuse"  # an answer of several tokens: refuse | first (its first token)
     counterfactual: str | None = None  # MIB: which counterfactual field is the corrupted prompt
+    # whose logit difference scores the prompts (patching_score, circuits): auto (the peer whose format the
+    # file is in: autocircuit, eap_ig, mib; none for jsonl / csv) | none (headlab's logit_diff) | a peer
+    peer: str = "auto"
 
 
 @dataclass
@@ -513,6 +516,7 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("ablate", "sink_threshold"): 0.0,
     ("scores", "repeat_len"): 50,
     ("scores", "n_sequences"): 50,
+    ("task", "peer"): "auto",  # jsonl / csv files score as before; a peer's format now scores by its peer
 }
 
 

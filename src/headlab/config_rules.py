@@ -130,7 +130,10 @@ BETA = Range(0, 1, high_open=True)  # Adam's moment decay
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 HEAD_KINDS = ("same_token", "uniform", "random")  # PathNet's head templates (models/pathnet.py)
 MULTI_TOKEN = ("refuse", "first")  # what task=prompts does with an answer of several tokens
-PROMPT_FORMATS = ("auto", "jsonl", "csv", "autocircuit", "eap_ig", "mib")
+PROMPT_FORMATS = ("auto", "jsonl", "csv", "autocircuit", "eap_ig", "mib")  # tasks/formats.py reads each
+# the tools whose logit difference task=prompts can score by, each named as its file format (tasks/prompts.py)
+PEERS = ("autocircuit", "eap_ig", "mib")
+PEER_CHOICES = ("auto", "none", *PEERS)  # task.peer: auto is the file's format's peer, none is headlab's own
 POSITION = Matches(r"all|-?\d+|[A-Za-z_][A-Za-z0-9_]*", "all, an index or a role name")
 RECEIVER = Matches(r"logits|\d+\.\d+", "logits or a head layer.head")
 RUN_NAME = Matches(r"[A-Za-z0-9_.+=-][A-Za-z0-9_.,+=@-]*", "a name of letters, digits and _.,+=@- (a dir name)")
@@ -189,6 +192,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (PromptsConfig, "n_prompts"): NATURAL,  # 0: every row of the file
     (PromptsConfig, "format"): OneOf(PROMPT_FORMATS),
     (PromptsConfig, "multi_token"): OneOf(MULTI_TOKEN),
+    (PromptsConfig, "peer"): OneOf(PEER_CHOICES),
     (TextConfig, "n_prompts"): NATURAL,  # 0: every document
     (TextConfig, "seq_len"): at_least(2),  # a next token to predict after the first
     (NeedleConfig, "haystack_len"): COUNT,

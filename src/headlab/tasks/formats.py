@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config_rules import PROMPT_FORMATS
 from ..errors import HeadlabError, UsageError
 
 Prompt = str | tuple[int, ...]  # text, or token ids taken as they are
@@ -50,6 +51,11 @@ class Record:
 
 def read(path: str | Path, fmt: str = "auto", counterfactual: str | None = None) -> list[Record]:
     """The records of a prompt file; every problem with it is one HeadlabError line."""
+    return read_as(path, fmt, counterfactual)[1]
+
+
+def read_as(path: str | Path, fmt: str = "auto", counterfactual: str | None = None) -> tuple[str, list[Record]]:
+    """(the file's format, auto resolved; its records)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise HeadlabError(f"task.path {path}: no such file")
@@ -63,7 +69,7 @@ def read(path: str | Path, fmt: str = "auto", counterfactual: str | None = None)
     records = FORMATS[fmt](file, counterfactual)
     if not records:
         raise HeadlabError(f"{file.name} holds no prompts")
-    return records
+    return fmt, records
 
 
 def detect(file: Path) -> str:
@@ -81,7 +87,7 @@ def detect(file: Path) -> str:
     if suffix == ".csv":
         header = _csv_header(file)
         return "eap_ig" if "answer" not in header and {"correct_idx", "label"} & set(header) else "csv"
-    raise UsageError(f"{file.name}: set task.format (jsonl, csv, autocircuit, eap_ig, mib); its extension says none")
+    raise UsageError(f"{file.name}: set task.format ({', '.join(FORMATS)}); its extension says none")
 
 
 def is_mib_row(row: Any) -> bool:
@@ -167,13 +173,10 @@ def read_mib(file: Path, counterfactual: str | None) -> list[Record]:
     return [_mib_record(row, where, counterfactual) for where, row in rows]
 
 
-FORMATS: dict[str, Callable[[Path, str | None], list[Record]]] = {
-    "jsonl": read_jsonl,
-    "csv": read_csv,
-    "autocircuit": read_autocircuit,
-    "eap_ig": read_eap_ig,
-    "mib": read_mib,
-}
+# The formats are the words task.format accepts, said once in config_rules.PROMPT_FORMATS; each is read by
+# the reader named read_<format> above (a word without one fails here, at import).
+Reader = Callable[[Path, str | None], list[Record]]
+FORMATS: dict[str, Reader] = {name: globals()[f"read_{name}"] for name in PROMPT_FORMATS if name != "auto"}
 
 
 def _mib_record(row: Any, where: str, counterfactual: str | None) -> Record:

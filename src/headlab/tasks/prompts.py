@@ -10,9 +10,22 @@ Per-prompt quantities at the read position, with A the answer's alternatives and
   logit_diff    max logit over A - max logit over W
   answer_prob   softmax probability of the answer, summed over A
   correct       1 where the best of A beats the best of W (aggregate: accuracy)
-and patching_score = (mean logit_diff - mean corrupted logit_diff) / (mean clean - mean corrupted logit_diff),
-1 for the clean behaviour and 0 for the corrupted one; the clean and corrupted logit_diff of each prompt
-come from plain forward passes in build(), so the score bootstraps like the other metrics.
+and, where the prompts are scored by a peer's definition (task.peer; by default the peer whose file
+format they came in), that peer's logit difference beside them:
+  autocircuit_logit_diff  mean logit over A - mean logit over W (auto-circuit's answer diff with
+                          prob_func="logits": utils/tensor_ops.batch_answer_diffs, metrics/prune_metrics/
+                          answer_diff.py)
+  eap_ig_logit_diff       logit of A's first - logit of W's first (EAP-IG's logit_diff, ioi.ipynb:
+                          labels [correct_idx, incorrect_idx] gathered, good - bad)
+  mib_logit_diff          the same (MIB-circuit-track metrics.logit_diff, which run_attribution.py and
+                          run_evaluation.py use; its labels are each answer's first token)
+patching_score = (mean score - mean corrupted score) / (mean clean score - mean corrupted score), the
+score being the peer's logit difference where there is one, else logit_diff: 1 for the clean behaviour and
+0 for the corrupted one; the clean and corrupted scores of each prompt come from plain forward passes in
+build(), so the patching score bootstraps like the other metrics. Where headlab differs from the peers:
+the prompt's tokens are the tokenizer's (TransformerLens, which EAP-IG and MIB run on, may prepend a BOS
+the tokenizer does not), a record's `position` moves the read position, and an alternative listed twice
+counts once in auto-circuit's mean (auto-circuit counts it twice).
 """
 
 from __future__ import annotations
@@ -28,10 +41,10 @@ import torch
 from torch import Tensor
 
 from ..config import PromptsConfig
-from ..config_rules import MULTI_TOKEN
+from ..config_rules import MULTI_TOKEN, PEER_CHOICES, PEERS
 from ..errors import HeadlabError, UsageError
-from .base import PRETRAINED_DEFAULTS, Inputs, Task, TaskData, mean_of, right_padded
-from .formats import Answer, Prompt, Record, read, short, to_record
+from .base import PRETRAINED_DEFAULTS, Aggregate, Inputs, Task, TaskData, mean_of, right_padded
+from .formats import Answer, Prompt, Record, read_as, short, to_record
 
 BASELINE_MB = 256  # logits held at once by build()'s clean and corrupted forward passes
 
@@ -46,32 +59,45 @@ class Encoded:
     position: int
 
 
-def patching_score(quantities: np.ndarray, answers: dict[str, np.ndarray]) -> np.ndarray:
-    clean, corrupted = answers["clean_logit_diff"].mean(-1), answers["corrupted_logit_diff"].mean(-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        score = (quantities[..., 0].mean(-1) - corrupted) / (clean - corrupted)
-    return np.where(np.isfinite(score), score, np.nan)
+def patching_score_of(column: int) -> Aggregate:
+    """The patching score of the quantity in `column`, against its clean and corrupted values in build()."""
+
+    def aggregate(quantities: np.ndarray, answers: dict[str, np.ndarray]) -> np.ndarray:
+        clean, corrupted = answers["clean_score"].mean(-1), answers["corrupted_score"].mean(-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            score = (quantities[..., column].mean(-1) - corrupted) / (clean - corrupted)
+        return np.where(np.isfinite(score), score, np.nan)
+
+    return aggregate
 
 
-def quantities_at(logits: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:
+def quantities_at(logits: Tensor, answer: Tensor, wrong: Tensor, peer: str | None = None) -> Tensor:
     """logits [..., n, vocab] at the read positions, answer [n, A] and wrong [n, W] token ids (-1 pads
-    the lists) -> [..., n, 3]: logit_diff, answer_prob, correct."""
+    the lists) -> [..., n, 3]: logit_diff, answer_prob, correct; [..., n, 4] with the peer's logit
+    difference after them where a peer is named."""
     logits = logits.float() if logits.element_size() < 4 else logits  # half precision: sum in float32
 
-    def best(ids: Tensor) -> Tensor:
+    def gathered(ids: Tensor) -> Tensor:
         ids = ids.to(logits.device)
-        values = logits.gather(-1, ids.clamp_min(0).expand(*logits.shape[:-1], ids.shape[-1]))
-        return values.masked_fill(ids < 0, float("-inf"))
+        return logits.gather(-1, ids.clamp_min(0).expand(*logits.shape[:-1], ids.shape[-1]))
 
-    right, wrong_ = best(answer), best(wrong)
-    diff = right.amax(-1) - wrong_.amax(-1)
-    prob = torch.exp(right - torch.logsumexp(logits, -1, keepdim=True)).sum(-1)
-    return torch.stack([diff, prob, (diff > 0).float()], dim=-1)
+    right, wrong_ = gathered(answer), gathered(wrong)
+    right_ok, wrong_ok = (answer >= 0).to(logits.device), (wrong >= 0).to(logits.device)
+    right_best = right.masked_fill(~right_ok, float("-inf"))
+    diff = right_best.amax(-1) - wrong_.masked_fill(~wrong_ok, float("-inf")).amax(-1)
+    prob = torch.exp(right_best - torch.logsumexp(logits, -1, keepdim=True)).sum(-1)
+    columns = [diff, prob, (diff > 0).float()]
+    if peer == "autocircuit":
+        mean = lambda v, ok: (v * ok).sum(-1) / ok.sum(-1)  # noqa: E731
+        columns.append(mean(right, right_ok) - mean(wrong_, wrong_ok))
+    elif peer is not None:  # EAP-IG and MIB: labels [first answer token, first wrong answer token]
+        columns.append(right[..., 0] - wrong_[..., 0])
+    return torch.stack(columns, dim=-1)
 
 
 class PromptsTask(Task):
     name = "prompts"
-    quantities = ("logit_diff", "answer_prob", "correct")
+    quantities: tuple[str, ...] = ("logit_diff", "answer_prob", "correct")
     smooth_quantity = "logit_diff"
     needs_tokenizer = True
     default_models = PRETRAINED_DEFAULTS
@@ -81,17 +107,24 @@ class PromptsTask(Task):
         self.cfg = cfg
         if cfg.multi_token not in MULTI_TOKEN:
             raise UsageError(f"unknown task.multi_token '{cfg.multi_token}'; choose from: {', '.join(MULTI_TOKEN)}")
+        if cfg.peer not in PEER_CHOICES:
+            raise UsageError(f"unknown task.peer '{cfg.peer}'; choose from: {', '.join(PEER_CHOICES)}")
+        fmt = None
         if records is None:
             if not cfg.path:
                 raise UsageError("task=prompts reads your prompts from a file: set task.path=FILE")
-            records = read(cfg.path, cfg.format, cfg.counterfactual)
+            fmt, records = read_as(cfg.path, cfg.format, cfg.counterfactual)
         self.records = list(records)
-        self.aggregates = {
-            "logit_diff": mean_of(0),
-            "answer_prob": mean_of(1),
-            "accuracy": mean_of(2),
-            "patching_score": patching_score,
-        }
+        # a file in a peer's format is scored as that peer scores it, unless task.peer says otherwise
+        chosen = (fmt if fmt in PEERS else None) if cfg.peer == "auto" else cfg.peer
+        self.peer = None if chosen == "none" else chosen
+        self.aggregates = {"logit_diff": mean_of(0), "answer_prob": mean_of(1), "accuracy": mean_of(2)}
+        if self.peer is not None:
+            self.quantities = (*PromptsTask.quantities, f"{self.peer}_logit_diff")
+            self.smooth_quantity = self.quantities[-1]
+            self.aggregates[self.smooth_quantity] = mean_of(3)
+        self.score_column = self.quantities.index(self.smooth_quantity)
+        self.aggregates["patching_score"] = patching_score_of(self.score_column)
 
     def build(self, n: int, seed: int, model: Any = None) -> TaskData:
         """The first n records (n <= 0: all), in file order; `seed` draws nothing."""
@@ -121,8 +154,8 @@ class PromptsTask(Task):
             answers={
                 "answer": answer,
                 "wrong_answer": wrong,
-                "clean_logit_diff": _logit_diffs(model, clean, positions, answer, wrong),
-                "corrupted_logit_diff": _logit_diffs(model, corrupted, positions, answer, wrong),
+                "clean_score": self._scores(model, clean, positions, answer, wrong),
+                "corrupted_score": self._scores(model, corrupted, positions, answer, wrong),
             },
             counterfactual=corrupted,
             reference=reference,
@@ -132,7 +165,23 @@ class PromptsTask(Task):
         )
 
     def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
-        return quantities_at(logits[..., 0, :], data.answers["answer"], data.answers["wrong_answer"])
+        return quantities_at(logits[..., 0, :], data.answers["answer"], data.answers["wrong_answer"], self.peer)
+
+    def _scores(self, model: Any, inputs: Inputs, positions: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:
+        """Each prompt's score (the peer's logit difference, else logit_diff) in a plain forward pass of the
+        model (no hooks)."""
+        n, width = inputs["input_ids"].shape
+        device = model.input_device
+        out = []
+        with torch.inference_mode():
+            per_pass = max(1, int(BASELINE_MB * 2**20 // (width * len(model.tokenizer) * 4)))
+            for s in range(0, n, per_pass):
+                logits = model.forward({k: v[s : s + per_pass].to(device) for k, v in inputs.items()})
+                rows = torch.arange(logits.shape[0], device=device)
+                at = logits[rows, positions[s : s + per_pass, 0].to(device)]
+                q = quantities_at(at, answer[s : s + per_pass], wrong[s : s + per_pass], self.peer)
+                out.append(q[:, self.score_column].cpu())
+        return torch.cat(out)
 
     def _encode(self, record: Record, tokenizer: Any) -> Encoded:
         vocab = len(tokenizer)
@@ -181,13 +230,13 @@ class PromptsTask(Task):
 
 def from_file(path: str | Path, **options: Any) -> PromptsTask:
     """task=prompts on a file (JSONL, CSV, auto-circuit JSON, EAP-IG CSV, MIB rows). Options are the task's
-    config keys: format, multi_token, counterfactual, n_prompts."""
+    config keys: format, multi_token, counterfactual, n_prompts, peer."""
     return PromptsTask(_config(path=str(path), **options))
 
 
 def from_records(records: Iterable[Any], **options: Any) -> PromptsTask:
     """task=prompts on records given in Python: mappings with clean, corrupted, answer, wrong_answer and
-    optionally position, reference, group. Options: multi_token, n_prompts."""
+    optionally position, reference, group. Options: multi_token, n_prompts, peer (default: none)."""
     rows = [to_record(r, f"records[{i}]") for i, r in enumerate(records)]
     if not rows:
         raise HeadlabError("from_records: no records given")
@@ -223,20 +272,6 @@ def _group_ids(groups: list[str | int | None]) -> Tensor | None:
         return None
     index: dict[str | int | None, int] = {}
     return torch.tensor([index.setdefault(g, len(index)) for g in groups])
-
-
-def _logit_diffs(model: Any, inputs: Inputs, positions: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:
-    """Each prompt's logit_diff in a plain forward pass of the model (no hooks)."""
-    n, width = inputs["input_ids"].shape
-    device = model.input_device
-    out = []
-    with torch.inference_mode():
-        per_pass = max(1, int(BASELINE_MB * 2**20 // (width * len(model.tokenizer) * 4)))
-        for s in range(0, n, per_pass):
-            logits = model.forward({k: v[s : s + per_pass].to(device) for k, v in inputs.items()})
-            at = logits[torch.arange(logits.shape[0], device=device), positions[s : s + per_pass, 0].to(device)]
-            out.append(quantities_at(at, answer[s : s + per_pass], wrong[s : s + per_pass])[:, 0].cpu())
-    return torch.cat(out)
 
 
 def _show(tokenizer: Any, token: int) -> str:
