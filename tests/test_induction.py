@@ -1,8 +1,11 @@
 """The induction study (scores=induction) against computations that share none of its code path: a plain
-eager transformers Llama's attention weights, its logits' cross-entropy, and its forward pass with the
-ablated heads' slices zeroed by a pre-hook on o_proj."""
+eager transformers Llama's attention weights, its logits' cross-entropy (on the repeated tokens and on
+data/alice.txt's 512-token sequences), and its forward pass with the ablated heads' slices zeroed by a
+pre-hook on o_proj."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +16,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import headlab
 from headlab.analysis.retrieval import random_heads
 from headlab.analysis.scores import repeated_tokens
-from headlab.errors import UsageError
+from headlab.errors import HeadlabError, UsageError
 from headlab.models.hf import load_hf
 
+ALICE = Path(__file__).resolve().parents[1] / "data" / "alice.txt"
 T = 7  # tokens per copy
 N = 6  # sequences
 SEED = 3
@@ -34,7 +38,7 @@ def llama(tmp_path_factory, gpt2_tokenizer):
         hidden_size=64,
         intermediate_size=128,
         vocab_size=50257,
-        max_position_embeddings=128,
+        max_position_embeddings=512,  # the ICL score's sequences
         initializer_range=0.2,
     )
     path = tmp_path_factory.mktemp("llama-wide")
@@ -57,9 +61,9 @@ def _value(table, metric: str, **where) -> float:
     return float(rows["value"].iloc[0])
 
 
-def _losses(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) -> tuple[float, float]:
-    """(first copy, second copy) mean cross-entropy of x_2..x_T by hand, with the `zeroed` heads' slices
-    of each o_proj input set to zero."""
+def _logits(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) -> torch.Tensor:
+    """Logits (float64) of the plain eager model, with the `zeroed` heads' slices of each o_proj input set
+    to zero."""
     d_head = reference.config.hidden_size // reference.config.num_attention_heads
     handles = []
     for layer in {layer for layer, _ in zeroed}:
@@ -74,10 +78,15 @@ def _losses(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) ->
         handles.append(reference.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero))
     try:
         with torch.inference_mode():
-            logits = reference(ids).logits.double()
+            return reference(ids).logits.double()
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _losses(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) -> tuple[float, float]:
+    """(first copy, second copy) mean cross-entropy of x_2..x_T by hand."""
+    logits = _logits(reference, ids, zeroed)
 
     def loss(first_read: int) -> float:
         reads = torch.arange(first_read, first_read + T - 1)
@@ -85,6 +94,17 @@ def _losses(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) ->
         return float(per_token.view(N, T - 1).mean(1).mean())
 
     return loss(1), loss(1 + T)
+
+
+def _icl_by_hand(reference, tokenizer, zeroed: list[tuple[int, int]] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence, the loss of the 50th and of the 500th token of alice.txt's consecutive 512-token
+    pieces (GPT-2's tokenizer adds no BOS), from the plain model's logits."""
+    tokens = tokenizer(ALICE.read_text(encoding="utf-8"))["input_ids"]
+    n = len(tokens) // 512
+    ids = torch.tensor(tokens[: n * 512]).view(n, 512)
+    logp = torch.log_softmax(_logits(reference, ids, zeroed), -1)
+    token_loss = lambda k: -logp[torch.arange(n), k - 2, ids[:, k - 1]].numpy()  # noqa: E731  (1-based k)
+    return token_loss(50), token_loss(500)
 
 
 def test_induction_score_equals_eager_attention_by_hand(llama):
@@ -140,8 +160,48 @@ def test_ablated_heads_equal_a_hooked_pass_zeroing_their_o_proj_slices(llama):
         assert increase == pytest.approx(second - clean_second, abs=1e-5)
 
 
+def test_icl_score_on_text_equals_plain_cross_entropy(llama, gpt2_tokenizer):
+    model, reference, table = llama
+    early, late = _icl_by_hand(reference, gpt2_tokenizer)
+    assert len(early) >= 9  # alice.txt: about 5,000 GPT-2 tokens
+    clean = {"intervention": "none", "method": "none"}
+    assert _value(table, "loss_50th_token", **clean) == pytest.approx(early.mean(), abs=1e-5)
+    assert _value(table, "loss_500th_token", **clean) == pytest.approx(late.mean(), abs=1e-5)
+    assert _value(table, "icl_score", **clean) == pytest.approx((late - early).mean(), abs=1e-5)
+    rows = table[(table["metric"] == "icl_score") & (table["intervention"] == "none")]
+    assert (
+        int(rows["n"].iloc[0]) == len(early)
+        and rows["ci_low"].iloc[0] < rows["value"].iloc[0] < rows["ci_high"].iloc[0]
+    )
+    scores = table[table["metric"] == "induction_score"].sort_values(["layer", "head"])
+    top = [
+        divmod(i, model.n_heads) for i in sorted(range(len(scores)), key=lambda i: (-scores["value"].iloc[i], i))[:2]
+    ]
+    early_top, late_top = _icl_by_hand(reference, gpt2_tokenizer, top)
+    assert abs((late_top - early_top).mean() - (late - early).mean()) > 1e-4  # the ablation moves it
+    score = _value(table, "icl_score", intervention="ablate_head", method="zero", group="top2")
+    assert score == pytest.approx((late_top - early_top).mean(), abs=1e-5)
+
+
+def test_icl_score_needs_the_models_positions_and_enough_text(tmp_path, tiny_hf_dir, gpt2_tokenizer, llama):
+    model = load_hf(str(tiny_hf_dir("gpt2")), need_tokenizer=False)  # 128 learned positions
+    model.tokenizer = gpt2_tokenizer
+    task = headlab.load_task("counting", n_prompts=4)
+    options = dict(repeat_len=5, n_sequences=3, top_k=1, n_random=1, n_boot=0)
+    table = headlab.scores(model, task, kind="induction", **options)
+    assert "icl_score" not in set(table["metric"]) and "second_copy_loss" in set(table["metric"])
+    short = tmp_path / "short.txt"
+    short.write_text("Alice was beginning to get very tired.\n")
+    with pytest.raises(HeadlabError, match=f"scores.icl_text={tmp_path / 'nope.txt'}: no such file"):
+        headlab.scores(model, task, kind="induction", icl_text=str(tmp_path / "nope.txt"), **options)
+    with pytest.raises(HeadlabError, match="short.txt holds fewer than 512 tokens"):  # 512 positions: it reads
+        headlab.scores(llama[0], task, kind="induction", icl_text=str(short), **options)
+
+
 def test_the_door_refuses_a_repeat_without_a_token_to_predict():
     with pytest.raises(UsageError, match="scores.repeat_len=1"):
         headlab.compose("scores=induction", "scores.repeat_len=1")
     with pytest.raises(UsageError, match="scores.n_sequences=0"):
         headlab.compose("scores=induction", "scores.n_sequences=0")
+    with pytest.raises(UsageError, match="scores.icl_len=499"):
+        headlab.compose("scores=induction", "scores.icl_len=499")

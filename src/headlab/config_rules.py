@@ -255,6 +255,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (ScoresConfig, "min_recall"): Range(high=1),  # negative: every prompt counts
     (ScoresConfig, "repeat_len"): at_least(2),  # a repeated token whose next token the earlier copy shows
     (ScoresConfig, "n_sequences"): COUNT,
+    (ScoresConfig, "icl_len"): at_least(500),  # the 500th token's loss is the score's late term
     (EngineConfig, "chunk_mb"): POSITIVE,
     (EngineConfig, "gpu_memory_share"): Range(0, 1, low_open=True),
     (OutputConfig, "n_boot"): NATURAL,  # 0: no bootstrap interval

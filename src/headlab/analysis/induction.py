@@ -1,5 +1,5 @@
-"""Induction heads (Olsson et al. 2022, arXiv 2209.11895): the repeat loss on repeated random tokens, and
-that loss with a set of heads zero-ablated together.
+"""Induction heads (Olsson et al. 2022, arXiv 2209.11895): the repeat loss on repeated random tokens, the
+in-context learning score on real text, and both with a set of heads zero-ablated together.
 
 The sequences are analysis/scores.py's repeated_tokens: [BOS] x_1..x_T x_1..x_T, T distinct random
 ordinary tokens. The per-head scores (previous-token, duplicate-token, induction) are that module's
@@ -12,14 +12,26 @@ x_1: the first copy's x_1 follows BOS alone, and the second copy's x_1 follows x
 seen followed by anything. The drop, first minus second, is the in-context learning Olsson et al. measure
 (their score compares a late token's loss with an early one's in text; on a repeat, the second copy is
 the late tokens and the first copy the early ones).
+
+In-context learning score (Olsson et al.'s own, on text): the loss of the 500th token of a sequence minus
+the loss of the 50th, each the next-token cross-entropy of that token given the tokens before it in the
+sequence, averaged over sequences. The sequences are a text cut into consecutive pieces of 512 tokens (as
+their contexts were; a BOS the tokenizer adds counts as the first token). Negative: the model predicts
+late tokens better, having more context. Olsson et al. report about -0.4 nats for every model they
+trained past the induction-head phase change (under -0.15 before it).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..config import config_dir
+from ..errors import HeadlabError
 from ..interventions import Intervention
 from ..interventions.engine import execute_joint
 from ..models.hooked import HookedModel
@@ -71,3 +83,69 @@ def ablated_repeat_loss(
     """Per-sequence REPEAT_QUANTITIES [1 + len(groups), n, 3]: the clean run, then each group of heads
     zero-ablated together in one pass (the engine's joint ablation)."""
     return execute_joint(model, RepeatLoss(), data, [[], *(zero_heads(heads, "") for heads in groups)], seed=seed)
+
+
+# --- in-context learning on real text ----------------------------------------------------------------
+# Olsson et al.'s in-context learning score: "the loss of the 500th token in the context minus the average
+# loss of the 50th token in the context, averaged over dataset examples" (their contexts: 512 tokens).
+ICL_TOKENS = (50, 500)  # 1-based indices into each sequence, a BOS the tokenizer adds counted as the first
+ICL_QUANTITIES = ("loss_50th_token", "loss_500th_token", "icl_score")
+
+
+class TokenLoss(Task):
+    """The losses of the 50th and 500th tokens of each text sequence and their difference, as a task, so
+    that the engine's joint ablation reads them like the repeat loss."""
+
+    name = "icl_text"
+    quantities = ICL_QUANTITIES
+    smooth_quantity = "icl_score"
+    cfg = None
+
+    def __init__(self) -> None:
+        self.aggregates = {name: mean_of(j) for j, name in enumerate(ICL_QUANTITIES)}
+
+    def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
+        """logits [..., n, 2, vocab] at the reads predicting the 50th and 500th tokens -> [..., n, 3]."""
+        target = data.answers["target"].to(logits.device).expand(logits.shape[:-1])
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        loss = F.cross_entropy(logits.flatten(0, -2).to(wide), target.flatten(), reduction="none").view(target.shape)
+        early, late = loss[..., 0], loss[..., 1]
+        return torch.stack([early, late, late - early], dim=-1)
+
+
+def text_sequences(tokenizer: Any, text: str, length: int) -> Tensor:
+    """[n, length]: the text tokenized once and cut into consecutive sequences of `length` tokens (the
+    remainder left out), each opening with the BOS the tokenizer adds by default where it adds one."""
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    adds_bos = bos is not None and list(tokenizer("a")["input_ids"])[:1] == [bos] and plain[:1] != [bos]
+    prefix = [bos] if adds_bos else []
+    step = length - len(prefix)
+    rows = [prefix + plain[s : s + step] for s in range(0, len(plain) - step + 1, step)]
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), length)
+
+
+def icl_data(ids: Tensor) -> TaskData:
+    """The reads of sequences [n, >= 500]: the logits at positions 48 and 498 predict the tokens at 49
+    and 499 (0-based), the 50th and 500th."""
+    targets = torch.tensor(ICL_TOKENS) - 1
+    positions = (targets - 1).expand(ids.shape[0], -1).contiguous()
+    return TaskData(inputs={"input_ids": ids}, positions=positions, answers={"target": ids[:, targets]})
+
+
+def ablated_icl_score(model: HookedModel, data: TaskData, groups: list[list[tuple[int, int]]], seed: int = 0) -> Tensor:
+    """Per-sequence ICL_QUANTITIES [1 + len(groups), n, 3]: the clean run, then each group of heads
+    zero-ablated together."""
+    return execute_joint(model, TokenLoss(), data, [[], *(zero_heads(heads, "") for heads in groups)], seed=seed)
+
+
+def text_file(path: str) -> Path:
+    """`path`, or where it is relative and not found from the working directory, that path beside
+    headlab's configs/ (the source checkout's data/alice.txt, or the copy the wheel ships)."""
+    file = Path(path).expanduser()
+    if not file.is_absolute() and not file.is_file():
+        shipped = config_dir().parent / file
+        file = shipped if shipped.is_file() else file
+    if not file.is_file():
+        raise HeadlabError(f"scores.icl_text={path}: no such file (scores.icl_text='' leaves the ICL score out)")
+    return file

@@ -1,6 +1,7 @@
 """`headlab run scores=induction`: induction heads (Olsson et al. 2022) on `scores.n_sequences` sequences
 of `scores.repeat_len` distinct random ordinary tokens repeated once, BOS first (analysis/scores.py's
-repeated_tokens, drawn with the run's seed); no task prompts are read.
+repeated_tokens, drawn with the run's seed), and their in-context learning score on real text
+(`scores.icl_text` cut into sequences of `scores.icl_len` tokens); no task prompts are read.
 
 Rows:
   per head      intervention "none", method "score", metrics prev_token_score, duplicate_token_score and
@@ -9,7 +10,9 @@ Rows:
                 "zero", group "top{k}" (the `scores.top_k` heads of highest induction score zero-ablated
                 together) and "random{k}_{draw}" (`scores.n_random` seeded draws of k heads outside the top
                 k): metrics first_copy_loss, second_copy_loss, repeat_loss_drop (analysis/induction.py) and
-                second_copy_loss_increase (ablated minus clean, paired over sequences)
+                second_copy_loss_increase (ablated minus clean, paired over sequences); and on the text
+                sequences, the same runs' loss_50th_token, loss_500th_token and icl_score (analysis/
+                induction.py; left out, with a note, for a model without tokenizer or of fewer positions)
 """
 
 from __future__ import annotations
@@ -20,11 +23,20 @@ import torch
 from rich.table import Table
 
 from .. import results
-from ..analysis.induction import REPEAT_QUANTITIES, ablated_repeat_loss, repeat_data
+from ..analysis.induction import (
+    ICL_QUANTITIES,
+    REPEAT_QUANTITIES,
+    ablated_icl_score,
+    ablated_repeat_loss,
+    icl_data,
+    repeat_data,
+    text_file,
+    text_sequences,
+)
 from ..analysis.retrieval import random_heads, top_heads
 from ..analysis.scores import SEQ_SCORES, induction_scores, ordinary_ids, repeated_tokens
 from ..config import option, run_info
-from ..errors import UsageError
+from ..errors import HeadlabError, UsageError
 from ..tables import head_name
 from ..tasks import mean_of
 from .context import RunContext
@@ -40,7 +52,9 @@ def run(ctx: RunContext) -> pd.DataFrame:
         raise UsageError(
             f"scores.repeat_len={sc.repeat_len}: BOS and two copies exceed the model's {cfg.model.n_ctx} positions"
         )
+    icl_file = text_file(sc.icl_text) if sc.icl_text else None  # a missing file stops the run before any work
     model = ctx.get_model(runs_task=False)  # its own random-token sequences: any model, whatever the task
+    text = _icl_sequences(ctx, model, icl_file, sc.icl_len)
     n_total = model.n_layers * model.n_heads
     if not 1 <= sc.top_k <= n_total:
         raise UsageError(f"scores.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
@@ -63,10 +77,24 @@ def run(ctx: RunContext) -> pd.DataFrame:
     with ctx.timed("ablation"):
         losses = ablated_repeat_loss(model, data, [top, *draws], seed=cfg.seed).cpu().numpy().astype(np.float64)
     groups = [f"top{sc.top_k}", *(f"random{sc.top_k}_{d}" for d in range(len(draws)))]
-    table = pd.concat(
-        [_score_rows(per_head, model.n_heads, info, cfg.output.n_boot), _ablation_rows(losses, groups, info, cfg)],
-        ignore_index=True,
-    )
+    parts = [_score_rows(per_head, model.n_heads, info, cfg.output.n_boot), _ablation_rows(losses, groups, info, cfg)]
+    if text is not None:
+        with ctx.timed("icl"):
+            sequences = icl_data(text).to(str(model.input_device))
+            icl = ablated_icl_score(model, sequences, [top, *draws], seed=cfg.seed).cpu().numpy().astype(np.float64)
+        parts.append(_runs(icl, ICL_QUANTITIES, groups, info, cfg.output.n_boot))
+        score = icl[..., ICL_QUANTITIES.index("icl_score")].mean(1)
+        ctx.meta.update(
+            {
+                "icl_score_clean": float(score[0]),
+                "icl_score_top_k_ablated": float(score[1]),
+                "icl_score_random_k_ablated_mean": float(score[2:].mean()) if len(draws) else None,
+                "icl_text": str(icl_file),
+                "icl_sequences": int(text.shape[0]),
+                "icl_len": int(text.shape[1]),
+            }
+        )
+    table = pd.concat(parts, ignore_index=True)
     second = losses[..., REPEAT_QUANTITIES.index("second_copy_loss")].mean(1)  # [1 + groups]
     ctx.meta.update(
         {
@@ -101,13 +129,40 @@ def _score_rows(per_head: np.ndarray, n_heads: int, info: dict, n_boot: int) -> 
     return results.tidy(info, labels, per_head, SEQ_SCORES, {}, metrics, n_boot=n_boot)
 
 
+def _icl_sequences(ctx: RunContext, model, file, length: int) -> torch.Tensor | None:
+    """The text's sequences for the ICL score, or None (with a note) where the model cannot read them."""
+    if file is None:
+        return None
+    config = getattr(getattr(model, "module", None), "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if model.tokenizer is None or (isinstance(limit, int) and limit < length):
+        why = "has no tokenizer" if model.tokenizer is None else f"has {limit} positions, fewer than {length}"
+        ctx.note(f"{model.name} {why}: no in-context learning score on {file.name}")
+        return None
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise HeadlabError(f"scores.icl_text: cannot read {file} as UTF-8 text ({type(e).__name__})") from None
+    ids = text_sequences(model.tokenizer, text, length)
+    if ids.shape[0] == 0:
+        raise HeadlabError(f"scores.icl_text: {file.name} holds fewer than {length} tokens (lower scores.icl_len)")
+    return ids
+
+
+def _runs(quantities: np.ndarray, names: tuple[str, ...], groups: list[str], info: dict, n_boot: int) -> pd.DataFrame:
+    """Rows of the clean run, then of each ablated group, for per-sequence `quantities` [1 + groups, n, Q]."""
+    ablated = {"intervention": "ablate_head", "method": "zero"}
+    labels = [{"intervention": "none", "method": "none"}, *({**ablated, "group": g} for g in groups)]
+    metrics = {name: mean_of(j) for j, name in enumerate(names)}
+    return results.tidy(info, labels, quantities, names, {}, metrics, n_boot=n_boot)
+
+
 def _ablation_rows(losses: np.ndarray, groups: list[str], info: dict, cfg) -> pd.DataFrame:
     """The clean run and each ablated group: the repeat loss, and the second copy's loss increase paired
     over sequences (the same sequences in every run, so the pairing removes their spread)."""
     ablated = {"intervention": "ablate_head", "method": "zero"}
     labels = [{"intervention": "none", "method": "none"}, *({**ablated, "group": g} for g in groups)]
-    metrics = {name: mean_of(j) for j, name in enumerate(REPEAT_QUANTITIES)}
-    loss_rows = results.tidy(info, labels, losses, REPEAT_QUANTITIES, {}, metrics, n_boot=cfg.output.n_boot)
+    loss_rows = _runs(losses, REPEAT_QUANTITIES, groups, info, cfg.output.n_boot)
     column = REPEAT_QUANTITIES.index("second_copy_loss")
     increase = (losses[1:, :, column] - losses[:1, :, column])[..., None]
     aggregate = {"second_copy_loss_increase": mean_of(0)}
@@ -148,11 +203,29 @@ def summary(df: pd.DataFrame, max_rows: int) -> None:
         for group, r in wide.iterrows():
             table.add_row(str(group), *("" if pd.isna(r[m]) else f"{r[m]:.3f}" for m in metrics))
         console.print(table)
+        icl = runs[runs["metric"] == "icl_score"].set_index("group")
+        if len(icl):
+            n = int(icl["n"].iloc[0])
+            table = Table(
+                title=f"in-context learning score on text (nats; Olsson et al.: about -0.4 after the phase change), "
+                f"{n} sequences"
+            )
+            for col in ("group", "icl_score", "95% interval", "loss_50th_token", "loss_500th_token"):
+                table.add_column(col, justify="right")
+            for group, r in icl.iterrows():
+                table.add_row(
+                    str(group),
+                    f"{r['value']:.3f}",
+                    f"{r['ci_low']:.3f}..{r['ci_high']:.3f}",
+                    f"{wide.loc[group, 'loss_50th_token']:.3f}",
+                    f"{wide.loc[group, 'loss_500th_token']:.3f}",
+                )
+            console.print(table)
 
 
 STUDY = Study(
     name="induction",
-    description="induction heads on repeated random tokens (Olsson et al. 2022): scores, then top heads ablated",
+    description="induction heads (Olsson et al. 2022): repeated-token scores, ICL score on text, top heads ablated",
     run=run,
     summary=summary,
     reads=("model", "task", "train", "scores"),  # a toy model is trained on the task
