@@ -17,6 +17,8 @@ Rows:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import torch
@@ -37,6 +39,7 @@ from ..analysis.retrieval import random_heads, top_heads
 from ..analysis.scores import SEQ_SCORES, induction_scores, ordinary_ids, repeated_tokens
 from ..config import option, run_info
 from ..errors import HeadlabError, UsageError
+from ..models.hooked import HookedModel
 from ..tables import head_name
 from ..tasks import mean_of
 from .context import RunContext
@@ -129,7 +132,7 @@ def _score_rows(per_head: np.ndarray, n_heads: int, info: dict, n_boot: int) -> 
     return results.tidy(info, labels, per_head, SEQ_SCORES, {}, metrics, n_boot=n_boot)
 
 
-def _icl_sequences(ctx: RunContext, model, file, length: int) -> torch.Tensor | None:
+def _icl_sequences(ctx: RunContext, model: HookedModel, file: Path | None, length: int) -> torch.Tensor | None:
     """The text's sequences for the ICL score, or None (with a note) where the model cannot read them."""
     if file is None:
         return None
