@@ -205,3 +205,6 @@ def test_the_door_refuses_a_repeat_without_a_token_to_predict():
         headlab.compose("scores=induction", "scores.n_sequences=0")
     with pytest.raises(UsageError, match="scores.icl_len=499"):
         headlab.compose("scores=induction", "scores.icl_len=499")
+    # the ICL score is the induction study's: its text is set there, and no other study reads one
+    assert headlab.compose("scores=induction").scores.icl_text == "data/alice.txt"
+    assert headlab.compose("scores=sinks").scores.icl_text == ""

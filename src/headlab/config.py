@@ -407,9 +407,10 @@ class ScoresConfig:
     repeat_len: int = 50
     n_sequences: int = 50  # smollm2-135m: ~5 min on 2 cores with the ablations; intervals about +-0.01 at 25
     # induction: Olsson et al.'s in-context learning score (loss of the 500th token minus that of the 50th)
-    # on icl_text cut into consecutive sequences of icl_len tokens; "" leaves it out. A relative path not
-    # found from the working directory is looked up beside headlab's configs/ (the shipped data/alice.txt)
-    icl_text: str = "data/alice.txt"
+    # on icl_text cut into consecutive sequences of icl_len tokens; "" leaves it out. scores=induction sets
+    # data/alice.txt (so its runs from before the score are redone, and no other study's hash moves); a
+    # relative path not found from the working directory is looked up beside headlab's configs/
+    icl_text: str = ""
     icl_len: int = 512  # Olsson et al.'s context length; at least 500 (the 500th token)
     # a prompt counts towards the retrieval score when its needle recall exceeds this (Wu et al. count a
     # test when ROUGE-1 recall exceeds 50%); a negative value counts every prompt
@@ -521,9 +522,9 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("ablate", "sink_threshold"): 0.0,
     ("scores", "repeat_len"): 50,
     ("scores", "n_sequences"): 50,
-    ("task", "peer"): "auto",
-    ("scores", "icl_text"): "data/alice.txt",
-    ("scores", "icl_len"): 512,  # jsonl / csv files score as before; a peer's format now scores by its peer
+    ("task", "peer"): "auto",  # jsonl / csv files score as before; a peer's format now scores by its peer
+    ("scores", "icl_text"): "",  # no ICL score: as before (scores=induction sets one, so its runs are redone)
+    ("scores", "icl_len"): 512,
 }
 
 
