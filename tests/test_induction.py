@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import headlab
-from headlab.analysis.retrieval import random_heads
+from headlab.analysis.head_sets import random_heads
 from headlab.analysis.scores import repeated_tokens
 from headlab.errors import HeadlabError, UsageError
 from headlab.models.hf import load_hf

@@ -74,8 +74,15 @@ def ioi_runs(quick: bool) -> list[list[str]]:
 
 
 def retrieval_heads_runs(quick: bool) -> list[list[str]]:
-    fast = ["task.n_prompts=64", "output.n_boot=50"] if quick else []
-    return [["experiment=retrieval_heads", f"seed={seed}", *fast] for seed in ([0] if quick else [0, 1, 2])]
+    if quick:
+        return [
+            ["experiment=retrieval_heads", "seed=0", "task.n_prompts=64", "output.n_boot=50"],
+            ["experiment=retrieval_heads_smollm2", "task.n_prompts=12", "output.n_boot=50"],
+        ]
+    return [
+        *(["experiment=retrieval_heads", f"seed={seed}"] for seed in (0, 1, 2)),
+        ["experiment=retrieval_heads_smollm2"],
+    ]
 
 
 REFERENCE = {

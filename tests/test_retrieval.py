@@ -16,14 +16,8 @@ import torch
 
 import headlab
 from conftest import error_line, run_headlab
-from headlab.analysis.retrieval import (
-    masked_quantities,
-    needle_layout,
-    random_heads,
-    retrieval_hits,
-    retrieval_scores,
-    top_heads,
-)
+from headlab.analysis.head_sets import random_heads, top_heads
+from headlab.analysis.retrieval import masked_quantities, needle_layout, retrieval_hits, retrieval_scores
 from headlab.config import NeedleConfig
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy, save_toy
 from headlab.tasks.needle import ASK, BOS, KEY, SPECIAL, NeedleTask, copy_role, needle_role

@@ -236,6 +236,10 @@ class NeedleConfig(TaskConfig):
     haystack_len: int = 48  # haystack tokens per prompt (the needle and its statement come on top)
     needle_len: int = 6
     n_symbols: int = 64  # models trained here: ordinary tokens of the task's own vocabulary
+    # models with a tokenizer: random (needle_len random ordinary tokens after "The secret sequence is:") |
+    # sentences (a fact, e.g. "The best thing to do in San Francisco is to eat a sandwich ...", asked
+    # for at the end as Wu et al.'s needles are; the needle is its answer's first needle_len tokens)
+    needles: str = "random"
 
 
 @dataclass
@@ -415,6 +419,12 @@ class ScoresConfig:
     # a prompt counts towards the retrieval score when its needle recall exceeds this (Wu et al. count a
     # test when ROUGE-1 recall exceeds 50%); a negative value counts every prompt
     min_recall: float = 0.5
+    # retrieval: greedy (Wu et al.'s copy-paste events while the answer is decoded greedily; scores=retrieval
+    # sets it) | teacher_forced (the answer in one pass: what headlab computed before)
+    decoding: str = "teacher_forced"
+    # retrieval, induction: random draws stay out of the top `random_outside` heads by score (Wu et al.'s
+    # code: outside its top 100 of 1024); 0: out of the top_k alone (what headlab always did)
+    random_outside: int = 0
 
 
 @dataclass
@@ -522,6 +532,9 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("ablate", "sink_threshold"): 0.0,
     ("scores", "repeat_len"): 50,
     ("scores", "n_sequences"): 50,
+    ("scores", "decoding"): "teacher_forced",
+    ("scores", "random_outside"): 0,
+    ("task", "needles"): "random",
     ("task", "peer"): "auto",  # jsonl / csv files score as before; a peer's format now scores by its peer
     ("scores", "icl_text"): "",  # no ICL score: as before (scores=induction sets one, so its runs are redone)
     ("scores", "icl_len"): 512,

@@ -130,6 +130,8 @@ BETA = Range(0, 1, high_open=True)  # Adam's moment decay
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 HEAD_KINDS = ("same_token", "uniform", "random")  # PathNet's head templates (models/pathnet.py)
 MULTI_TOKEN = ("refuse", "first")  # what task=prompts does with an answer of several tokens
+DECODINGS = ("greedy", "teacher_forced")  # scores=retrieval: how the answer is produced
+NEEDLES = ("random", "sentences")  # task=needle with a tokenizer: which needles
 PROMPT_FORMATS = ("auto", "jsonl", "csv", "autocircuit", "eap_ig", "mib")  # tasks/formats.py reads each
 # the tools whose logit difference task=prompts can score by, each named as its file format (tasks/prompts.py)
 PEERS = ("autocircuit", "eap_ig", "mib")
@@ -198,6 +200,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (NeedleConfig, "haystack_len"): COUNT,
     (NeedleConfig, "needle_len"): COUNT,
     (NeedleConfig, "n_symbols"): COUNT,
+    (NeedleConfig, "needles"): OneOf(NEEDLES),
     (AblateConfig, "sink_threshold"): SHARE,
     (AblateConfig, "calibration"): SHARE,  # above 1 the other keys could be left with negative attention
     (AblateConfig, "sink_alpha"): POSITIVE,
@@ -253,6 +256,8 @@ RULES: dict[tuple[type, str], Rule] = {
     (ScoresConfig, "top_k"): COUNT,
     (ScoresConfig, "n_random"): NATURAL,
     (ScoresConfig, "min_recall"): Range(high=1),  # negative: every prompt counts
+    (ScoresConfig, "decoding"): OneOf(DECODINGS),
+    (ScoresConfig, "random_outside"): NATURAL,  # 0: the top_k
     (ScoresConfig, "repeat_len"): at_least(2),  # a repeated token whose next token the earlier copy shows
     (ScoresConfig, "n_sequences"): COUNT,
     (ScoresConfig, "icl_len"): at_least(500),  # the 500th token's loss is the score's late term

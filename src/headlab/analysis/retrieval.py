@@ -1,17 +1,25 @@
 """Retrieval heads (Wu et al. 2024, arXiv 2404.15574): the heads that copy a needle out of the context.
 
-Retrieval score. Wu et al. decode greedily and, at every step, count for each head a copy-paste event when
-the generated token is in the needle and the head's most-attended key (top-1 attention) is a needle
-position holding that same token; each event adds 1 / needle length, and a head's score is the mean over
-the tests whose answer recovered the needle (ROUGE-1 recall above 50%). Here the answer is teacher-forced
-in one forward pass instead of generated: copy step j is the query whose next token is needle token j, the
-"generated" token is the model's argmax there, and an event also needs that argmax to be needle token j.
-A prompt counts towards the mean when its needle recall (share of copy steps whose argmax is right)
-exceeds `min_recall` (0.5 stands in for the paper's ROUGE filter).
+Retrieval score, two ways (scores.decoding):
+  greedy          Wu et al.'s (their retrieval_head_detection.py): the answer is decoded greedily
+                  (analysis/decoding.py) and, at every step, a head has a copy-paste event when its
+                  most-attended key (top-1 attention) is a needle position holding the token just
+                  generated; each event adds 1 / needle length (no position is excluded for having been
+                  copied before, as in their code). A prompt counts towards the mean when its answer's
+                  ROUGE-1 recall of the needle, on tokens (clipped counts), exceeds `min_recall` (theirs:
+                  ROUGE-1 recall on words, above 50%). Where theirs differs: they decode up to 50 tokens or
+                  to a newline and locate the needle span by token overlap; here exactly needle-length
+                  steps are decoded and the task names the needle's positions (roles NEEDLE0..).
+  teacher_forced  the answer in one forward pass instead of generated: copy step j is the query whose
+                  next token is needle token j, the "generated" token is the model's argmax there, and an
+                  event also needs that argmax to be needle token j; a prompt counts when its needle
+                  recall (share of copy steps whose argmax is right) exceeds `min_recall`. What headlab
+                  computed before greedy decoding existed.
 
 Masking. Wu et al. mask a head by zeroing its query during decoding, so that it attends uniformly over the
 context; here each masked head's query is zeroed at the copy steps (edits on site q at the roles COPY0..,
-through the engine), the prompt's own positions untouched, as the paper's prefill is.
+through the engine), the answer teacher-forced, the prompt's own positions untouched, as the paper's
+prefill is.
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,6 +37,7 @@ from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData
 from ..tasks.needle import copy_role, needle_role
 from ..vocabulary import Kind, Method, Site
+from .decoding import greedy_decode
 
 NEEDLE = "needle"  # the answer holding each prompt's needle tokens [n, L]
 
@@ -69,10 +77,30 @@ def retrieval_hits(pattern: Tensor, predicted: Tensor, needle: Tensor, ids: Tens
     return in_needle & (attended == predicted[:, None, :]) & right
 
 
+def copy_paste_events(top_keys: Tensor, tokens: Tensor, ids: Tensor, needle_positions: Tensor) -> Tensor:
+    """Wu et al.'s copy-paste events during greedy decoding [n, head, steps] (bool).
+
+    top_keys [n, head, steps]: each head's most-attended key at each step; tokens [n, steps]: the token
+    generated there; ids [n, key]: the tokens at the keys; needle_positions [n, L]: where the needle sits.
+    An event: the top key is a needle position and holds the generated token."""
+    in_needle = (top_keys.unsqueeze(-1) == needle_positions[:, None, None, :]).any(-1)
+    attended = ids.gather(1, top_keys.flatten(1)).view_as(top_keys)
+    return in_needle & (attended == tokens[:, None, :])
+
+
+def token_recall(tokens: Tensor, needle: Tensor) -> Tensor:
+    """ROUGE-1 recall of the needle [n, L] by the answer [n, steps], on tokens: the needle's tokens found in
+    the answer (each as often as it occurs in both, at most), over L."""
+    in_needle = (needle[:, :, None] == needle[:, None, :]).sum(-1)  # [n, L]: how often needle token j occurs
+    in_answer = (needle[:, :, None] == tokens[:, None, :]).sum(-1)
+    return (torch.minimum(in_needle, in_answer) / in_needle).sum(-1) / needle.shape[1]
+
+
 @dataclass
 class Retrieval:
     scores: Tensor  # [layer * head (layer-major), n]: per prompt, copy-paste events / needle length
-    recall: Tensor  # [n]: teacher-forced needle recall
+    recall: Tensor  # [n]: needle recall of the answer (greedy: ROUGE-1 on tokens; teacher-forced: per step)
+    answers: Tensor | None = None  # [n, L]: the greedy answers (None: teacher-forced)
 
     def counted(self, min_recall: float) -> Tensor:
         """[n] bool: the prompts that count towards the retrieval score."""
@@ -84,9 +112,40 @@ class Retrieval:
         return self.scores[:, keep].mean(1) if keep.any() else torch.full(self.scores.shape[:1], float("nan"))
 
 
+def retrieval_scores(
+    model: HookedModel,
+    data: TaskData,
+    batch_size: int = 16,
+    decoding: str = "teacher_forced",
+    show_progress: bool = False,
+) -> Retrieval:
+    """Each head's per-prompt retrieval score on needle prompts: decoding "greedy" (Wu et al.'s) or
+    "teacher_forced" (one pass per batch)."""
+    if decoding == "greedy":
+        return greedy_retrieval(model, data, batch_size, show_progress)
+    if decoding != "teacher_forced":
+        raise ValueError(f"unknown decoding '{decoding}': greedy or teacher_forced")
+    return teacher_forced_retrieval(model, data, batch_size)
+
+
+def greedy_retrieval(model: HookedModel, data: TaskData, batch_size: int = 8, show_progress: bool = False) -> Retrieval:
+    """Wu et al.'s score: L tokens decoded greedily after the question (the prompt without its
+    teacher-forced answer), the events counted at every step."""
+    needle_positions, steps = needle_layout(data)
+    starts = steps[:, 0]
+    if not (starts == starts[0]).all():
+        raise ValueError("greedy decoding needs every prompt's answer to start at one position")
+    needle, ids = data.answers[NEEDLE], data.inputs["input_ids"]
+    length = needle.shape[1]
+    decoded = greedy_decode(model, data.inputs, int(starts[0]) + 1, length, batch_size, show_progress)
+    events = copy_paste_events(decoded.top_keys, decoded.tokens, ids, needle_positions)
+    scores = events.float().sum(-1) / length  # [n, layer * head]
+    return Retrieval(scores.T.contiguous(), token_recall(decoded.tokens, needle), decoded.tokens)
+
+
 @torch.no_grad()
-def retrieval_scores(model: HookedModel, data: TaskData, batch_size: int = 16) -> Retrieval:
-    """Each head's per-prompt retrieval score on needle prompts, in one teacher-forced pass per batch."""
+def teacher_forced_retrieval(model: HookedModel, data: TaskData, batch_size: int = 16) -> Retrieval:
+    """The teacher-forced score, in one forward pass per batch."""
     needle_positions, steps = needle_layout(data)
     needle, ids = data.answers[NEEDLE], data.inputs["input_ids"]
     parts, recalls = [], []
@@ -123,26 +182,6 @@ def _copy_step_patterns(model: HookedModel, steps: Tensor) -> Iterator[dict[int,
         for layer in range(model.n_layers):
             stack.enter_context(model.sites.hooks(layer, pattern=keep(layer)))
         yield seen
-
-
-def top_heads(scores: Tensor, n_heads: int, k: int) -> list[tuple[int, int]]:
-    """The k (layer, head) of highest score (layer-major scores; ties to the lower index)."""
-    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
-    return [divmod(i, n_heads) for i in order[:k]]
-
-
-def random_heads(
-    n_layers: int, n_heads: int, avoid: list[tuple[int, int]], k: int, draws: int, seed: int
-) -> tuple[list[list[tuple[int, int]]], bool]:
-    """`draws` sets of k distinct heads, each drawn (seeded) from the heads not in `avoid` (Wu et al.'s
-    baseline masks random non-retrieval heads), or from every head when fewer than k remain; the flag
-    says whether the avoided heads stayed out."""
-    every = [(layer, head) for layer in range(n_layers) for head in range(n_heads)]
-    pool = [h for h in every if h not in avoid]
-    apart = len(pool) >= k
-    pool = pool if apart else every
-    rng = np.random.default_rng(seed)
-    return [[pool[i] for i in sorted(rng.choice(len(pool), size=k, replace=False))] for _ in range(draws)], apart
 
 
 def mask_interventions(heads: list[tuple[int, int]], length: int, group: str) -> list[Intervention]:

@@ -7,8 +7,10 @@
   retrieval_masking.png     needle recall clean, with the top-k retrieval heads masked and with each
                             draw of as many random heads masked (rows intervention "mask_heads"), with
                             95% intervals
-Numbers: per score the top head and its value, per composition mode the top pair, and the needle recall
-clean / top-k masked / random heads masked (mean of the draws).
+Numbers: per score the top head and its value, per composition mode the top pair, for the retrieval
+score the share of heads above 0.1 (Wu et al.'s retrieval heads), and the needle recall clean / top-k
+masked / random heads masked (mean of the draws). A table of several models (a reproduction's runs) gets
+its figures and numbers per model, in a folder and under a key of each model's name.
 """
 
 from __future__ import annotations
@@ -31,7 +33,17 @@ def _score_rows(table: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
+RETRIEVAL_HEAD = 0.1  # Wu et al.: a head whose retrieval score exceeds this is a retrieval head
+
+
 def draw(table: pd.DataFrame, out: Path) -> dict:
+    models: list = list(table["model"].dropna().unique()) if "model" in table else []
+    if len(models) < 2:
+        return _draw_one(table, Path(out))
+    return {str(m): _draw_one(table[table["model"] == m], Path(out) / FILE_UNSAFE.sub("_", str(m))) for m in models}
+
+
+def _draw_one(table: pd.DataFrame, out: Path) -> dict:
     numbers: dict = {}
     rows = _score_rows(table)
     paired = rows[PAIR[0]].notna() if PAIR[0] in rows else pd.Series(False, index=rows.index)
@@ -45,6 +57,8 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         top = mean.idxmax()
         numbers[f"top_head_{metric}"] = head_name(*top)
         numbers[f"top_value_{metric}"] = float(mean.max())
+        if metric == "retrieval_score":
+            numbers["share_above_0.1_retrieval_score"] = float((mean > RETRIEVAL_HEAD).mean())
         _heatmap(mean, str(metric), out / f"score_{FILE_UNSAFE.sub('_', str(metric))}.png")
     for metric, cells in rows[paired].groupby("metric", sort=False):
         mean = cells.groupby([*PAIR, "layer", "head"])["value"].mean()

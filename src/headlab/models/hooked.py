@@ -238,6 +238,24 @@ class HookedModel:
                 pass
         return kept[0]
 
+    def embed(self, inputs: Inputs) -> Tensor:
+        """The residual stream entering the first block [batch, pos, d_model] (token and, where the model
+        has them, position embeddings); no block runs."""
+        kept: list[Tensor] = []
+
+        def grab(_module, args, kwargs):
+            kept.append(args[0] if args else kwargs["hidden_states"])
+            raise _Stop
+
+        handle = self.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            self.forward(inputs)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        return kept[0]
+
     def forward_blocks(self, inputs: Inputs) -> Tensor:
         """A forward pass that stops before the final norm: hooks see every block, and no vocabulary-
         sized logits are computed. Returns the residual stream entering the final norm."""

@@ -9,10 +9,11 @@ Rows:
   ablation      the clean run (intervention "none", method "none"), then intervention "ablate_head", method
                 "zero", group "top{k}" (the `scores.top_k` heads of highest induction score zero-ablated
                 together) and "random{k}_{draw}" (`scores.n_random` seeded draws of k heads outside the top
-                k): metrics first_copy_loss, second_copy_loss, repeat_loss_drop (analysis/induction.py) and
-                second_copy_loss_increase (ablated minus clean, paired over sequences); and on the text
-                sequences, the same runs' loss_50th_token, loss_500th_token and icl_score (analysis/
-                induction.py; left out, with a note, for a model without tokenizer or of fewer positions)
+                max(k, `scores.random_outside`)): metrics first_copy_loss, second_copy_loss,
+                repeat_loss_drop (analysis/induction.py) and second_copy_loss_increase (ablated minus
+                clean, paired over sequences); and on the text sequences, the same runs' loss_50th_token,
+                loss_500th_token and icl_score (analysis/induction.py; left out, with a note, for a model
+                without tokenizer or of fewer positions)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from rich.table import Table
 
 from .. import results
+from ..analysis.head_sets import avoided_heads, random_heads, top_heads
 from ..analysis.induction import (
     ICL_QUANTITIES,
     REPEAT_QUANTITIES,
@@ -35,7 +37,6 @@ from ..analysis.induction import (
     text_file,
     text_sequences,
 )
-from ..analysis.retrieval import random_heads, top_heads
 from ..analysis.scores import SEQ_SCORES, induction_scores, ordinary_ids, repeated_tokens
 from ..config import option, run_info
 from ..errors import HeadlabError, UsageError
@@ -72,9 +73,10 @@ def run(ctx: RunContext) -> pd.DataFrame:
     per_head = scores.flatten(0, 1).numpy().astype(np.float64)  # [layer * head, n, 3], layer-major
     induction = per_head[..., SEQ_SCORES.index("induction_score")].mean(1)
     top = top_heads(torch.from_numpy(induction), model.n_heads, sc.top_k)
-    draws, apart = random_heads(model.n_layers, model.n_heads, top, sc.top_k, sc.n_random, cfg.seed)
+    avoid = avoided_heads(torch.from_numpy(induction), model.n_heads, sc.top_k, sc.random_outside)
+    draws, apart = random_heads(model.n_layers, model.n_heads, avoid, sc.top_k, sc.n_random, cfg.seed)
     if not apart:
-        ctx.note(f"fewer than {sc.top_k} heads besides the top {sc.top_k}: random draws may include top heads")
+        ctx.note(f"fewer than {sc.top_k} heads besides the top {len(avoid)}: random draws may include top heads")
     ids = repeated_tokens(model, sc.n_sequences, seq_len, seed=cfg.seed)  # the sequences the scores read
     data = repeat_data(ids, seq_len).to(str(model.input_device))
     with ctx.timed("ablation"):

@@ -3,11 +3,15 @@
 Rows:
   per head      intervention "none", method "score", metric retrieval_score: the mean over the prompts whose
                 needle recall exceeds `scores.min_recall` (their number is `n`) of copy-paste events /
-                needle length, teacher-forced; 95% bootstrap interval over those prompts
+                needle length, during greedy decoding (Wu et al.'s) or teacher-forced (scores.decoding);
+                95% bootstrap interval over those prompts
   masking       the clean run (intervention "none", method "none"), then intervention "mask_heads", method
                 "zero", site "q", group "top{k}" (the `scores.top_k` best heads masked together) and
-                "random{k}_{draw}" (`scores.n_random` draws of k other heads): metrics needle_recall,
-                needle_logprob and needle_recall_drop (clean minus masked, paired over prompts)
+                "random{k}_{draw}" (`scores.n_random` draws of k heads from outside the top
+                max(top_k, `scores.random_outside`)): metrics needle_recall, needle_logprob (teacher-forced
+                answer) and needle_recall_drop (clean minus masked, paired over prompts)
+meta.json also holds share_above_0.1, the share of heads whose retrieval score exceeds 0.1 (Wu et al.'s
+retrieval heads: 3-6% of the heads of their 6B-14B models), and a few greedy answers.
 """
 
 from __future__ import annotations
@@ -16,13 +20,8 @@ import numpy as np
 import pandas as pd
 
 from .. import results
-from ..analysis.retrieval import (
-    masked_quantities,
-    needle_length,
-    random_heads,
-    retrieval_scores,
-    top_heads,
-)
+from ..analysis.head_sets import avoided_heads, random_heads, top_heads
+from ..analysis.retrieval import masked_quantities, needle_length, retrieval_scores
 from ..config import run_info
 from ..errors import HeadlabError, UsageError
 from ..tables import head_name
@@ -33,6 +32,8 @@ from .study import Study
 from .summary import head_table
 
 TOP_HEADS = 10  # named in meta.json
+RETRIEVAL_HEAD = 0.1  # Wu et al. call a head with a retrieval score above this a retrieval head
+SHOWN_ANSWERS = 3  # greedy answers written to meta.json
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -47,7 +48,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     if not 1 <= sc.top_k <= n_total:
         raise UsageError(f"scores.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
     with ctx.timed("retrieval"):
-        found = retrieval_scores(model, data)
+        found = retrieval_scores(model, data, decoding=sc.decoding, show_progress=ctx.show_progress)
     counted = found.counted(sc.min_recall)
     if not counted.any():
         raise HeadlabError(
@@ -57,9 +58,10 @@ def run(ctx: RunContext) -> pd.DataFrame:
     info = run_info(cfg)
     scores = found.mean(sc.min_recall)
     top = top_heads(scores, model.n_heads, sc.top_k)
-    draws, apart = random_heads(model.n_layers, model.n_heads, top, sc.top_k, sc.n_random, cfg.seed)
+    avoid = avoided_heads(scores, model.n_heads, sc.top_k, sc.random_outside)
+    draws, apart = random_heads(model.n_layers, model.n_heads, avoid, sc.top_k, sc.n_random, cfg.seed)
     if not apart:
-        ctx.note(f"fewer than {sc.top_k} heads besides the top {sc.top_k}: random draws may include top heads")
+        ctx.note(f"fewer than {sc.top_k} heads besides the top {len(avoid)}: random draws may include top heads")
     with ctx.timed("masking"):
         quantities = masked_quantities(model, task, data, [top, *draws], seed=cfg.seed).cpu().numpy()
     groups = [f"top{sc.top_k}", *(f"random{sc.top_k}_{d}" for d in range(len(draws)))]
@@ -77,6 +79,12 @@ def run(ctx: RunContext) -> pd.DataFrame:
                 f"{head_name(*divmod(i, model.n_heads))} {scores[i].item():.3f}"
                 for i in scores.argsort(descending=True, stable=True)[:TOP_HEADS].tolist()
             ],
+            "decoding": sc.decoding,
+            "share_above_0.1": float((scores > RETRIEVAL_HEAD).float().mean()),
+            "n_above_0.1": int((scores > RETRIEVAL_HEAD).sum()),
+            "n_heads": n_total,
+            "recall_scoring": float(found.recall.mean()),
+            "answers": _answers(model, found.answers),
             "masked_top_heads": [head_name(*h) for h in top],
             "masked_random_heads": [[head_name(*h) for h in heads] for heads in draws],
             "recall_clean": float(recall[0]),
@@ -85,6 +93,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             "recall_random_k_masked_mean": float(recall[2:].mean()) if len(draws) else None,
             "top_k": sc.top_k,
             "n_random": sc.n_random,
+            "random_outside": len(avoid),
             "min_recall": sc.min_recall,
             "n_prompts": data.n,
             "n_scored_prompts": int(counted.sum()),
@@ -94,6 +103,15 @@ def run(ctx: RunContext) -> pd.DataFrame:
         }
     )
     return results.conform(table)
+
+
+def _answers(model, answers) -> list[str]:
+    """The first few greedy answers as text (token ids where the model has no tokenizer)."""
+    if answers is None:
+        return []
+    rows = answers[:SHOWN_ANSWERS].tolist()
+    tokenizer = model.tokenizer
+    return [tokenizer.decode(row) if tokenizer is not None else " ".join(map(str, row)) for row in rows]
 
 
 def _score_rows(scores: np.ndarray, counted: np.ndarray, n_heads: int, info: dict, n_boot: int) -> pd.DataFrame:

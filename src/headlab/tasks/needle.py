@@ -12,6 +12,10 @@ tokens; a question follows, then the needle again as the teacher-forced answer. 
                              over the task's own `n_symbols` symbols: needles from the second half, the
                              haystack from the first, each hay token two tokens back plus one (mod the
                              half) with probability HAY_RULE, else random
+  task.needles=sentences     [BOS] hay.. " The best thing to do in San Francisco is to" needle ".." "." ..hay
+                             " What is ...? The best thing to do in San Francisco is to" needle
+                             natural facts in a text haystack, the needle the answer's first needle_len
+                             tokens (tasks/needle_facts.py)
 Read positions: the L copy steps, the queries whose next token is needle token j (the question's last
 token, then the answer's first L-1 tokens). Per prompt: needle_recall (share of copy steps whose argmax is
 the needle token) and needle_logprob (their mean log-probability). Roles: NEEDLE0.. (needle token j in
@@ -30,6 +34,7 @@ from torch import Tensor
 from ..config import NeedleConfig
 from ..errors import UsageError
 from .base import PRETRAINED_DEFAULTS, Task, TaskData, mean_of
+from .needle_facts import FactNeedles
 
 PAD, BOS, KEY, ASK = range(4)
 SPECIAL = ("[PAD]", "[BOS]", "[KEY]", "[ASK]")
@@ -95,6 +100,10 @@ class NeedleTask(Task):
             raise UsageError(
                 "task.haystack is text and needs a model with a tokenizer (model=gpt2 or model.path=<dir>)"
             )
+        if tokenizer is None and self.cfg.needles == "sentences":
+            raise UsageError("task.needles=sentences needs a model with a tokenizer (model=gpt2 or model.path=<dir>)")
+        if isinstance(vocab, _Words) and self.cfg.needles == "sentences":
+            return self._build_facts(vocab, n, gen)
         depth = torch.randint(0, self.cfg.haystack_len + 1, (n,), generator=gen)
         needle, hay = vocab.draw(n, gen)
         other = vocab.other_needle(needle, gen)
@@ -110,6 +119,22 @@ class NeedleTask(Task):
             counterfactual=vocab.inputs(vocab.assemble(hay, depth, other)),
             reference=vocab.inputs(vocab.assemble(ref_hay, ref_depth, ref_needle)),
             token_positions=self._roles(vocab.needle_start(depth), clean.shape[1]),
+        )
+
+    def _build_facts(self, vocab: _Words, n: int, gen: torch.Generator) -> TaskData:
+        """task.needles=sentences: natural facts in a text haystack (tasks/needle_facts.py)."""
+        made = FactNeedles(self.cfg, vocab.model.tokenizer, vocab.text, vocab.bos).build(
+            n, self.cfg.n_reference, gen, vocab.other_needle
+        )
+        length = made.clean.shape[1]
+        vocab.check_length(length)
+        return TaskData(
+            inputs=vocab.inputs(made.clean),
+            positions=self._copy_steps(length, n),
+            answers={"needle": made.needle, "depth": made.depth},
+            counterfactual=vocab.inputs(made.counterfactual),
+            reference=vocab.inputs(made.reference),
+            token_positions=self._roles(made.needle_start, length),
         )
 
     def _copy_steps(self, length: int, n: int) -> Tensor:
