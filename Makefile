@@ -58,6 +58,10 @@ sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer (sae-lens is in
 circuit-bench: $(VENV)/.headlab-bench  # edge attribution (eap, eap_ig, exact) vs a per-edge TransformerLens patching loop, 4-10 min
 	$(BIN)/python benchmarks/circuit_speed.py
 
+.PHONY: circuit-peers
+circuit-peers: $(STAMP)  # eap / eap_ig vs auto-circuit 1.0.1 in a venv of its own (built on first use, ~3 min), 5-15 min
+	$(BIN)/python benchmarks/circuit_peers.py
+
 .PHONY: ioi-crosscheck
 ioi-crosscheck: $(VENV)/.headlab-bench
 	$(BIN)/python benchmarks/ioi_crosscheck.py

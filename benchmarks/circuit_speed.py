@@ -112,7 +112,8 @@ TOLERANCE = 1e-3
 PEER_AUTO_CIRCUIT = (
     "not usable beside torch==2.13.0 (auto-circuit 1.0.1 installs without changing torch, transformers or "
     "transformer-lens 3.9.0, but does not import: it needs transformer_lens.past_key_value_caching, removed in "
-    "transformer-lens 3.x, and the undeclared attrs; it resolves only with transformer-lens<3, against our pin)"
+    "transformer-lens 3.x, and the undeclared attrs; it resolves only with transformer-lens<3, against our pin); "
+    "benchmarks/circuit_peers.py (make circuit-peers) runs it in a virtual environment of its own"
 )
 PEER_EAP_IG = "hannamw/EAP-IG is not on PyPI (installed from its GitHub repository only): not run"
 

@@ -1,0 +1,150 @@
+"""auto-circuit's edge scores on the benchmark's model and prompts; run by circuit_peers.py in auto-circuit's
+own virtual environment (transformer-lens 2.x), so it imports nothing from headlab.
+
+The model: the GPT-2 that circuit_peers.py saved with save_pretrained, converted by TransformerLens's own
+convert_gpt2_weights and loaded with raw weights (no LN folding, centering or value-bias folding), with the
+flags auto-circuit's load_tl_model sets (attention results, split q/k/v inputs, MLP inputs) and its weights
+frozen as load_tl_model freezes them. The graph: patchable_model(factorized=True, separate_qkv=True,
+slice_output="last_seq"). Scores: mask_gradient_prune_scores(grad_function="logit",
+answer_function="avg_diff", RESAMPLE from the corrupt prompts) with mask_val=0 (EAP; auto-circuit documents
+it as equal to its edge_attribution_patching) or integrated_grad_samples=steps (its IG: every edge's mask set
+to k/steps, k = 0..steps, at once).
+
+Prints one JSON line: wall and CPU seconds (all threads) and peak memory of the timed call (VmHWM, reset
+just before it, as circuit_peers.py's headlab worker does), the resident set before it, setup seconds and
+the clean metric.
+Writes {"names": [...], "scores": tensor} (auto-circuit's edge names, its raw mask gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    gc.collect()
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def hooked_gpt2(model_dir: str):
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    c = hf.config
+    cfg = HookedTransformerConfig(
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size,
+        n_ctx=c.n_positions,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        eps=c.layer_norm_epsilon,
+        default_prepend_bos=False,
+    )
+    state = convert_gpt2_weights(hf, cfg)
+    del hf
+    model = HookedTransformer(cfg)
+    model.load_and_process_state_dict(
+        state, fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False
+    )
+    del state
+    model.cfg.use_attn_result = True
+    model.cfg.use_attn_in = True
+    model.cfg.use_split_qkv_input = True
+    model.cfg.use_hook_mlp_in = True
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad = False
+    return model
+
+
+def loader(data: dict, rows: slice, batch: int):
+    from auto_circuit.data import PromptDataLoader, PromptDataset
+
+    clean, corrupt = data["clean"][rows], data["corrupt"][rows]
+    answers = [a.view(1) for a in data["io"][rows]]
+    wrong = [s.view(1) for s in data["s"][rows]]
+    dataset = PromptDataset(clean, corrupt, answers, wrong)
+    return PromptDataLoader(dataset, seq_len=None, diverge_idx=0, batch_size=min(batch, len(clean)), shuffle=False)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--method", choices=("eap", "eap_ig"), required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from auto_circuit.prune_algos.mask_gradient import mask_gradient_prune_scores
+    from auto_circuit.utils.graph_utils import patchable_model
+
+    started = time.perf_counter()
+    tl = hooked_gpt2(args.model_dir)
+    data = torch.load(args.data)
+    with torch.inference_mode():
+        logits = tl(data["clean"])[:, -1]
+        n = torch.arange(len(logits))
+        clean_metric = (logits[n, data["io"]] - logits[n, data["s"]]).mean().item()
+    model = patchable_model(tl, factorized=True, slice_output="last_seq", separate_qkv=True)
+    setup = time.perf_counter() - started
+    kwargs = dict(official_edges=None, grad_function="logit", answer_function="avg_diff")
+    if args.method == "eap":
+        kwargs["mask_val"] = 0.0
+    else:
+        kwargs["integrated_grad_samples"] = args.steps
+
+    mask_gradient_prune_scores(model, loader(data, slice(0, 2), 2), **kwargs)  # warm-up, as headlab's worker
+    full = loader(data, slice(None), args.batch)
+    reset_peak()
+    baseline = status_kb("VmRSS")
+    start, cpu = time.perf_counter(), time.process_time()
+    scores = mask_gradient_prune_scores(model, full, **kwargs)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    peak = status_kb("VmHWM")
+
+    edges = sorted(model.edges, key=lambda e: e.name)
+    values = torch.stack([e.prune_score(scores).detach().double() for e in edges])
+    torch.save({"names": [e.name for e in edges], "scores": values, "batches": len(full)}, args.out)
+    report = {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "peak_kb": peak,
+        "baseline_kb": baseline,
+        "setup_seconds": setup,
+        "clean_metric": clean_metric,
+        "n_edges": len(edges),
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
