@@ -57,7 +57,7 @@ MEASURES = {
     ),
     "suppress_w02": (
         "noise_ratio: per prompt, attention from SEP on one 2 over that on one 1, averaged over prompts holding "
-        "both, per head; its mean over heads, and its Pearson with the head's ROC AUC alone",
+        "both, per head; its median and mean over heads, and its Pearson with the head's ROC AUC alone",
         "relative to a 1; the paper's name w_02 pairs the 2s with the 0s: noise_ratio_to_0 (one 2 over one 0) "
         "is reported beside",
     ),
@@ -80,9 +80,10 @@ def _follows(numbers: dict, prefix: str, other: str) -> tuple[str, str]:
     ro = numbers.get(f"{prefix}_roc_auc_pearson_with_{other}_head_alone", math.nan)
     dp = numbers.get(f"{prefix}_roc_auc_mean_abs_diff_to_pattern_head_alone", math.nan)
     do = numbers.get(f"{prefix}_roc_auc_mean_abs_diff_to_{other}_head_alone", math.nan)
-    word = _word(rp > ro and dp < do, rp > ro or dp < do, rp, ro, dp, do)
+    word = _word(rp > max(ro, 0) and dp < do, rp > ro or dp < do, rp, ro, dp, do)
     said = f"r with pattern head {_f(rp)} vs {other} head {_f(ro)}; mean |diff| {_f(dp)} vs {_f(do)}"
-    return word, f"{word} (agrees: closer to the pattern head by r and by |diff|): {said}"
+    rule = "agrees: closer to the pattern head by r (r > 0) and by |diff|; partly: by one"
+    return word, f"{word} ({rule}): {said}"
 
 
 def verdicts(numbers: dict) -> dict:
@@ -110,10 +111,11 @@ def verdicts(numbers: dict) -> dict:
     r = n("r_roc_auc_vs_imbalance")
     word = _word(r <= -0.3, r < 0, r)
     said["balance_w01"] = f"{word} (agrees: r <= -0.3; partly: r < 0): r(ROC AUC alone, |w0 - w1| / sum) = {_f(r)}"
-    r, ratio = n("r_roc_auc_vs_noise_ratio"), n("mean_noise_ratio")
+    r, ratio = n("r_roc_auc_vs_noise_ratio"), n("median_noise_ratio")
     word = _word(ratio < 0.5 and r <= -0.3, ratio < 0.5 or r <= -0.3, ratio, r)
     said["suppress_w02"] = (
-        f"{word} (agrees: mean noise_ratio < 0.5 and r <= -0.3): noise_ratio mean {_f(ratio)} (heads solving "
+        f"{word} (agrees: median noise_ratio < 0.5 and r <= -0.3; partly: one): noise_ratio median {_f(ratio)}, "
+        f"mean {_f(n('mean_noise_ratio'))} (heads solving "
         f"alone {_f(n('mean_noise_ratio_heads_solving'))}, the others {_f(n('mean_noise_ratio_heads_not_solving'))}"
         f"; to a 0: {_f(n('mean_noise_ratio_to_0'))}); r(ROC AUC alone, noise_ratio) = {_f(r)}"
     )
