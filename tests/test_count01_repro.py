@@ -230,7 +230,7 @@ def test_quick_reproduction_end_to_end(tmp_path):
     smaller = ("train.steps=200", "task.n_prompts=64", "output.n_boot=30")
     result = run_all("count01", tmp_path, quick=True, extra=smaller, log=lambda m: None)
     names = {p.split("/")[-1] for p in result["figures"]}
-    kinds = ("single_heads", "aggregation", "pattern_ov", "token_weights")
+    kinds = ("single_heads", "aggregation", "value_swaps", "pattern_ov", "token_weights")
     assert names == {f"fig_{k}_{obj}.png" for k in kinds for obj in ("all", "decision")}
     numbers = result["numbers"]
     for obj in ("all", "decision"):
@@ -238,6 +238,11 @@ def test_quick_reproduction_end_to_end(tmp_path):
         assert 0 <= numbers[obj]["frac_heads_alone_label_acc_ge_0.9_zero"] <= 1
         assert -1 <= numbers[obj]["pattern_ov_roc_auc_spearman_with_pattern_head_alone"] <= 1
         assert 0 <= numbers[obj]["mean_logits_eos_acc"] <= 1 and 0 <= numbers[obj]["mean_attn_per_1"] <= 1
+        assert 0 <= numbers[obj]["uniform_norm_at_eos_eos_acc"] <= 1 and numbers[obj]["mean_noise_ratio"] > 0
+        assert numbers[obj]["head_norm_max_over_min_at_eos"] >= 1
+        assert numbers[obj]["value_swap_roc_auc_n_entries"] == 2 + 12  # the 2- and 4-head models' pairs
+        said = numbers[obj]["verdicts"]
+        assert all(v["verdict"].split(" (")[0] in ("agrees", "partly", "does not agree") for v in said.values())
     assert set(json.loads((tmp_path / "reproduce" / "count01-quick" / "numbers.json").read_text())) == set(numbers)
     logs = []
     run_all("count01", tmp_path, quick=True, extra=smaller, log=logs.append)  # everything is done: only redrawn

@@ -191,7 +191,7 @@ def test_a_position_past_the_longest_prompt_or_a_role_the_task_lacks_is_refused_
     line = refused(["task=counting", "patch=activation", "patch.positions=[999]"], "patch.positions")
     assert "patch.positions=999: expected an index in [-27, 26]" in line
     line = refused(["task=counting", "patch=activation", "patch.positions=[all,END]"], "patch.positions")
-    assert "patch.positions=END: expected all, an index, or a role task counting names: none" in line
+    assert "patch.positions=END: expected all, an index, or a role task counting names: SEP, Y" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: device=cuda is accepted")

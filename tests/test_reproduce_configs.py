@@ -30,7 +30,7 @@ def count01_runs(quick: bool) -> list[list[str]]:
                     ["experiment=count01_aggregation", *model],
                 ]
                 if h > 1:
-                    out += [["experiment=count01_pattern_swaps", *model]]
+                    out += [["experiment=count01_value_swaps", *model], ["experiment=count01_pattern_swaps", *model]]
     return out
 
 

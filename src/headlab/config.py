@@ -53,7 +53,9 @@ class AblateSweep(str, Enum):
     keep_heads = "keep_heads"  # each head alone: every other head of its layer ablated
     pattern_swaps = "pattern_swaps"  # head i alone, attending with head j's pattern (all pairs)
     value_swaps = "value_swaps"  # head i alone, with head j's values (all pairs)
-    uniform = "uniform"  # every head's output rescaled to the same mean norm at the first read position
+    # every head's output rescaled to the same mean norm: measured at the first read position and applied
+    # everywhere, then at each read role of the task (Count01: SEP, Y) measured and applied there only
+    uniform = "uniform"
     components = "components"  # each head, each layer's attention output, each layer's MLP output
     # recall vs reasoning: components and MLP neuron groups, head patching, selectivity, circuit knockouts
     circuits = "circuits"

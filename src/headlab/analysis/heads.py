@@ -1,5 +1,5 @@
-"""Per-head readings: output norms, attention weights by token, from the first read position, and the
-mean of the heads' logits (each head alone)."""
+"""Per-head readings: output norms (at the first read position or any per-prompt position), attention
+weights by token from the first read position, and the mean of the heads' logits (each head alone)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,28 @@ from ..vocabulary import Kind, Method, Site, Source
 MEAN_HEAD_LOGITS = "mean_head_logits"  # the table's intervention name for mean_head_logits' rows
 
 
-def head_output_norms(model: HookedModel, data: TaskData) -> dict[int, Tensor]:
-    """layer -> [head]: mean norm of each head's term z_h W_O^h at the first read position."""
+def head_output_norms_per_prompt(model: HookedModel, data: TaskData, at: Tensor | None = None) -> dict[int, Tensor]:
+    """layer -> [n, head]: the norm of each head's term z_h W_O^h, per prompt, at the positions `at` [n]
+    (default the first read position)."""
     rows = torch.arange(data.n)
+    where = data.positions[:, 0] if at is None else at
     out = {}
     with torch.inference_mode():
         for layer, z in model.record(data.inputs, "z").items():
-            z_read = z[rows, data.positions[:, 0]]  # [n, head, d_head]
-            out[layer] = torch.einsum("nhd,hdm->nhm", z_read, model.sites.W_O(layer)).norm(dim=-1).mean(0)
+            z_read = z[rows, where.to(z.device)]  # [n, head, d_head]
+            out[layer] = torch.einsum("nhd,hdm->nhm", z_read, model.sites.W_O(layer)).norm(dim=-1)
     return out
 
 
+def head_output_norms(model: HookedModel, data: TaskData, at: Tensor | None = None) -> dict[int, Tensor]:
+    """layer -> [head]: mean norm of each head's term z_h W_O^h over the prompts, at the positions `at`
+    [n] (default the first read position)."""
+    return {layer: n.mean(0) for layer, n in head_output_norms_per_prompt(model, data, at).items()}
+
+
 def uniform_scales(norms: dict[int, Tensor]) -> dict[int, list[float]]:
-    """Factors that give every head of a layer the layer's mean output norm."""
+    """Factors that give every head of a layer the layer's mean output norm (norms as head_output_norms
+    gives them: means over prompts, so each head's norm is equal on average, not on every prompt)."""
     return {layer: (n.mean() / n.clamp_min(1e-12)).tolist() for layer, n in norms.items()}
 
 

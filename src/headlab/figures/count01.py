@@ -3,11 +3,16 @@
 Models: one-layer attention-only transformers of several head counts and seeds, each trained under two
 objectives (train.loss_positions all | decision; configs/reproduce/count01.yaml). Per objective:
   fig_single_heads_<obj>.png   each head alone (others zero-/mean-ablated): ROC AUC, label and [EOS] accuracy
-  fig_aggregation_<obj>.png    learned vs norm-equalised vs mean-of-head-logits aggregation vs the best head
+  fig_aggregation_<obj>.png    learned vs norm-equalised (at SEP, at y where [EOS] is decided) vs
+                               mean-of-head-logits aggregation vs the best head; the learned norm spread
+  fig_value_swaps_<obj>.png    V[j, i]: head i alone (its pattern and W_O) with head j's values
   fig_pattern_ov_<obj>.png     M[p, o]: head o's OV circuit (values and W_O) on head p's pattern, alone
-  fig_token_weights_<obj>.png  attention from SEP on one 0, one 1, one 2 vs the head's ROC AUC alone
+  fig_token_weights_<obj>.png  noise_ratio (one 2 over one 1) and the 0/1 imbalance vs ROC AUC alone
 A head "solves the task alone" by ROC AUC of its logit difference: alone, its output keeps a constant
 offset (SEP, positions, b_O) that can sink label accuracy while the classes are perfectly separated.
+numbers.json holds, per objective, the numbers and `verdicts`: each paper claim with the measure put
+beside it, how that measure differs from the paper's, and the verdict (figures/count01_claims.py); each
+figure carries its claims' verdicts as a footnote.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from scipy.stats import spearmanr  # noqa: E402
+
+from .count01_claims import caption, footnote, verdicts  # noqa: E402
+from .count01_swaps import correlation, draw_swaps, swap_numbers  # noqa: E402
 
 SOLVED = 0.9  # ROC AUC (and, beside it, label accuracy) at which a head counts as solving the task
 METRICS = ("roc_auc", "label_acc", "eos_acc")
@@ -45,34 +52,13 @@ def token_weights(df: pd.DataFrame) -> pd.DataFrame:
     return rows.pivot_table(index=["n_heads", "seed", "head"], columns="metric", values="value").reset_index()
 
 
-def pattern_ov_matrix(df: pd.DataFrame, n_heads: int, seed: int, metric: str = "roc_auc") -> np.ndarray:
-    """M[p, o]: head o alone with head p's attention pattern (its own values and W_O); the diagonal is
-    head o alone. pattern_from rows name the OV head as `head` and the pattern head as `other_head`."""
-    sel = (df["experiment"] == "count01_pattern_swaps") & (df["n_heads"] == n_heads) & (df["seed"] == seed)
-    rows = df[sel & (df["metric"] == metric) & (df["method"] == "zero")]
-    m = np.full((n_heads, n_heads), np.nan)
-    for _, r in rows.iterrows():
-        if r["intervention"] == "keep_head":
-            m[int(r["head"]), int(r["head"])] = r["value"]
-        elif r["intervention"] == "pattern_from":
-            m[int(r["other_head"]), int(r["head"])] = r["value"]
-    return m
-
-
-def _r(x, y, rank: bool = False) -> float:
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    ok = np.isfinite(x) & np.isfinite(y)
-    if ok.sum() < 3 or np.std(x[ok]) == 0 or np.std(y[ok]) == 0:
-        return float("nan")
-    return float(spearmanr(x[ok], y[ok])[0] if rank else np.corrcoef(x[ok], y[ok])[0, 1])
-
-
 def draw(table: pd.DataFrame, out: Path) -> dict:
     df = _aggregates(table)
     return {obj: _draw_objective(df[df["objective"] == obj], out, obj) for obj in sorted(df["objective"].unique())}
 
 
 def _draw_objective(df: pd.DataFrame, out: Path, obj: str) -> dict:
+    """The numbers first, then the verdicts they give, then each figure with its verdicts beneath."""
     numbers: dict = {}
     single = single_heads(df)
     multi = single[single["n_heads"] > 1]
@@ -82,16 +68,36 @@ def _draw_objective(df: pd.DataFrame, out: Path, obj: str) -> dict:
             numbers[f"mean_head_alone_{metric}_{method}"] = float(sel[metric].mean())
         for metric in ("roc_auc", "label_acc"):
             numbers[f"frac_heads_alone_{metric}_ge_{SOLVED}_{method}"] = float((sel[metric] >= SOLVED).mean())
-    _single_figure(single, out / f"fig_single_heads_{obj}.png")
-    numbers |= _aggregation(df, single, out / f"fig_aggregation_{obj}.png")
-    numbers |= _pattern_ov(df, out / f"fig_pattern_ov_{obj}.png")
-    numbers |= _token_weights(df, single, out / f"fig_token_weights_{obj}.png")
+    aggregation = aggregation_frame(df, single)
+    numbers |= aggregation_numbers(aggregation, head_norm_spread(df))
+    shown: dict[str, tuple[int, int] | None] = {}
+    for experiment, prefix in (("count01_value_swaps", "value_swap"), ("count01_pattern_swaps", "pattern_ov")):
+        swaps, shown[prefix] = swap_numbers(df, experiment, prefix)
+        numbers |= swaps
+    weights = token_weight_frame(df, single)
+    numbers |= token_weight_numbers(weights)
+    said = verdicts(numbers)
+    numbers["verdicts"] = said
+    _single_figure(single, out / f"fig_single_heads_{obj}.png", caption(said["pseudo_ensemble"]))
+    if len(aggregation):
+        _aggregation_figure(aggregation, out / f"fig_aggregation_{obj}.png", caption(said["nonuniform_for_syntax"]))
+    for experiment, prefix, claim in (
+        ("count01_value_swaps", "value_swap", "pattern_over_values"),
+        ("count01_pattern_swaps", "pattern_ov", "pattern_over_ov"),
+    ):
+        model = shown[prefix]
+        if model is not None:
+            name = "value_swaps" if prefix == "value_swap" else prefix
+            draw_swaps(df, experiment, model, out / f"fig_{name}_{obj}.png", caption(said[claim]))
+    if len(weights):
+        notes = caption(said["balance_w01"]) + "\n" + caption(said["suppress_w02"])
+        _token_weights_figure(weights, out / f"fig_token_weights_{obj}.png", notes)
     return numbers
 
 
-def _single_figure(single: pd.DataFrame, path: Path) -> None:
+def _single_figure(single: pd.DataFrame, path: Path, note: str) -> None:
     sizes = sorted(single["n_heads"].unique())
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4 * len(sizes), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(max(9, 4 * len(sizes)), 4.6), squeeze=False)
     for ax, h in zip(axes[0], sizes):
         sel = single[(single["n_heads"] == h) & (single["method"] == "zero")].reset_index(drop=True)
         mean = single[(single["n_heads"] == h) & (single["method"] == "mean")].reset_index(drop=True)
@@ -103,109 +109,124 @@ def _single_figure(single: pd.DataFrame, path: Path) -> None:
         ax.set_title(f"{h} head(s): each head alone")
         ax.set_ylim(0, 1.05)
     axes[0][-1].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
+    footnote(fig, note, 8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _aggregation(df: pd.DataFrame, single: pd.DataFrame, path: Path) -> dict:
-    """Learned vs the two uniform aggregations (every head's output at one norm; the mean of the heads'
-    logits, each alone) vs the best head alone (by ROC AUC)."""
-    variants = {"learned": "none", "uniform_norm": "scale_heads", "mean_logits": "mean_head_logits"}
+# the aggregations compared: column prefix -> (the table's intervention, the role it acts at; None: everywhere)
+AGGREGATIONS = {
+    "learned": ("none", None),
+    "uniform_norm": ("scale_heads", None),  # norms at SEP, every position scaled by them
+    "uniform_norm_at_sep": ("scale_heads", "SEP"),  # norms at SEP, scaled there only
+    "uniform_norm_at_eos": ("scale_heads", "Y"),  # norms at y (where [EOS] is decided), scaled there only
+    "mean_logits": ("mean_head_logits", None),
+}
+
+
+def aggregation_frame(df: pd.DataFrame, single: pd.DataFrame) -> pd.DataFrame:
+    """One row per model of 2+ heads: each aggregation's metrics, and the best head alone (by ROC AUC)."""
     agg = []
-    for (h, s), grp in df[(df["experiment"] == "count01_aggregation") & (df["n_heads"] > 1)].groupby(
-        ["n_heads", "seed"]
-    ):
+    rows = df[(df["experiment"] == "count01_aggregation") & (df["n_heads"] > 1) & df["metric"].isin(METRICS)]
+    token = rows["token"] if "token" in rows else pd.Series(pd.NA, index=rows.index)
+    for (h, s), grp in rows.groupby(["n_heads", "seed"]):
         row: dict = {"n_heads": h, "seed": s}
-        for name, iv in variants.items():
+        for name, (iv, role) in AGGREGATIONS.items():
+            at = token[grp.index].isna() if role is None else token[grp.index] == role
             for m in METRICS:
-                row[f"{name}_{m}"] = float(grp[(grp["intervention"] == iv) & (grp["metric"] == m)]["value"].iloc[0])
+                hit = grp[(grp["intervention"] == iv) & at.fillna(False) & (grp["metric"] == m)]["value"]
+                row[f"{name}_{m}"] = float(hit.iloc[0]) if len(hit) else np.nan
         heads = single[(single["n_heads"] == h) & (single["seed"] == s) & (single["method"] == "zero")]
         best = heads.loc[heads["roc_auc"].idxmax()] if len(heads) else None
         row |= {f"best_head_{m}": np.nan if best is None else best[m] for m in METRICS}
         agg.append(row)
+    return pd.DataFrame(agg)
+
+
+def head_norm_spread(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model of 2+ heads: the learned heads' largest over smallest mean output norm |z_h W_O^h|, at
+    SEP and at y (the uniform sweep's output_norm rows)."""
+    rows = df[(df["experiment"] == "count01_aggregation") & (df["method"] == "output_norm") & (df["n_heads"] > 1)]
+    spread = rows.groupby(["n_heads", "seed", "metric"])["value"].agg(lambda v: v.max() / max(v.min(), 1e-12))
+    return spread.unstack("metric").reset_index() if len(spread) else pd.DataFrame()
+
+
+def aggregation_numbers(frame: pd.DataFrame, spread: pd.DataFrame) -> dict:
     numbers: dict = {}
-    if not agg:
+    for where, metric in (("sep", "output_norm_SEP"), ("eos", "output_norm_Y")):
+        ok = len(spread) and metric in spread
+        numbers[f"head_norm_max_over_min_at_{where}"] = float(spread[metric].mean()) if ok else np.nan
+    if not len(frame):
         return numbers
-    frame = pd.DataFrame(agg)
     for m in METRICS:
         numbers[f"learned_{m}"] = float(frame[f"learned_{m}"].mean())
-        for name in ("uniform_norm", "mean_logits", "best_head"):
+        for name in [*list(AGGREGATIONS)[1:], "best_head"]:
             numbers[f"{name}_{m}"] = float(frame[f"{name}_{m}"].mean())
             numbers[f"{name}_{m}_drop"] = float((frame[f"learned_{m}"] - frame[f"{name}_{m}"]).mean())
-    fig, axes = plt.subplots(1, 3, figsize=(max(9, 2.4 * len(frame)), 3.2), sharey=True)
+    return numbers
+
+
+def _aggregation_figure(frame: pd.DataFrame, path: Path, note: str) -> None:
+    """Learned vs the uniform aggregations (equal mean norms at SEP everywhere, at SEP only, at y only; the
+    mean of the heads' logits, each alone) vs the best head alone (by ROC AUC)."""
+    names = ["learned", *list(AGGREGATIONS)[1:], "best_head"]
+    fig, axes = plt.subplots(1, 3, figsize=(max(10, 2.8 * len(frame)), 4.8), sharey=True)
     x = np.arange(len(frame))
+    width = 0.8 / len(names)
     for ax, m in zip(axes, METRICS):
-        for k, name in enumerate(("learned", "uniform_norm", "mean_logits", "best_head")):
-            ax.bar(x + (k - 1.5) * 0.2, frame[f"{name}_{m}"], 0.2, label=name)
+        for k, name in enumerate(names):
+            ax.bar(x + (k - (len(names) - 1) / 2) * width, frame[f"{name}_{m}"], width, label=name)
         ax.set_xticks(x, [f"{h}h s{s}" for h, s in zip(frame["n_heads"], frame["seed"])])
         ax.set_title(m, fontsize=9)
         ax.set_ylim(0, 1.05)
     axes[0].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
+    footnote(fig, note, 7)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return numbers
 
 
-def _pattern_ov(df: pd.DataFrame, path: Path) -> dict:
-    """Does M[p, o] follow the pattern head p alone or the OV head o alone? Off-diagonal entries only."""
-    numbers: dict = {}
-    shown = None
-    for metric in ("roc_auc", "label_acc"):
-        entries, by_pattern, by_ov = [], [], []
-        for (h, s), _ in df[(df["experiment"] == "count01_pattern_swaps") & (df["n_heads"] > 1)].groupby(
-            ["n_heads", "seed"]
-        ):
-            m = pattern_ov_matrix(df, h, s, metric)
-            alone = np.diag(m)
-            for p in range(h):
-                for o in range(h):
-                    if p != o and np.isfinite(m[p, o]):
-                        entries.append(m[p, o])
-                        by_pattern.append(alone[p])
-                        by_ov.append(alone[o])
-            shown = (h, s) if shown is None or h >= shown[0] and s == 0 else shown
-        for name, alone_of in (("pattern_head", by_pattern), ("ov_head", by_ov)):
-            numbers[f"pattern_ov_{metric}_pearson_with_{name}_alone"] = _r(entries, alone_of)
-            numbers[f"pattern_ov_{metric}_spearman_with_{name}_alone"] = _r(entries, alone_of, rank=True)
-            diff = np.abs(np.subtract(entries, alone_of))
-            numbers[f"pattern_ov_{metric}_mean_abs_diff_to_{name}_alone"] = float(diff.mean()) if entries else np.nan
-    if shown is not None:
-        fig, ax = plt.subplots(figsize=(4.4, 3.8))
-        im = ax.imshow(pattern_ov_matrix(df, *shown), vmin=0.5, vmax=1.0, cmap="viridis")
-        ax.set_xlabel("o: head whose OV circuit (values, W_O) is kept")
-        ax.set_ylabel("p: head whose pattern is used")
-        ax.set_title(f"{shown[0]} heads, seed {shown[1]}: ROC AUC (diagonal: head alone)", fontsize=8)
-        fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    return numbers
-
-
-def _token_weights(df: pd.DataFrame, single: pd.DataFrame, path: Path) -> dict:
-    numbers: dict = {}
-    weights = token_weights(df).merge(single[single["method"] == "zero"], on=["n_heads", "seed", "head"])
+def token_weight_frame(df: pd.DataFrame, single: pd.DataFrame) -> pd.DataFrame:
+    """Per head: attention from SEP per token occurrence, noise_ratio (per prompt one 2 over one 1),
+    the 0/1 imbalance, and the head's metrics alone (zero ablation; 1-head models included)."""
+    weights = token_weights(df)
     if not len(weights) or "attn_per_0" not in weights:
+        return pd.DataFrame()
+    weights = weights.merge(single[single["method"] == "zero"], on=["n_heads", "seed", "head"])
+    for col in ("noise_ratio", "noise_ratio_to_0"):  # tables of runs before the ratios: NaN, said as such
+        weights[col] = weights[col] if col in weights else np.nan
+    w0, w1 = weights["attn_per_0"], weights["attn_per_1"]
+    weights["imbalance"] = (w0 - w1).abs() / (w0 + w1).clip(lower=1e-9)
+    return weights
+
+
+def token_weight_numbers(weights: pd.DataFrame) -> dict:
+    numbers: dict = {}
+    if not len(weights):
         return numbers
-    w0, w1, w2 = weights["attn_per_0"], weights["attn_per_1"], weights["attn_per_2"]
-    weights["imbalance"] = (w0 - w1).abs() / (w0 + w1).clip(lower=1e-9)  # |w01| of the paper, per occurrence
-    weights["noise_ratio"] = w2 / ((w0 + w1) / 2).clip(lower=1e-9)
+    cols = [c for c in ("attn_per_2", "imbalance", "noise_ratio", "noise_ratio_to_0") if c in weights]
     for metric in ("roc_auc", "label_acc"):
-        for col in ("attn_per_2", "imbalance", "noise_ratio"):
-            numbers[f"r_{metric}_vs_{col}"] = _r(weights[col], weights[metric])
-    for col in ("attn_per_0", "attn_per_1", "attn_per_2"):
-        numbers[f"mean_{col}"] = float(weights[col].mean())
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
+        for col in cols:
+            numbers[f"r_{metric}_vs_{col}"] = correlation(weights[col], weights[metric])
+    for col in ("attn_per_0", "attn_per_1", "attn_per_2", "noise_ratio", "noise_ratio_to_0"):
+        if col in weights:
+            numbers[f"mean_{col}"] = float(weights[col].mean())
+    if "noise_ratio" in weights:
+        numbers["median_noise_ratio"] = float(weights["noise_ratio"].median())
+        solving = weights["roc_auc"] >= SOLVED
+        numbers["mean_noise_ratio_heads_solving"] = float(weights.loc[solving, "noise_ratio"].mean())
+        numbers["mean_noise_ratio_heads_not_solving"] = float(weights.loc[~solving, "noise_ratio"].mean())
+    return numbers
+
+
+def _token_weights_figure(weights: pd.DataFrame, path: Path, note: str) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(9, 6.4), sharey=True)
     for ax, col, name in zip(
-        axes, ("noise_ratio", "imbalance"), ("w(one 2) / mean w(one 0 or 1)", "|w(one 0) - w(one 1)| / sum")
+        axes, ("noise_ratio", "imbalance"), ("noise_ratio: w(one 2) / w(one 1), per prompt", "|w0 - w1| / (w0 + w1)")
     ):
         ax.scatter(weights[col], weights["roc_auc"], c=np.log2(weights["n_heads"]), cmap="plasma", s=18)
         ax.set_xlabel(name)
     axes[0].set_ylabel("ROC AUC of the head alone")
     fig.suptitle("Attention from SEP per token occurrence vs single-head performance", fontsize=9)
-    fig.tight_layout()
+    footnote(fig, note, 16)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return numbers

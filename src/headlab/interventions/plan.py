@@ -117,10 +117,17 @@ class Intervention:
 CLEAN = Intervention(Kind.none)
 
 
-def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]] | None = None) -> list[Intervention]:
+def plan(
+    cfg: Config,
+    n_layers: int,
+    n_heads: int,
+    scales: dict[int, list[float]] | None = None,
+    scales_at: dict[str, dict[int, list[float]]] | None = None,
+) -> list[Intervention]:
     """The clean baseline first, then the ablation sweep, then the patching sweep.
 
-    `scales` (layer -> per-head factors) is needed by the uniform sweep only."""
+    `scales` (layer -> per-head factors, applied at every position) is needed by the uniform sweep only;
+    `scales_at` (role -> layer -> factors) adds one uniform row per role, scaled at that role only."""
     out = [CLEAN]
     sweep, method = option(cfg.ablate.sweep), option(cfg.ablate.method)
     cells = [(l, h) for l in range(n_layers) for h in range(n_heads)]
@@ -138,6 +145,11 @@ def plan(cfg: Config, n_layers: int, n_heads: int, scales: dict[int, list[float]
         if scales is None:
             raise ValueError("the uniform sweep needs per-head scales")
         out += [Intervention(Kind.scale_heads, Method.uniform, l, scale=tuple(scales[l])) for l in range(n_layers)]
+        for role, at in (scales_at or {}).items():
+            out += [
+                Intervention(Kind.scale_heads, Method.uniform, l, token=role, scale=tuple(at[l]))
+                for l in range(n_layers)
+            ]
     elif sweep == "components":
         out += [Intervention(Kind.ablate_head, method, l, h) for l, h in cells]
         out += [Intervention(kind, method, l) for l in range(n_layers) for kind in (Kind.ablate_layer, Kind.ablate_mlp)]

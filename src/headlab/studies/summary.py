@@ -24,6 +24,8 @@ def head_table(df: pd.DataFrame, max_rows: int) -> None:
     if agg.empty:
         return
     keys = ["intervention", "method", "layer", "head"]
+    if "token" in agg and agg["token"].notna().any():  # rows told apart by the role they act at
+        keys.append("token")
     wide = agg.pivot_table(index=keys, columns="metric", values="value", dropna=False, sort=False)
     wide = wide.dropna(how="all").reset_index()
     metrics = [m for m in agg["metric"].unique()]

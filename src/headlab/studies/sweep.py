@@ -7,17 +7,25 @@ Optionally with each head's attention per token (attention_by_token) and head-cl
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import torch
 
 from .. import results
-from ..analysis.heads import MEAN_HEAD_LOGITS, attention_by_token, head_output_norms, mean_head_logits, uniform_scales
+from ..analysis.heads import (
+    MEAN_HEAD_LOGITS,
+    attention_by_token,
+    head_output_norms,
+    head_output_norms_per_prompt,
+    mean_head_logits,
+    uniform_scales,
+)
 from ..config import Config, option, run_info
 from ..errors import HeadlabError
 from ..interventions import plan
 from ..interventions.engine import execute
 from ..models.hooked import HookedModel
-from ..tasks import Task, TaskData, mean_of, nanmean_of
+from ..tasks import Task, TaskData, mean_of, nanmean_of, nanmean_ratio_of
 from .context import RunContext
 from .study import Study
 from .summary import head_table
@@ -26,9 +34,12 @@ from .summary import head_table
 def run(ctx: RunContext) -> pd.DataFrame:
     cfg = ctx.cfg
     task, model, data = ctx.get_task(), ctx.get_model(), ctx.get_data()
-    scales = None
-    if option(cfg.ablate.sweep) == "uniform":
+    scales, scales_at = None, None
+    uniform = option(cfg.ablate.sweep) == "uniform"
+    if uniform:  # equal norms measured at the first read position (everywhere), and at each read role there
         scales = uniform_scales(head_output_norms(model, data))
+        roles = data.token_positions or {}
+        scales_at = {r: uniform_scales(head_output_norms(model, data, roles[r])) for r in data.read_roles()}
     if cfg.head_scores:
         from ..analysis.scores import has_ioi_roles
 
@@ -36,7 +47,9 @@ def run(ctx: RunContext) -> pd.DataFrame:
             ctx.note(
                 f"head_scores: task {task.name} has no IOI roles; the IOI scores (END attention, copy) are left out"
             )
-    interventions = plan(cfg, model.n_layers, model.n_heads, scales) if ctx.interventions is None else ctx.interventions
+    interventions = (
+        plan(cfg, model.n_layers, model.n_heads, scales, scales_at) if ctx.interventions is None else ctx.interventions
+    )
     with ctx.timed("sweep"):
         quantities = execute(
             model,
@@ -52,7 +65,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             report=ctx.meta.setdefault("engine", {}),
         )
     rows = [iv.row() for iv in interventions]
-    if option(cfg.ablate.sweep) == "uniform":  # the second uniform aggregation: the heads' mean logits
+    if uniform:  # the second uniform aggregation: the heads' mean logits
         ensemble = [mean_head_logits(model, task, data, layer) for layer in range(model.n_layers)]
         quantities = torch.cat([quantities, torch.stack(ensemble).to(quantities.device)])
         rows += [{"intervention": MEAN_HEAD_LOGITS, "method": "zero", "layer": l} for l in range(model.n_layers)]
@@ -70,6 +83,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
         )
         if cfg.attention_by_token:
             df = results.conform(pd.concat([df, attention_table(cfg, task, model, data, info)]))
+        if uniform:
+            df = results.conform(pd.concat([df, norm_table(cfg, model, data, info)]))
     if cfg.head_scores:
         from ..analysis.scores import score_table
 
@@ -82,14 +97,35 @@ def run(ctx: RunContext) -> pd.DataFrame:
 
 def attention_table(cfg: Config, task: Task, model: HookedModel, data: TaskData, info: dict) -> pd.DataFrame:
     """Each head's mean attention, from the first read position, to each token the task names: summed
-    over the token's keys (attn_to_*) and on one of them (attn_per_*, over prompts that hold it)."""
+    over the token's keys (attn_to_*) and on one of them (attn_per_*, over prompts that hold it); and the
+    task's attention_ratios (name -> (token a, token b)): per prompt, the weight on one a over the weight
+    on one b, averaged over the prompts holding both."""
     tokens = getattr(task, "token_names", None)
     if not tokens:
         raise HeadlabError(f"task {task.name} names no tokens to group attention by")
     quantities, labels = attention_by_token(model, data, tokens)
     metrics = {f"attn_to_{name}": mean_of(j) for j, name in enumerate(tokens.values())}
     metrics |= {f"attn_per_{name}": nanmean_of(len(tokens) + j) for j, name in enumerate(tokens.values())}
+    index = {name: len(tokens) + j for j, name in enumerate(tokens.values())}
+    for name, (num, den) in getattr(task, "attention_ratios", {}).items():
+        metrics[name] = nanmean_ratio_of(index[num], index[den])
     return results.tidy(info, labels, quantities, list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
+
+
+def norm_table(cfg: Config, model: HookedModel, data: TaskData, info: dict) -> pd.DataFrame:
+    """Each head's mean output norm |z_h W_O^h| on the clean prompts (intervention none, method
+    output_norm): at the first read position (`output_norm`) and at each read role (`output_norm_<role>`),
+    the norms the uniform sweep's factors equalise."""
+    roles = data.token_positions or {}
+    where = {"output_norm": None} | {f"output_norm_{r}": roles[r] for r in data.read_roles()}
+    per_prompt = [head_output_norms_per_prompt(model, data, at) for at in where.values()]
+    quantities, labels = [], []
+    for layer in per_prompt[0]:
+        for head in range(model.n_heads):
+            quantities.append(torch.stack([p[layer][:, head] for p in per_prompt], dim=-1).cpu().numpy())
+            labels.append({"intervention": "none", "method": "output_norm", "layer": layer, "head": head})
+    metrics = {name: mean_of(j) for j, name in enumerate(where)}
+    return results.tidy(info, labels, np.stack(quantities), list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
 
 
 STUDY = Study(

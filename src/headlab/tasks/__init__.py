@@ -9,6 +9,7 @@ from .base import Task as Task
 from .base import TaskData as TaskData
 from .base import mean_of as mean_of
 from .base import nanmean_of as nanmean_of
+from .base import nanmean_ratio_of as nanmean_ratio_of
 from .prompts import from_file as from_file
 from .prompts import from_records as from_records
 from .registry import build_task as build_task

@@ -48,6 +48,17 @@ class TaskData:
     def n(self) -> int:
         return self.positions.shape[0]
 
+    def read_roles(self) -> list[str]:
+        """The roles that sit at one of the read positions on every prompt, in the read positions' order
+        (Count01: SEP, Y; IOI: END)."""
+        roles = self.token_positions or {}
+        return [
+            r
+            for k in range(self.positions.shape[1])
+            for r, at in roles.items()
+            if bool((at == self.positions[:, k]).all())
+        ]
+
     def take(self, rows: slice) -> TaskData:
         """The prompts `rows` (answers, roles and groups sliced alike; the reference set is kept whole,
         its groups dropped)."""
@@ -108,6 +119,19 @@ def nanmean_of(column: int) -> Aggregate:
         defined = np.isfinite(values)
         with np.errstate(invalid="ignore"):  # no prompt defines it: NaN, said by the value itself
             return np.where(defined, values, 0).sum(-1) / defined.sum(-1)
+
+    return aggregate
+
+
+def nanmean_ratio_of(numerator: int, denominator: int) -> Aggregate:
+    """The mean over prompts of one quantity over another, over the prompts where the ratio is defined."""
+
+    def aggregate(q: np.ndarray, _answers: Any) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = q[..., numerator] / q[..., denominator]
+        defined = np.isfinite(ratio)
+        with np.errstate(invalid="ignore"):
+            return np.where(defined, ratio, 0).sum(-1) / defined.sum(-1)
 
     return aggregate
 

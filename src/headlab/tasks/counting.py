@@ -5,6 +5,8 @@ on every next token, so at y it must predict EOS although y is the same token as
 only attention to SEP tells the two apart. That is the auxiliary syntactic task of the paper.
 Metrics: label accuracy (at SEP, logit of 1 vs 0), ROC AUC of that logit difference, [EOS] accuracy
 (argmax at y is EOS). Counterfactual: the same string with 0 and 1 swapped (same noise, answer flipped).
+Roles (interventions can target them): SEP, where the label is decided, and Y, the answer token, where
+[EOS] is decided; they are the two read positions.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class CountingTask(Task):
     quantities = ("label_correct", "eos_correct", "label_margin", "signed_margin")
     vocab_size = len(TOKENS)
     token_names = {ZERO: "0", ONE: "1", NOISE: "2", SEP: "sep", BOS: "bos"}
+    # attention_by_token ratios, per prompt: the weight on one 2 over the weight on one 1 (one 0), from SEP
+    attention_ratios = {"noise_ratio": ("2", "1"), "noise_ratio_to_0": ("2", "0")}
     cfg: CountingConfig
 
     def __init__(self, cfg: CountingConfig):
@@ -108,6 +112,7 @@ class CountingTask(Task):
         return TaskData(
             inputs={"input_ids": clean},
             positions=positions,
+            token_positions={"SEP": positions[:, 0], "Y": positions[:, 1]},
             answers={"label": labels},
             counterfactual={"input_ids": cf},
             reference={"input_ids": ref},
