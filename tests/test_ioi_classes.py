@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import error_line, run_headlab
 
 import headlab
+from conftest import error_line, run_headlab
 from headlab.analysis.ioi_classes import CLASS_METHOD, classify
 from headlab.figures import FIGURES
 from headlab.figures import ioi_classes as class_figure
