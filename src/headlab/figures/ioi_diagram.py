@@ -1,5 +1,5 @@
 """The IOI circuit as a diagram in the manner of Wang et al.'s Fig. 2: a box per head class at the token it
-acts from (S1+1, S2, END), higher boxes in later layers, each listing its heads, arrows where one class's
+acts from (S1+1, S2, END), left to right in circuit order, higher boxes in later layers, each listing its heads, arrows where one class's
 output enters the next (the site of the path-patching round that found it), coloured by class.
 
   ioi_circuit.png   drawn from the class rows (method "ioi_class") that study=ioi_classes writes
@@ -25,7 +25,8 @@ TOKEN = {  # the position each class acts from, as in the paper's Fig. 2
     "name mover": "END",
     "negative name mover": "END",
 }
-COLUMNS = ("S1+1", "S2", "END", "logits")
+# left to right in circuit order, one column a class, so that no two boxes share a place
+ORDER = ("previous token", "duplicate token", "induction", "S-inhibition", "name mover", "negative name mover")
 # (from, to, how the first enters the second): the composition each path-patching round measured
 ARROWS = (
     ("previous token", "induction", "K"),
@@ -44,20 +45,16 @@ def draw(found: dict[str, list[str]], n_layers: int, model: str, out: Path) -> s
     present = {cls: heads for cls, heads in found.items() if heads}
     if not present:
         return None
-    fig, ax = plt.subplots(figsize=(9.0, 6.0))
+    fig, ax = plt.subplots(figsize=(10.0, 5.5))
     centre: dict[str, tuple[float, float]] = {}
-    stacked: dict[str, int] = {}
-    for cls in sorted(present, key=lambda c: _mean_layer(present[c])):
-        column = COLUMNS.index(TOKEN[cls])
-        y = _mean_layer(present[cls]) / max(1, n_layers - 1)
-        x = column + 0.32 * (stacked.get(TOKEN[cls], 0) % 2) - 0.16 * (TOKEN[cls] == "END")
-        stacked[TOKEN[cls]] = stacked.get(TOKEN[cls], 0) + 1
+    for cls in present:
+        x, y = ORDER.index(cls), _mean_layer(present[cls]) / max(1, n_layers - 1)
         centre[cls] = (x, y)
         heads = present[cls]
         lines = [", ".join(heads[i : i + HEADS_PER_LINE]) for i in range(0, len(heads), HEADS_PER_LINE)]
-        text = f"{cls} heads\n" + "\n".join(lines)
+        text = f"{cls}\n(at {TOKEN[cls]})\n" + "\n".join(lines)
         ax.text(x, y, text, ha="center", va="center", fontsize=7, zorder=3)
-        width, height = 0.62, 0.05 + 0.028 * (len(lines) + 1)
+        width, height = 0.9, 0.06 + 0.035 * (len(lines) + 2)
         ax.add_patch(
             FancyBboxPatch(
                 (x - width / 2, y - height / 2),
@@ -70,7 +67,7 @@ def draw(found: dict[str, list[str]], n_layers: int, model: str, out: Path) -> s
                 zorder=2,
             )
         )
-    centre["logits"] = (COLUMNS.index("logits"), 1.08)
+    centre["logits"] = (len(ORDER), 1.08)
     ax.text(*centre["logits"], "logits\n(IO - S)", ha="center", va="center", fontsize=8, zorder=3)
     for a, b, site in ARROWS:
         if a in centre and b in centre:
@@ -78,16 +75,19 @@ def draw(found: dict[str, list[str]], n_layers: int, model: str, out: Path) -> s
                 "",
                 xy=centre[b],
                 xytext=centre[a],
-                arrowprops={"arrowstyle": "-|>", "color": COLOURS[a], "lw": 1.4, "shrinkA": 22, "shrinkB": 22},
+                arrowprops={"arrowstyle": "-|>", "color": COLOURS[a], "lw": 1.4, "shrinkA": 28, "shrinkB": 28},
                 zorder=1,
             )
             if site:
                 mx, my = (centre[a][0] + centre[b][0]) / 2, (centre[a][1] + centre[b][1]) / 2
                 ax.text(mx, my, site, fontsize=8, color=COLOURS[a], fontweight="bold")
-    ax.set_xticks(range(len(COLUMNS)), COLUMNS)
+    ax.set_xticks([])
     ax.set_yticks([0, 0.5, 1], ["layer 0", f"layer {(n_layers - 1) / 2:g}", f"layer {n_layers - 1}"])
-    ax.set_xlim(-0.6, len(COLUMNS) - 0.4)
+    ax.set_ylabel("mean layer of the class's heads")
+    ax.set_xlim(-0.6, len(ORDER) + 0.5)
     ax.set_ylim(-0.15, 1.2)
+    for side in ("bottom",):
+        ax.spines[side].set_visible(False)
     ax.set_title(f"{model}: the IOI circuit found by path patching (after Wang et al. 2022, Fig. 2)", fontsize=9)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
