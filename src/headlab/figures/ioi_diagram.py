@@ -1,6 +1,6 @@
-"""The IOI circuit as a diagram in the manner of Wang et al.'s Fig. 2: a box per head class at the token it
-acts from (S1+1, S2, END), left to right in circuit order, higher boxes in later layers, each listing its heads, arrows where one class's
-output enters the next (the site of the path-patching round that found it), coloured by class.
+"""The IOI circuit as a diagram in the manner of Wang et al.'s Fig. 2: a box per head class, left to right
+in circuit order, higher in later layers, naming the token it acts from (S1+1, S2, END) and its heads;
+arrows where one class's output enters the next (the site of the path-patching round that found it).
 
   ioi_circuit.png   drawn from the class rows (method "ioi_class") that study=ioi_classes writes
 """
