@@ -1,4 +1,4 @@
-"""`headlab reproduce ioi --quick` end to end, and the head-class rules against the paper's GPT-2 small heads."""
+"""`headlab reproduce ioi_trained --quick` end to end; the score-based class rules against the paper's GPT-2 heads."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def test_classes_follow_the_rules_and_score_against_the_paper():
 def test_quick_reproduction_draws_the_figures_and_numbers_match_the_table(tmp_path):
     from headlab.reproduce import registry, run_all
 
-    assert "ioi" in registry()
+    assert "ioi_trained" in registry()
     smaller = (f"model.tokenizer={GPT2_TOKENIZER}", "train.steps=150", "task.n_prompts=32")  # the pipeline only
-    result = run_all("ioi", tmp_path, quick=True, extra=smaller, log=lambda *_: None)
-    base = tmp_path / "reproduce" / "ioi-quick"
+    result = run_all("ioi_trained", tmp_path, quick=True, extra=smaller, log=lambda *_: None)
+    base = tmp_path / "reproduce" / "ioi_trained-quick"
     names = {p.split("/")[-1] for p in result["figures"]}
     assert {
         "ioi_ablation_mean.png",

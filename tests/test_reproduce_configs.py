@@ -62,6 +62,23 @@ def attn_sae_runs(quick: bool) -> list[list[str]]:
 
 
 def ioi_runs(quick: bool) -> list[list[str]]:
+    fast = ["task.n_prompts=6", "output.n_boot=50"] if quick else []
+    smol = "model=smollm2-135m"
+    out = [
+        ["study=ioi_classes", smol, "task.n_prompts=16", *fast],
+        [smol, "task=ioi", "ablate=heads", "ablate.method=mean", "task.n_prompts=16", *fast],
+        [smol, "task=ioi", "circuit=eap_ig", "task.n_prompts=16", *fast],
+    ]
+    gpt2 = os.environ.get("HEADLAB_GPT2_DIR")
+    if gpt2:
+        out += [
+            ["study=ioi_classes", "model=gpt2", f"model.path={gpt2}", "task.n_prompts=100", *fast],
+            ["experiment=ioi_circuit", f"model.path={gpt2}", *fast],
+        ]
+    return out
+
+
+def ioi_trained_runs(quick: bool) -> list[list[str]]:
     fast = (
         ["train.steps=300", "train.target=null", "train.eval_every=150", "train.eval_prompts=64"]
         + ["task.n_prompts=48", "output.n_boot=50"]
@@ -92,6 +109,7 @@ REFERENCE = {
     "recall_reasoning": (recall_reasoning_runs, "run"),
     "attn_sae": (attn_sae_runs, "sae"),
     "ioi": (ioi_runs, "run"),
+    "ioi_trained": (ioi_trained_runs, "run"),
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pandas as pd
 
 SECTION = ("experiment", "model", "task")  # one model on one task: heads comparable across seeds
@@ -85,6 +86,20 @@ def grid(cells: pd.DataFrame, column: str = "effect", size: tuple[int, int] | No
     layers, heads = size or shape(cells)
     m = cells.pivot_table(index="layer", columns="head", values=column, aggfunc="mean")
     return m.reindex(index=range(layers), columns=range(heads))
+
+
+def score_grids(table: pd.DataFrame, size: tuple[int, int]) -> dict[str, np.ndarray]:
+    """score name -> [layer, head] mean over seeds, from the head scores' rows (method "score")."""
+    rows = table[table["method"] == "score"].dropna(subset=["layer", "head"])
+    if "prompt_id" in rows:
+        rows = rows[rows["prompt_id"].isna()]
+    grids = {}
+    for name, part in rows.groupby("metric"):
+        m = np.full(size, np.nan)
+        for (layer, head), v in part.groupby(["layer", "head"])["value"].mean().items():
+            m[int(layer), int(head)] = v
+        grids[str(name)] = m
+    return grids
 
 
 def head_name(layer: int, head: int) -> str:

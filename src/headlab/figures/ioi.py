@@ -302,10 +302,34 @@ def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
         classes = ioi_classes.draw(df, out, shape, model)
         if classes:
             numbers["head_classes"] = classes
-            numbers["figures"].append("ioi_head_classes.png")
+            numbers["figures"] += ["ioi_head_classes.png", *([classes["diagram"]] if "diagram" in classes else [])]
 
     edges = df[kind.isin(["edge", "circuit"])]
     if len(edges):
         numbers["circuit"] = circuit.draw(edges, out)
         numbers["figures"] += sorted(p.name for p in out.glob("*.png") if p.name not in numbers["figures"])
+    numbers["headline"] = _headline(numbers)
     return numbers
+
+
+# Wang et al.'s GPT-2 small numbers (Sec. 2-4: logit difference 3.56; the circuit's 3.09 is 87% of it) and
+# MIB's for EAP-IG (inputs) on IOI in GPT-2 small (Mueller et al. 2025): the numbers a reader compares with
+PAPER_GPT2_SMALL = {
+    "clean_logit_diff": 3.56,
+    "circuit_faithfulness": 0.87,
+    "mib_eap_ig_cpr": 1.85,
+    "mib_eap_ig_cmd": 0.03,
+}
+
+
+def _headline(numbers: dict) -> dict:
+    """The numbers a reproduction is read by, beside the paper's GPT-2 small ones."""
+    found = numbers.get("head_classes", {}).get("found", {})
+    edges = numbers.get("circuit", {})
+    return {
+        "clean_logit_diff": numbers.get("clean", {}).get("logit_diff"),
+        "classes": {cls: heads for cls, heads in found.items()},
+        "class_procedure": numbers.get("head_classes", {}).get("procedure"),
+        **{k: edges[k] for k in ("cpr_eap_ig", "cmd_eap_ig", "target_edges_eap_ig") if k in edges},
+        "paper_gpt2_small": {**PAPER_GPT2_SMALL, "classes": ioi_classes.PAPER},
+    }

@@ -26,6 +26,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..analysis.ioi_classes import CLASS_METHOD, CLASSES, rules  # noqa: E402
+from ..tables import score_grids  # noqa: E402
+from . import ioi_diagram  # noqa: E402
+
 ATTN = 0.3  # attention share: 10x the uniform share over the ~30 tokens of an IOI prompt
 COPY = 0.5  # copy scores: the name is in the top 5 logits on most prompts
 BACKUP = 0.2
@@ -60,18 +64,6 @@ SHORT = {
 GPT2_SMALL = "gpt2"  # the model name whose heads are compared with the paper's index for index
 
 
-def score_grids(df: pd.DataFrame, shape: tuple[int, int]) -> dict[str, np.ndarray]:
-    """score name -> [layer, head] mean over seeds, from method "score" rows."""
-    rows = df[(df["method"] == "score")].dropna(subset=["layer", "head"])
-    grids = {}
-    for name, part in rows.groupby("metric"):
-        m = np.full(shape, np.nan)
-        for (layer, head), v in part.groupby(["layer", "head"])["value"].mean().items():
-            m[int(layer), int(head)] = v
-        grids[str(name)] = m
-    return grids
-
-
 def direct_effect(df: pd.DataFrame, shape: tuple[int, int]) -> np.ndarray | None:
     """[layer, head] drop in logit diff when the head's path to the logits is patched (None without rows)."""
     if "receivers" not in df:
@@ -104,6 +96,18 @@ def classify(scores: dict[str, np.ndarray], direct: np.ndarray | None) -> dict[s
         found["name mover"] = [h for h in movers if h not in weak]
         found["backup name mover"] = weak
     return {cls: found[cls] for cls in PAPER if cls in found}
+
+
+def procedure_classes(df: pd.DataFrame) -> dict[str, list[str]]:
+    """class -> heads "L.H" from the class rows of study=ioi_classes (Wang et al.'s procedure), in its
+    class order; empty where the table has none. A class the procedure left empty is absent."""
+    rows = df[df["method"] == CLASS_METHOD].dropna(subset=["layer", "head"]) if "method" in df else df.iloc[:0]
+    found: dict[str, list[str]] = {}
+    for cls in CLASSES:
+        part = rows[rows["group"] == cls].drop_duplicates(["layer", "head"]).sort_values(["layer", "head"])
+        if len(part):
+            found[cls] = [f"{int(r.layer)}.{int(r.head)}" for r in part.itertuples()]
+    return found
 
 
 def _layer(head: str) -> int:
@@ -141,16 +145,21 @@ def versus_paper(found: dict[str, list[str]]) -> dict:
 
 def draw(df: pd.DataFrame, out: Path, shape: tuple[int, int], model: str | None) -> dict:
     """ioi_head_classes.png into `out` from one model's rows; returns the classes and comparisons."""
-    scores = score_grids(df, shape)
-    found = classify(scores, direct_effect(df, shape))
+    found = procedure_classes(df)
+    if found:
+        numbers: dict = {"procedure": "path patching, Wang et al. Sec. 3 (study=ioi_classes)", "rules": rules()}
+    else:
+        found = classify(score_grids(df, shape), direct_effect(df, shape))
+        numbers = {
+            "procedure": "head scores (figures/ioi_classes.py RULES)",
+            "thresholds": {"attention": ATTN, "copy": COPY, "backup_direct_effect_share": BACKUP},
+        }
     if not found:
         return {}
-    numbers: dict = {
-        "thresholds": {"attention": ATTN, "copy": COPY, "backup_direct_effect_share": BACKUP},
-        "found": found,
-        "paper_gpt2_small": PAPER,
-        "structure": structure(found),
-    }
+    numbers.update({"found": found, "paper_gpt2_small": PAPER, "structure": structure(found)})
+    diagram = ioi_diagram.draw(found, shape[0], str(model), out)
+    if diagram:
+        numbers["diagram"] = diagram
     gpt2 = model == GPT2_SMALL
     if gpt2:
         numbers["vs_paper"] = versus_paper(found)
@@ -173,7 +182,8 @@ def draw(df: pd.DataFrame, out: Path, shape: tuple[int, int], model: str | None)
     grid_ax.tick_params(labelsize=7)
     grid_ax.set_xlabel("head")
     grid_ax.set_ylabel("layer")
-    grid_ax.set_title(f"{model}: head classes from head scores", fontsize=8)
+    how = "path patching" if numbers["procedure"].startswith("path") else "head scores"
+    grid_ax.set_title(f"{model}: head classes from {how}", fontsize=8)
     rows = []
     for cls in PAPER:
         cells = [SHORT[cls] + " " + cls, ", ".join(PAPER[cls]), ", ".join(found.get(cls, [])) or "-"]

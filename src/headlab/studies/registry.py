@@ -29,6 +29,7 @@ BUILTIN = (
     "composition",
     "retrieval",
     "induction",
+    "ioi_classes",
     "pathnet",
     "train",
     "sae",
