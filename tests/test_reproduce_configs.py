@@ -123,7 +123,7 @@ def test_declared_grid_expands_to_the_python_grid(name, quick):
     runs, command = REFERENCE[name]
     repro = reproduce.get(name)
     assert repro.runs(quick) == runs(quick)
-    figures = {"retrieval_heads": "scores"}.get(name, name)  # the per-head score figures serve it
+    figures = {"retrieval_heads": "scores", "ioi_trained": "ioi"}.get(name, name)  # the per-head score figures serve it
     assert repro.command == command and repro.figures == figures and repro.figures in FIGURES
 
 
