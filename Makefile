@@ -51,7 +51,7 @@ bench: $(VENV)/.headlab-bench
 	$(BIN)/python benchmarks/sweep_speed.py
 
 .PHONY: sae-bench
-sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer (sae-lens is in the test extra), ~7 min
+sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer on random-GPT-2 z and smollm2 z over data/alice.txt, ~10 min
 	$(BIN)/python benchmarks/sae_speed.py
 
 .PHONY: circuit-bench

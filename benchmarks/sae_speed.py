@@ -60,9 +60,16 @@ reconstruction", never as the quality an SAE would reach on real GPT-2. Measured
 low-rank z, reaches EV 0.516 against headlab's 0.509 (dead 0.135; headlab's dense-backward fitter, before the
 sparse backward); the README has the default's numbers.
 
+smollm2 over real text (--data smollm2 or both, the default): the same TopK pair on smollm2-135m's z
+(layer --smollm2-layer, 9 heads x 64: d_in 576, d_sae 16 x 576) at every token of data/alice.txt, windows
+of 64 as `headlab sae` cuts them, the last tenth held out. The text holds ~4,800 training tokens, so the
+steps x batch tokens are repeated passes over them, each pass in a fresh seeded order, the same order for
+both fitters. Its lines start with smollm2_; smollm2_goal says whether headlab reached >= 3x SAELens's
+tokens/s at equal or better held-out explained variance.
+
 Run from the repo root: .venv/bin/python benchmarks/sae_speed.py [--quick] [--steps N] [--batch B] [--k K]
-The last line is `throughput_ratio_vs_saelens: X.XX` (TopK pair, headlab tokens/s / SAELens tokens/s;
-goal >= 3 at equal or better explained variance).
+[--data both|random|smollm2]. The last line is `throughput_ratio_vs_saelens: X.XX` (TopK pair on the random
+GPT-2 z, headlab tokens/s / SAELens tokens/s; goal >= 3 at equal or better explained variance).
 """
 
 from __future__ import annotations
@@ -241,12 +248,12 @@ def fit_saelens(sae, feed: Feed, args, warm: int) -> Timing:
     return timed(trainer.fit, feed, warm)
 
 
-def saelens_topk(args):
+def saelens_topk(args, d_in: int = D_IN):
     from sae_lens.saes.topk_sae import TopKTrainingSAE, TopKTrainingSAEConfig
 
     torch.manual_seed(args.seed)
     return TopKTrainingSAE(
-        TopKTrainingSAEConfig(d_in=D_IN, d_sae=EXPANSION * D_IN, k=args.k, dtype="float32", device="cpu")
+        TopKTrainingSAEConfig(d_in=d_in, d_sae=EXPANSION * d_in, k=args.k, dtype="float32", device="cpu")
     )
 
 
@@ -270,7 +277,7 @@ def as_headlab(saelens_sae, cls, **kwargs):
     """SAELens's trained weights in a headlab SAE of the same architecture (SAELens's own inference fold)."""
     state = {k: v.detach().clone() for k, v in saelens_sae.state_dict().items()}
     saelens_sae.process_state_dict_for_saving_inference(state)
-    sae = cls(D_IN, saelens_sae.cfg.d_sae, **kwargs)
+    sae = cls(saelens_sae.cfg.d_in, saelens_sae.cfg.d_sae, **kwargs)
     sae.load_state_dict({k: state[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec")})
     return sae.eval()
 
@@ -285,46 +292,68 @@ def forward_diff(saelens_sae, headlab_sae, x: torch.Tensor) -> tuple[float, floa
     return float(per_token.max()), float((per_token > 1e-4).float().mean())
 
 
-# ---------------------------------------------------------------------------- main
+# ---------------------------------------------------------------------------- smollm2 over real text
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small run (well under a minute)")
-    parser.add_argument("--steps", type=int, default=None, help="fitting steps per SAE (default 200; quick 8)")
-    parser.add_argument("--batch", type=int, default=None, help="tokens per step (default 1024; quick 256)")
-    parser.add_argument("--k", type=int, default=32, help="TopK: active latents per token")
-    parser.add_argument("--l1-coeff", type=float, default=0.5, help="ReLU-L1 pair: l1 coefficient (both sides)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument(
-        "--lr-warmup", type=int, default=None, help="linear LR warm-up steps, both sides (default steps/10)"
-    )
-    parser.add_argument("--warmup-timing", type=int, default=2, help="first steps of every fit not timed")
-    parser.add_argument(
-        "--eval-sequences", type=int, default=None, help="held-out sequences of 64 tokens (default 256; quick 32)"
-    )
-    parser.add_argument(
-        "--init-range", type=float, default=0.1, help="std of the random GPT-2 weights (GPT-2's own init: 0.02)"
-    )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, both fitters")
-    parser.add_argument("--relu", action="store_true", help="also the ReLU-L1 pair (L0 not matched)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    quick = args.quick
-    args.steps = args.steps or (8 if quick else 200)
-    args.batch = args.batch or (256 if quick else 1024)
-    args.eval_sequences = args.eval_sequences or (32 if quick else 256)
-    args.sequences = -(-args.steps * args.batch // CONTEXT) + args.eval_sequences  # every token fed once
-    args.lr_warmup = args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10)
-    warm = args.warmup_timing
-    if not 0 <= warm < args.steps:
-        parser.error("--warmup-timing must be below --steps")
-    if args.eval_sequences <= 0:
-        parser.error("--eval-sequences must be positive")
-    torch.set_num_threads(args.threads)
-    tuned = tune_allocator()  # what headlab's CLI does in every process; this process runs both fitters
-    wall = time.perf_counter()
+def smollm2_z(layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """z of smollm2-135m's `layer` (9 heads x 64: d_in 576) at every token of data/alice.txt, windows of
+    64 tokens as `headlab sae` cuts them: (train tokens, held-out tokens of the last tenth of windows,
+    windows)."""
+    from headlab import load_model
+    from headlab.sae.activations import corpus_z, shipped_text, text_corpus
 
+    model = load_model("smollm2-135m")
+    corpus = text_corpus(str(shipped_text()), model, CONTEXT)
+    n = corpus.ids.shape[0]
+    split = n - max(1, n // 10)
+    with torch.inference_mode():
+        train = corpus_z(model, layer, corpus.rows(torch.arange(split)), MODEL_BATCH)
+        held_out = corpus_z(model, layer, corpus.rows(torch.arange(split, n)), MODEL_BATCH)
+    return train.float().contiguous(), held_out.float().contiguous(), n
+
+
+def smollm2_pair(args, workdir: Path, warm: int) -> list[str]:
+    """The TopK pair on smollm2's z over real text: ~4,800 training tokens, so steps x batch tokens are
+    fed as repeated passes, each pass in a fresh (seeded) order, the same for both fitters."""
+    start = time.perf_counter()
+    train, held_out, windows = smollm2_z(args.smollm2_layer)
+    collect_s = time.perf_counter() - start
+    d_in = train.shape[1]
+    gen = torch.Generator().manual_seed(args.seed + 3)
+    passes = -(-args.steps * args.batch // train.shape[0])
+    order = torch.cat([torch.randperm(train.shape[0], generator=gen) for _ in range(passes)])
+    headlab_sae = TopKSAE(d_in, EXPANSION * d_in, seed=args.seed, k=args.k)
+    th = fit_headlab(headlab_sae, Feed(train, order, args.batch, args.steps), args, workdir, warm)
+    mh = reconstruction_metrics(headlab_sae.eval(), held_out)
+    theirs = saelens_topk(args, d_in)
+    ts = fit_saelens(theirs, Feed(train, order, args.batch, args.steps), args, warm)
+    copy = as_headlab(theirs, TopKSAE, k=args.k)
+    biggest, share = forward_diff(theirs, copy, held_out)
+    ms = reconstruction_metrics(copy, held_out)
+    ratio = th.tokens_per_s / ts.tokens_per_s
+    met = ratio >= 3 and mh["explained_variance"] >= ms["explained_variance"]
+    return [
+        f"smollm2_data: smollm2-135m layer {args.smollm2_layer} z (9 x 64) over data/alice.txt, {windows} windows "
+        f"of {CONTEXT}: {train.shape[0]} training tokens fed {passes} times over, {held_out.shape[0]} held out",
+        f"smollm2_collect_seconds: {collect_s:.1f}",
+        f"smollm2_d_in: {d_in}  d_sae: {EXPANSION * d_in}  k: {args.k}  batch: {args.batch}  steps: {args.steps}",
+        f"smollm2_saelens_forward_vs_headlab_copy_max_abs_diff: {biggest:.3g} (tokens differing > 1e-4: {share:.4f})",
+        f"smollm2_tokens_per_s_headlab: {th.tokens_per_s:.0f}",
+        f"smollm2_tokens_per_s_saelens: {ts.tokens_per_s:.0f}",
+        f"smollm2_l0_headlab: {mh['l0']:.2f}  smollm2_l0_saelens: {ms['l0']:.2f}",
+        f"smollm2_explained_variance_headlab: {mh['explained_variance']:.4f}",
+        f"smollm2_explained_variance_saelens: {ms['explained_variance']:.4f}",
+        f"smollm2_dead_fraction_headlab: {mh['dead_fraction']:.3f}",
+        f"smollm2_dead_fraction_saelens: {ms['dead_fraction']:.3f}",
+        f"smollm2_throughput_ratio_median_step: "
+        f"{th.median_tokens_per_s(args.batch) / ts.median_tokens_per_s(args.batch):.2f}",
+        f"smollm2_throughput_ratio_vs_saelens: {ratio:.2f}",
+        f"smollm2_goal: >= 3x SAELens tokens/s at equal or better explained variance: {'met' if met else 'NOT met'}",
+    ]
+
+
+def random_gpt2_pairs(args, warm: int, tuned: bool) -> str:
+    """The pairs on the random GPT-2-shaped model's z; prints their table, returns the ratio line."""
     rows: dict[tuple[str, str], tuple[Timing, dict]] = {}
     diffs: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="sae_speed-") as tmp:
@@ -412,10 +441,69 @@ def main() -> int:
             f"{pair}_throughput_ratio_median_step: "
             f"{th.median_tokens_per_s(args.batch) / ts.median_tokens_per_s(args.batch):.2f}"
         )
+    (th, _), (ts, _) = rows[("topk", "headlab")], rows[("topk", "saelens")]
+    return f"throughput_ratio_vs_saelens: {th.tokens_per_s / ts.tokens_per_s:.2f}"
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small run (well under a minute)")
+    parser.add_argument("--steps", type=int, default=None, help="fitting steps per SAE (default 200; quick 8)")
+    parser.add_argument("--batch", type=int, default=None, help="tokens per step (default 1024; quick 256)")
+    parser.add_argument("--k", type=int, default=32, help="TopK: active latents per token")
+    parser.add_argument("--l1-coeff", type=float, default=0.5, help="ReLU-L1 pair: l1 coefficient (both sides)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--lr-warmup", type=int, default=None, help="linear LR warm-up steps, both sides (default steps/10)"
+    )
+    parser.add_argument("--warmup-timing", type=int, default=2, help="first steps of every fit not timed")
+    parser.add_argument(
+        "--eval-sequences", type=int, default=None, help="held-out sequences of 64 tokens (default 256; quick 32)"
+    )
+    parser.add_argument(
+        "--init-range", type=float, default=0.1, help="std of the random GPT-2 weights (GPT-2's own init: 0.02)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, both fitters")
+    parser.add_argument("--relu", action="store_true", help="also the ReLU-L1 pair (L0 not matched)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--data",
+        choices=("both", "random", "smollm2"),
+        default="both",
+        help="random: the random GPT-2-shaped model's z; smollm2: smollm2-135m's z over data/alice.txt",
+    )
+    parser.add_argument("--smollm2-layer", type=int, default=5, help="smollm2-135m's layer whose z is fitted")
+    args = parser.parse_args()
+    quick = args.quick
+    args.steps = args.steps or (8 if quick else 200)
+    args.batch = args.batch or (256 if quick else 1024)
+    args.eval_sequences = args.eval_sequences or (32 if quick else 256)
+    args.sequences = -(-args.steps * args.batch // CONTEXT) + args.eval_sequences  # every token fed once
+    args.lr_warmup = args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 10)
+    warm = args.warmup_timing
+    if not 0 <= warm < args.steps:
+        parser.error("--warmup-timing must be below --steps")
+    if args.eval_sequences <= 0:
+        parser.error("--eval-sequences must be positive")
+    torch.set_num_threads(args.threads)
+    tuned = tune_allocator()  # what headlab's CLI does in every process; this process runs both fitters
+    wall = time.perf_counter()
+
+    last = []
+    if args.data != "smollm2":
+        last.append(random_gpt2_pairs(args, warm, tuned))
+    if args.data != "random":
+        print()
+        with tempfile.TemporaryDirectory(prefix="sae_speed-") as tmp:
+            for line in smollm2_pair(args, Path(tmp), warm):
+                print(line)
     print(f"peak_rss_mb: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
     print(f"wall_seconds: {time.perf_counter() - wall:.1f}")
-    (th, _), (ts, _) = rows[("topk", "headlab")], rows[("topk", "saelens")]
-    print(f"throughput_ratio_vs_saelens: {th.tokens_per_s / ts.tokens_per_s:.2f}")
+    for line in last:
+        print(line)
     return 0
 
 

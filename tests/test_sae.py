@@ -509,7 +509,7 @@ def test_recall_reasoning_context_classes_name_each_positions_role():
 
 
 def test_token_types_class_text_tokens():
-    from headlab.studies.sae import token_type
+    from headlab.sae.contexts import token_type
 
     assert [token_type(t) for t in (" the", "ing", " 42", ",", "  ", "a1")] == [
         "word",
@@ -558,6 +558,38 @@ def test_corpus_z_and_stream_yield_the_models_z_at_real_tokens():
     assert len(seen) == 8 * 16 > corpus.n_tokens  # more than one pass: passes(i) is drawn again
     covered = _dist(expected, seen).min(1).values < 1e-5
     assert covered.float().mean() > 0.9  # the stream goes through the corpus, not one corner of it
+
+
+def test_stream_runs_a_repeating_corpus_through_the_model_once():
+    model, corpus = _toy(), _corpus()
+    calls = []
+    capture = model.capture
+    model.capture = lambda inputs, *a, **k: calls.append(len(inputs["input_ids"])) or capture(inputs, *a, **k)
+    z = _z_plain(model, 1, corpus.ids)
+    expected = torch.cat([z[i, :length] for i, length in enumerate(corpus.lengths.tolist())])
+    same = stream(model, 1, lambda _i: corpus, batch_tokens=16, buffer_tokens=40, model_batch=5, seed=0)
+    seen = torch.cat(list(itertools.islice(same, 12)))
+    assert len(seen) > 2 * corpus.n_tokens  # at least two passes...
+    assert sum(calls) == len(corpus.ids)  # ...and every sequence ran through the model once
+    assert _dist(seen, expected).min(1).values.max() < 1e-5  # the kept z is the model's z
+    calls.clear()
+    fresh = stream(
+        model, 1, lambda _i: corpus.rows(torch.arange(12)), batch_tokens=16, buffer_tokens=40, model_batch=5, seed=0
+    )
+    torch.testing.assert_close(torch.cat(list(itertools.islice(fresh, 12))), seen, **TOL)  # same batches
+    assert sum(calls) > 2 * len(corpus.ids)  # a new corpus object each pass: nothing is kept
+
+
+@pytest.mark.parametrize("arch", ["relu_l1", "topk"])
+def test_folding_the_input_scale_gives_the_sae_of_the_scaled_input(arch):
+    sae = _nontrivial(_make(arch))
+    x, scale = torch.randn(50, D_IN), 3.7
+    with torch.no_grad():
+        recon, f = sae(scale * x)
+        sae.fold_input_scale(scale)
+        folded_recon, folded_f = sae(x)
+    torch.testing.assert_close(folded_f, f, **TOL)  # the same latents, as strongly
+    torch.testing.assert_close(folded_recon, recon / scale, **TOL)  # reconstructing x itself
 
 
 def test_task_corpus_keeps_the_tasks_training_targets():

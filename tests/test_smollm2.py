@@ -179,3 +179,55 @@ def test_the_headline_command_runs_on_it_where_gpt2_cannot_be_had(smollm2, smoll
     assert len(heads) == 270 and heads[["layer", "head"]].drop_duplicates().shape[0] == 270
     clean = df[(df["intervention"] == "none") & (df["metric"] == "logit_diff")]["value"]
     assert len(clean) == 1 and float(clean.iloc[0]) > 2
+
+
+def test_an_attention_sae_on_its_z_over_real_text_exports_to_saelens(smollm2, tmp_path):
+    """An SAE fitted (briefly, normalised) on layer 3's z over data/alice.txt: SAELens loads the export and
+    reconstructs z as headlab does, and CE recovered equals the one computed by hand with SAELens's copy
+    spliced in by a pre-hook on o_proj of the plain module."""
+    from types import SimpleNamespace
+
+    from sae_lens import SAE
+    from torch.nn import functional as F
+
+    from headlab.sae.activations import corpus_z, shipped_text, text_corpus
+    from headlab.sae.export import save_sae
+    from headlab.sae.fit import fit
+    from headlab.sae.metrics import ce_recovered
+    from headlab.sae.relu_l1 import ReluL1SAE
+
+    corpus = text_corpus(str(shipped_text()), smollm2, 32)
+    train, held_out = corpus.rows(torch.arange(8)), corpus.rows(torch.arange(80, 82))
+    x = corpus_z(smollm2, 3, train, 8)
+    assert x.shape == (8 * 32, 9 * 64)
+    scale = float((x.shape[1] / x.pow(2).sum(1).mean()).sqrt())
+    sae = ReluL1SAE(576, 576, seed=0, l1_coeff=1.0)
+    steps = SimpleNamespace(steps=10, lr=1e-3, warmup_steps=1, beta1=0.9, beta2=0.999, dead_window=10**6,
+                            resample_every=0, checkpoint_every=100)  # fmt: skip
+    fit(sae, lambda _s: iter([x * scale] * 10), steps, tmp_path / "fit", show_progress=False)
+    sae.fold_input_scale(scale)
+    save_sae(sae.eval(), tmp_path / "sae", {"model_name": "smollm2-135m", "hook_name": "blocks.3.attn.hook_z"})
+    theirs = SAE.load_from_disk(str(tmp_path / "sae"))
+    z = corpus_z(smollm2, 3, held_out, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(z.view(-1, 9, 64)).flatten(-2), sae(z)[0], atol=1e-5, rtol=1e-4)
+        ours = ce_recovered(smollm2, 3, held_out, lambda v: sae(v)[0], 2)
+        o_proj = smollm2.module.model.layers[3].self_attn.o_proj
+        mask = held_out.targets != -100
+
+        def ce(edit=None) -> float:
+            handle = o_proj.register_forward_pre_hook(lambda _m, a: (edit(a[0]),)) if edit else None
+            try:
+                logits = smollm2.module(held_out.ids).logits
+            finally:
+                if handle is not None:
+                    handle.remove()
+            return F.cross_entropy(logits[mask], held_out.targets[mask]).item()
+
+        clean, zero = ce(), ce(torch.zeros_like)
+        spliced = ce(lambda v: theirs(v.view(*v.shape[:2], 9, 64)).flatten(-2))
+    assert ours["ce_clean"] == pytest.approx(clean, abs=1e-4)
+    assert ours["ce_zero_ablation"] == pytest.approx(zero, abs=1e-4)
+    assert ours["ce_with_sae"] == pytest.approx(spliced, abs=1e-4)
+    assert ours["ce_loss_recovered"] == pytest.approx((zero - spliced) / (zero - clean), abs=1e-3)
+    assert zero > clean + 0.01  # layer 3's heads matter to the loss: the ratio is not noise over noise

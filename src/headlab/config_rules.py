@@ -222,6 +222,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (TrainConfig, "checkpoint_every"): COUNT,
     (TrainConfig, "embedding_std"): POSITIVE,
     (SaeConfig, "layer"): NATURAL,
+    (SaeConfig, "layers"): Each(NATURAL),
     (SaeConfig, "expansion"): COUNT,
     (SaeConfig, "l1_coeff"): NON_NEGATIVE,
     (SaeConfig, "l1_warmup_steps"): NATURAL,

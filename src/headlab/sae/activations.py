@@ -7,6 +7,8 @@ A corpus is token ids [n, pos], the number of real tokens per row, and the model
                  repeats (tasks that train nothing give their evaluation prompts, next-token targets);
   text           a file, or a directory of .txt / .jsonl ("text" field) files, tokenised by the model's
                  tokenizer, cut into windows of context_size tokens; targets: the next token.
+                 shipped_text() is the text that ships with headlab (data/alice.txt, ~5,300 tokens of
+                 SmolLM2's tokenizer): a pretrained model's corpus when the user names none.
 The stream runs the model in batches of sequences (stopping at the layer), keeps z at real tokens,
 flattened over heads ([tokens, n_heads * d_head]), and mixes them in a shuffle buffer before batching:
 activations never need to fit in memory, and one batch never holds a single sequence's tokens only.
@@ -65,6 +67,15 @@ def _next_tokens(ids: Tensor, lengths: Tensor) -> Tensor:
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
     return targets.masked_fill(torch.arange(ids.shape[1]) >= lengths[:, None] - 1, -100)
+
+
+def shipped_text() -> Path:
+    """data/alice.txt of a source checkout, else the copy packaged inside the wheel."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[3] / "data" / "alice.txt", here.parents[1] / "data" / "alice.txt"):
+        if candidate.is_file():
+            return candidate
+    raise HeadlabError("headlab's text data/alice.txt is missing from this install: give sae.corpus=<text file>")
 
 
 def text_corpus(path: str, model: HookedModel, context_size: int) -> Corpus:
@@ -135,24 +146,56 @@ def stream(
     seed: int,
 ) -> Iterator[Tensor]:
     """Endless batches [batch_tokens, d_in]; passes(i) is the corpus of pass i (the same corpus each time,
-    or fresh prompts)."""
+    or fresh prompts). A corpus that comes back as the same object (a text file) runs through the model
+    once: its z is kept (up to CACHE_BYTES) and later passes only reshuffle it."""
     gen = torch.Generator().manual_seed(seed)
     buffer_tokens = max(buffer_tokens, 2 * batch_tokens)
     buffer: Tensor | None = None
     pass_index = 0
-    pending: list[Corpus] = []
+    pending: list[Tensor] = []  # row indices of the current corpus, one model batch each
+    corpus: Corpus | None = None
+    cache = ZCache()
     while True:
         while buffer is None or buffer.shape[0] < buffer_tokens:
             if not pending:
                 corpus = passes(pass_index)
                 pass_index += 1
                 order = torch.randperm(corpus.ids.shape[0], generator=gen)
-                pending = [corpus.rows(order[i : i + model_batch]) for i in range(0, len(order), model_batch)]
-            part = pending.pop(0)
-            acts = layer_z(model, layer, part.ids)[real_tokens(part)]
+                pending = [order[i : i + model_batch] for i in range(0, len(order), model_batch)]
+            assert corpus is not None
+            rows = pending.pop(0)
+            part = corpus.rows(rows)
+            acts = cache.z(model, layer, corpus, rows)[real_tokens(part)]
             buffer = acts if buffer is None else torch.cat([buffer, acts])
         buffer = buffer[torch.randperm(buffer.shape[0], generator=gen)]
         emit = (buffer.shape[0] // 2 // batch_tokens) * batch_tokens
         for i in range(0, emit, batch_tokens):
             yield buffer[i : i + batch_tokens]
         buffer = buffer[emit:]
+
+
+# z kept for a corpus that repeats: 512 MiB holds ~230k tokens of a 576-wide z (smollm2-135m)
+CACHE_BYTES = 512 * 2**20
+
+
+class ZCache:
+    """z [n, pos, d_in] of the rows of one corpus object seen so far; a new corpus object starts it over."""
+
+    def __init__(self) -> None:
+        self.corpus: Corpus | None = None
+        self.values: Tensor | None = None
+        self.filled = torch.zeros(0, dtype=torch.bool)
+
+    def z(self, model: HookedModel, layer: int, corpus: Corpus, rows: Tensor) -> Tensor:
+        if corpus is self.corpus and self.values is not None and bool(self.filled[rows].all()):
+            return self.values[rows]
+        z = layer_z(model, layer, corpus.ids[rows])
+        if corpus is not self.corpus:
+            self.corpus, self.values = corpus, None
+            if corpus.ids.numel() * z.shape[-1] * z.element_size() <= CACHE_BYTES:
+                self.values = z.new_zeros(*corpus.ids.shape, z.shape[-1])
+                self.filled = torch.zeros(corpus.ids.shape[0], dtype=torch.bool)
+        if self.values is not None:
+            self.values[rows] = z
+            self.filled[rows] = True
+        return z

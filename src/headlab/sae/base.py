@@ -68,6 +68,15 @@ class SparseAutoencoder(nn.Module):
             parallel = (self.W_dec.grad * self.W_dec).sum(1, keepdim=True)
             self.W_dec.grad.addcmul_(parallel, self.W_dec, value=-1)  # in place: no [d_sae, d_in] temporary
 
+    @torch.no_grad()
+    def fold_input_scale(self, scale: float) -> None:
+        """Fitted on scale * x, made to take x itself: (s x - b_dec) W_enc = (x - b_dec / s)(s W_enc) and the
+        reconstruction of x is (f W_dec + b_dec) / s. The same latents fire, as strongly; decoder rows
+        end at norm 1 / s (SAELens reads free-norm rows)."""
+        self.W_enc.mul_(scale)
+        self.W_dec.div_(scale)
+        self.b_dec.div_(scale)
+
     # ------------------------------------------------------------------ SAELens
 
     def saelens_fields(self) -> dict:

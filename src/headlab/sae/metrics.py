@@ -72,9 +72,11 @@ def _splice(replace: Replace) -> Callable[[Tensor], Tensor]:
 
 
 def ce_recovered(
-    model: HookedModel, layer: int, corpus: Corpus, replace: Replace, model_batch: int = 64
+    model: HookedModel, layer: int, corpus: Corpus, replace: Replace, model_batch: int = 64, clean: float | None = None
 ) -> dict[str, float]:
-    clean = cross_entropy(model, layer, corpus, None, model_batch)
+    """clean: the clean CE of this corpus where the caller has it (one clean pass serves every layer)."""
+    if clean is None:
+        clean = cross_entropy(model, layer, corpus, None, model_batch)
     zero = cross_entropy(model, layer, corpus, torch.zeros_like, model_batch)
     spliced = cross_entropy(model, layer, corpus, replace, model_batch)
     gap = zero - clean

@@ -1,10 +1,16 @@
-"""`headlab sae`: fit (or reuse) an SAE on one layer's z, measure it, attribute its features to heads,
-export it for SAELens, and write the run's tables.
+"""`headlab sae`: fit (or reuse) an SAE on the z of one layer (sae.layer) or of each of several
+(sae.layers), measure it, attribute its features to heads, export it for SAELens, and write the run's
+tables (one set of rows per layer, column layer).
+
+Corpus: sae.corpus, else the task's prompts; a pretrained model on a task with a vocabulary of its own
+(the default task=counting on model=smollm2-135m) has no prompts of that task to read, so it reads the
+text that ships with headlab (data/alice.txt, activations.shipped_text).
 
 <run>/results.parquet (+ csv)   tidy: the SAE's metrics (intervention "sae", method = architecture), the
                                 training curve (method "fit", column step), per head its polysemanticity
-                                numbers (attribution.head_polysemanticity; contexts classed by the
-                                task's roles, `task.context_classes`, else by token type), per
+                                numbers (attribution.head_polysemanticity; contexts classed by
+                                their place in the text for a text corpus, sae/contexts.py, else by
+                                the task's roles, `task.context_classes`, else by token type), per
                                 feature and head the decoder share (column feature), and
                                 direct feature attribution per head and source position (metric dfa)
                                 for the top context of the most frequent features, and per live feature
@@ -12,23 +18,22 @@ export it for SAELens, and write the run's tables.
                                 context: the activating token in [[ ]] after its preceding tokens,
                                 context_class)
 <run>/contexts.parquet (+ csv)  the same contexts alone, for eyes and spreadsheets
-<run>/sae/                      cfg.json + sae_weights.safetensors (SAELens: SAE.load_from_disk)
+<run>/sae/                      cfg.json + sae_weights.safetensors (SAELens: SAE.load_from_disk);
+                                with several layers one folder per layer, <run>/sae/L<layer>/
 The fitted SAE itself lives in <output.root>/saes/<model>-L<layer>-<architecture>-<hash>/ and is reused
 by every run with the same model, task, corpus and SAE settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
-from rich.table import Table
 
 from .. import results
 from ..config import Config, config_hash, option, run_info, to_plain
@@ -36,20 +41,20 @@ from ..errors import UsageError
 from ..io import atomic_write_bytes, held_exclusively
 from ..models.hooked import HookedModel
 from ..sae import build_sae
-from ..sae.activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
-from ..sae.attribution import decoder_head_shares, direct_feature_attribution, head_polysemanticity, top_activations
+from ..sae.activations import Corpus, corpus_z, real_tokens, shipped_text, stream, task_corpus, text_corpus
+from ..sae.attribution import decoder_head_shares, head_polysemanticity, top_activations
 from ..sae.export import CFG, WEIGHTS, hook_name, load_sae, save_sae
 from ..sae.fit import fit
-from ..sae.metrics import ce_recovered, reconstruction_metrics
+from ..sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
 from ..tasks import Task
 from .context import RunContext
+from .sae_tables import context_classes, contexts_table, dfa_rows, summary, token_text
 from .study import Study
-from .summary import aggregated, console
 
 DONE = "headlab.json"
+SCALE = "input_scale.json"  # sae.normalize: the factor z is fitted at
 EVAL_SEED = 77_777  # held-out prompts: apart from the training stream's passes
 HELD_OUT = 10  # a text corpus keeps its last 1/10 of windows out of training
-DFA_FEATURES = 8  # features whose top context is split by head and source position
 # settings that do not change the fitted SAE (evaluation and display only)
 DISPLAY_KEYS = ("eval_sequences", "top_contexts", "context_window", "dominance")
 HEAD_METRICS = (
@@ -71,11 +76,23 @@ def sae_dir(cfg: Config) -> Path:
     return Path(cfg.output.root) / "saes" / name
 
 
+def corpus_path(cfg: Config, task: Task) -> str | None:
+    """The text the SAE reads (None: the task's prompts): sae.corpus, else for a pretrained model on a
+    task with its own vocabulary (whose prompts it cannot read) the text that ships with headlab."""
+    if cfg.sae.corpus:
+        return cfg.sae.corpus
+    own_vocabulary = not task.needs_tokenizer and task.vocab_size > 0
+    if option(cfg.model.kind) == "hf" and own_vocabulary:
+        return str(shipped_text())
+    return None
+
+
 def corpora(cfg: Config, task: Task, model: HookedModel):
     """(passes: i -> the corpus of training pass i, held-out corpus)."""
     sc = cfg.sae
-    if sc.corpus:
-        corpus = text_corpus(sc.corpus, model, sc.context_size)
+    path = corpus_path(cfg, task)
+    if path:
+        corpus = text_corpus(path, model, sc.context_size)
         n = corpus.ids.shape[0]
         split = n - max(1, n // HELD_OUT)  # fixed: no evaluation setting changes what the SAE trains on
         train = corpus.rows(torch.arange(0, split))
@@ -86,13 +103,13 @@ def corpora(cfg: Config, task: Task, model: HookedModel):
     )
 
 
-def obtain_sae(cfg: Config, model: HookedModel, passes, show_progress: bool):
+def obtain_sae(cfg: Config, model: HookedModel, passes, show_progress: bool, dataset: str = ""):
     """The fitted SAE of this config and its fit record: fitted now, resumed, or reused."""
     with held_exclusively(sae_dir(cfg)):
-        return _fitted_sae(cfg, model, passes, show_progress)
+        return _fitted_sae(cfg, model, passes, show_progress, dataset)
 
 
-def _fitted_sae(cfg: Config, model: HookedModel, passes, show_progress: bool):
+def _fitted_sae(cfg: Config, model: HookedModel, passes, show_progress: bool, dataset: str):
     sc, directory = cfg.sae, sae_dir(cfg)
     if (directory / DONE).is_file():
         sae, _ = load_sae(directory)
@@ -109,12 +126,22 @@ def _fitted_sae(cfg: Config, model: HookedModel, passes, show_progress: bool):
         sc.model_batch,
         seed=cfg.seed * 1_000_003 + step,
     )
-    record = fit(sae, batches, sc, directory, show_progress, label=f"sae {option(sc.architecture)} L{sc.layer}")
+    scale = 1.0
+    if sc.normalize:  # measured once, before the first step, and kept: a resumed fit draws no pass twice
+        kept = directory / SCALE
+        if not kept.is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(kept, json.dumps(input_scale(model, sc.layer, passes(0), sc.model_batch)).encode())
+        scale = float(json.loads(kept.read_text()))
+    scaled = lambda step: (x * scale for x in batches(step))  # noqa: E731
+    record = fit(sae, scaled, sc, directory, show_progress, label=f"sae {option(sc.architecture)} L{sc.layer}")
+    sae.fold_input_scale(scale)
+    record["input_scale"] = scale
     meta = {
         "model_name": cfg.model.name,
         "hook_name": hook_name(sc.layer),
         "context_size": sc.context_size,
-        "dataset_path": sc.corpus or f"task:{cfg.task.name}",
+        "dataset_path": dataset or sc.corpus or f"task:{cfg.task.name}",
         "n_heads": model.sites.n_heads,
         "d_head": model.sites.d_head,
         "l1_coeff": sc.l1_coeff,
@@ -124,42 +151,27 @@ def _fitted_sae(cfg: Config, model: HookedModel, passes, show_progress: bool):
     return sae.eval(), record
 
 
-def token_text(model: HookedModel, task: Task) -> Callable[[Any], str]:
-    if model.tokenizer is not None:
-        return lambda i: model.tokenizer.decode([int(i)])
-    strings = getattr(task, "token_strings", None)
-    if strings:
-        return lambda i: strings[int(i)] + " "
-    names = getattr(task, "token_names", None) or {}
-    return lambda i: names.get(int(i), str(int(i))) + " "
+def input_scale(model: HookedModel, layer: int, corpus: Corpus, model_batch: int) -> float:
+    """sqrt(d_in / mean ||z||^2) over the first model_batch sequences of the first pass."""
+    first = corpus.rows(torch.arange(min(model_batch, corpus.ids.shape[0])))
+    z = corpus_z(model, layer, first, model_batch)
+    return float((z.shape[1] / z.pow(2).sum(1).mean().clamp_min(1e-12)).sqrt())
 
 
-def token_type(text: str) -> str:
-    """A coarse class of a token's text, for corpora whose task names no roles."""
-    bare = text.strip()
-    if not bare:
-        return "space"
-    if bare.isdigit():
-        return "number"
-    if bare.isalpha():
-        return "word" if text[0].isspace() else "word piece"
-    if all(not c.isalnum() for c in bare):
-        return "punctuation"
-    return "other"
+def fitted_layers(cfg: Config, n_layers: int) -> list[int]:
+    """sae.layers (in order, once each), else sae.layer; a layer the model lacks is refused."""
+    sc = cfg.sae
+    layers = list(dict.fromkeys(sc.layers)) if sc.layers else [sc.layer]
+    for layer in layers:
+        if not 0 <= layer < n_layers:
+            name = "sae.layers" if sc.layers else "sae.layer"
+            raise UsageError(f"{name}={layer}: model {cfg.model.name} has layers 0..{n_layers - 1}")
+    return layers
 
 
-def context_classes(task: Task, corpus: Corpus, text: Callable[[Any], str]) -> tuple[torch.Tensor, tuple[str, ...]]:
-    """([n, pos] class index of every corpus position, class names): the task's roles where it defines
-    them, else the type of the token at the position."""
-    own = getattr(task, "context_classes", None)
-    found = own(corpus.ids) if own is not None else None
-    if found is not None:
-        return found
-    tokens, inverse = corpus.ids.unique(return_inverse=True)
-    types = [token_type(text(t)) for t in tokens.tolist()]
-    names = tuple(sorted(set(types)))
-    index = torch.tensor([names.index(t) for t in types])
-    return index[inverse], names
+def at_layer(cfg: Config, layer: int) -> Config:
+    """The config of one layer's SAE: its directory (sae_dir) is that of a run with sae.layer=layer."""
+    return dataclasses.replace(cfg, sae=dataclasses.replace(cfg.sae, layer=layer, layers=None))
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -167,33 +179,71 @@ def run(ctx: RunContext) -> pd.DataFrame:
     if option(cfg.model.kind) == "pathnet":
         raise UsageError("model=pathnet has no token inputs to fit an SAE on")
     with ctx.timed("load"):
-        task, model = ctx.get_task(), ctx.get_model()
+        task = ctx.get_task()
+        path = corpus_path(cfg, task)
+        model = ctx.get_model(runs_task=path is None)  # a text corpus: the task's prompts are not read
     sc = cfg.sae
-    if not 0 <= sc.layer < model.n_layers:
-        raise UsageError(f"sae.layer={sc.layer}: model {cfg.model.name} has layers 0..{model.n_layers - 1}")
+    layers = fitted_layers(cfg, model.n_layers)
     start = time.perf_counter()
     passes, held_out = corpora(cfg, task, model)
+    text = token_text(model, task)
+    grid, class_names = context_classes(task, held_out, text, is_text=path is not None)
     ctx.timings["load"] += time.perf_counter() - start
-    with ctx.timed("fit"):
-        sae, record = obtain_sae(cfg, model, passes, show_progress)
+    ctx.timings.update(fit=0.0, evaluate=0.0)
     start = time.perf_counter()
-    x = corpus_z(model, sc.layer, held_out, sc.model_batch)
+    clean = cross_entropy(model, layers[0], held_out, None, sc.model_batch)  # one clean pass for every layer
+    ctx.timings["evaluate"] += time.perf_counter() - start
+    frames, context_frames, fitted = [], [], {}
+    for layer in layers:
+        lcfg = at_layer(cfg, layer)
+        start = time.perf_counter()
+        sae, record = obtain_sae(lcfg, model, passes, show_progress, dataset=path or "")
+        ctx.timings["fit"] += time.perf_counter() - start
+        start = time.perf_counter()
+        rows, contexts = layer_rows(lcfg, model, task, sae, record, held_out, clean, grid, class_names)
+        ctx.timings["evaluate"] += time.perf_counter() - start
+        frames.append(rows)
+        context_frames.append(contexts)
+        fitted[layer] = (sae_dir(lcfg), record)
+    df = results.conform(pd.concat(frames, ignore_index=True))
+    contexts = pd.concat(context_frames, ignore_index=True)
+    ctx.meta.update(
+        {
+            "sae_dir": str(fitted[layers[0]][0]) if len(layers) == 1 else {k: str(d) for k, (d, _) in fitted.items()},
+            "corpus": path or f"task:{cfg.task.name}",
+            "fit_seconds": sum(r["seconds"] for _, r in fitted.values()),
+            "fit_tokens": sum(r["tokens"] for _, r in fitted.values()),
+        }
+    )
+    if ctx.run_dir is not None:
+        for layer, (directory, _) in fitted.items():
+            export = Path(ctx.run_dir) / "sae" / ("" if len(layers) == 1 else f"L{layer}")
+            export.mkdir(parents=True, exist_ok=True)
+            for name in (WEIGHTS, CFG):
+                shutil.copyfile(directory / name, export / name)
+        atomic_write_bytes(Path(ctx.run_dir) / "contexts.parquet", contexts.to_parquet(index=False))
+        atomic_write_bytes(Path(ctx.run_dir) / "contexts.csv", contexts.to_csv(index=False).encode())
+    return df
+
+
+def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: float, grid, class_names):
+    """(the tidy rows of one layer's SAE, its top-activating contexts)."""
+    sc, layer = cfg.sae, cfg.sae.layer
+    x = corpus_z(model, layer, held_out, sc.model_batch)
     metrics = reconstruction_metrics(sae, x)
-    metrics.update(ce_recovered(model, sc.layer, held_out, lambda z: sae(z)[0], sc.model_batch))
+    metrics.update(ce_recovered(model, layer, held_out, lambda z: sae(z)[0], sc.model_batch, clean=clean))
     metrics["dead_window_fraction"] = record["dead_window_fraction"]
+    metrics["fit_seconds"] = record["seconds"]
     n_heads = model.sites.n_heads
     shares = decoder_head_shares(sae, n_heads)
     values, where, frequency = top_activations(sae, x, sc.top_contexts)
     locate = real_tokens(held_out).nonzero()  # token index -> (row, position)
-    text = token_text(model, task)
-    grid, class_names = context_classes(task, held_out, text)
     row_pos = locate[where]  # [k, d_sae, 2]
     classes = grid[row_pos[..., 0], row_pos[..., 1]].masked_fill(values <= 0, -1)
     heads = head_polysemanticity(shares, frequency, sc.dominance, classes)
     metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in heads) / n_heads
     metrics["multi_feature_head_fraction"] = sum(h["multi_feature"] for h in heads) / n_heads
-    ctx.timings["evaluate"] = time.perf_counter() - start
-    info = {**run_info(cfg), "intervention": "sae", "method": option(sc.architecture), "layer": sc.layer}
+    info = {**run_info(cfg), "intervention": "sae", "method": option(sc.architecture), "layer": layer}
     tokens = int(x.shape[0])
     rows = [{**info, "metric": k, "value": v, "n": tokens} for k, v in metrics.items()]
     rows += [
@@ -211,104 +261,15 @@ def run(ctx: RunContext) -> pd.DataFrame:
         }
     )
     share_rows = share_rows.assign(**info, metric="decoder_share", n=tokens)
+    text = token_text(model, task)
     contexts = contexts_table(held_out, locate, values, where, live, text, sc.context_window)
     ranks = torch.tensor(contexts["rank"].tolist(), dtype=torch.long)
     features = torch.tensor(contexts["feature"].tolist(), dtype=torch.long)
     contexts["context_class"] = [class_names[c] for c in classes[ranks, features].tolist()]
-    dfa = dfa_rows(model, sc.layer, sae, held_out, locate, values, where, frequency, info)
+    dfa = dfa_rows(model, layer, sae, held_out, locate, values, where, frequency, info)
     context_rows = contexts.rename(columns={"activation": "value"}).assign(**info, metric="top_context", n=1)
-    df = results.conform(pd.concat([pd.DataFrame(rows), share_rows, dfa, context_rows], ignore_index=True))
-    ctx.meta.update({"sae_dir": str(sae_dir(cfg)), "fit_seconds": record["seconds"], "fit_tokens": record["tokens"]})
-    if ctx.run_dir is not None:
-        export = Path(ctx.run_dir) / "sae"
-        export.mkdir(parents=True, exist_ok=True)
-        for name in (WEIGHTS, CFG):
-            shutil.copyfile(sae_dir(cfg) / name, export / name)
-        atomic_write_bytes(Path(ctx.run_dir) / "contexts.parquet", contexts.to_parquet(index=False))
-        atomic_write_bytes(Path(ctx.run_dir) / "contexts.csv", contexts.to_csv(index=False).encode())
-    return df
-
-
-def contexts_table(corpus: Corpus, locate, values, where, live, text, window: int) -> pd.DataFrame:
-    rows = []
-    for f in live.tolist():
-        for rank in range(values.shape[0]):
-            if values[rank, f] <= 0:
-                break
-            row, pos = locate[where[rank, f]].tolist()
-            ids = corpus.ids[row, max(0, pos - window) : pos + 1].tolist()
-            shown = "".join(text(t) for t in ids[:-1]) + "[[" + text(ids[-1]) + "]]"
-            rows.append(
-                {
-                    "feature": f,
-                    "rank": rank,
-                    "activation": float(values[rank, f]),
-                    "sequence": row,
-                    "position": pos,
-                    "token": text(ids[-1]),
-                    "context": shown,
-                }
-            )
-    return pd.DataFrame(rows, columns=["feature", "rank", "activation", "sequence", "position", "token", "context"])
-
-
-def dfa_rows(model, layer, sae, corpus, locate, values, where, frequency, info) -> pd.DataFrame:
-    frames = []
-    for f in frequency.argsort(descending=True)[:DFA_FEATURES].tolist():
-        if values[0, f] <= 0:
-            continue
-        row, pos = locate[where[0, f]].tolist()
-        dfa = direct_feature_attribution(model, layer, sae, corpus.ids[row], pos, f)[:, : pos + 1]
-        heads, sources = torch.meshgrid(torch.arange(dfa.shape[0]), torch.arange(dfa.shape[1]), indexing="ij")
-        frames.append(
-            pd.DataFrame(
-                {
-                    "head": heads.reshape(-1).numpy(),
-                    "position": sources.reshape(-1).numpy(),
-                    "value": dfa.reshape(-1).numpy(),
-                    "feature": f,
-                    "sequence": row,
-                    "query_position": pos,
-                }
-            )
-        )
-    if not frames:
-        return pd.DataFrame()
-    return pd.concat(frames).assign(**info, metric="dfa", n=1)
-
-
-def summary(df: pd.DataFrame, max_rows: int) -> None:
-    """The SAE's metrics, then per head how many features it dominates and how polysemantic they are."""
-    df = aggregated(df)
-    top = df[(df["intervention"] == "sae") & (df["method"] != "fit") & df["head"].isna()]
-    if top.empty:
-        return
-    arch, layer = top["method"].iloc[0], int(top["layer"].iloc[0])
-    table = Table(
-        title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z "
-        f"({int(top['n'].iloc[0])} held-out tokens)"
-    )
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for _, r in top.iterrows():
-        table.add_row(str(r["metric"]), f"{r['value']:.4f}")
-    console.print(table)
-    columns = ("n_dominated", "effective_features", "n_context_classes", "min_class_overlap", "polysemantic")
-    heads = df[(df["intervention"] == "sae") & df["metric"].isin(columns) & df["head"].notna()]
-    wide = heads.pivot(index="head", columns="metric", values="value").reset_index()  # keeps nan overlaps
-    table = Table(title="features per head (decoder-norm dominance; polysemantic: two with unrelated contexts)")
-    for col in ("head", *columns):
-        table.add_column(col, justify="right")
-    for _, r in wide.head(max_rows).iterrows():
-        table.add_row(
-            str(int(r["head"])),
-            str(int(r["n_dominated"])),
-            f"{r['effective_features']:.2f}",
-            str(int(r["n_context_classes"])),
-            f"{r['min_class_overlap']:.2f}",
-            "yes" if r["polysemantic"] else "no",
-        )
-    console.print(table)
+    frame = pd.concat([pd.DataFrame(rows), share_rows, dfa, context_rows], ignore_index=True)
+    return frame, contexts.assign(layer=layer)
 
 
 STUDY = Study(

@@ -1,0 +1,142 @@
+"""The tables and printout of `headlab sae` (studies/sae.py): how token ids read as text, the context
+class of every corpus position, each live feature's top-activating contexts, direct feature attribution
+of the most frequent features, and the console summary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import torch
+from rich.table import Table
+
+from ..models.hooked import HookedModel
+from ..sae.activations import Corpus
+from ..sae.attribution import direct_feature_attribution
+from ..sae.contexts import text_classes, token_type
+from ..tasks import Task
+from .summary import aggregated, console
+
+DFA_FEATURES = 8  # features whose top context is split by head and source position
+
+
+def token_text(model: HookedModel, task: Task) -> Callable[[Any], str]:
+    if model.tokenizer is not None:
+        return lambda i: model.tokenizer.decode([int(i)])
+    strings = getattr(task, "token_strings", None)
+    if strings:
+        return lambda i: strings[int(i)] + " "
+    names = getattr(task, "token_names", None) or {}
+    return lambda i: names.get(int(i), str(int(i))) + " "
+
+
+def context_classes(
+    task: Task, corpus: Corpus, text: Callable[[Any], str], is_text: bool = False
+) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """([n, pos] class index of every corpus position, class names): for a text corpus the place of the
+    token in the text (sae/contexts.py; its windows are consecutive, so they are classed as one text),
+    else the task's roles where it defines them, else the type of the token at the position."""
+    if is_text:
+        grid, names = text_classes(corpus.ids.reshape(1, -1), text)
+        return grid.view_as(corpus.ids), names
+    own = getattr(task, "context_classes", None)
+    found = own(corpus.ids) if own is not None else None
+    if found is not None:
+        return found
+    tokens, inverse = corpus.ids.unique(return_inverse=True)
+    types = [token_type(text(t)) for t in tokens.tolist()]
+    names = tuple(sorted(set(types)))
+    index = torch.tensor([names.index(t) for t in types])
+    return index[inverse], names
+
+
+def contexts_table(corpus: Corpus, locate, values, where, live, text, window: int) -> pd.DataFrame:
+    rows = []
+    for f in live.tolist():
+        for rank in range(values.shape[0]):
+            if values[rank, f] <= 0:
+                break
+            row, pos = locate[where[rank, f]].tolist()
+            ids = corpus.ids[row, max(0, pos - window) : pos + 1].tolist()
+            shown = "".join(text(t) for t in ids[:-1]) + "[[" + text(ids[-1]) + "]]"
+            rows.append(
+                {
+                    "feature": f,
+                    "rank": rank,
+                    "activation": float(values[rank, f]),
+                    "sequence": row,
+                    "position": pos,
+                    "token": text(ids[-1]),
+                    "context": shown,
+                }
+            )
+    return pd.DataFrame(rows, columns=["feature", "rank", "activation", "sequence", "position", "token", "context"])
+
+
+def dfa_rows(model, layer, sae, corpus, locate, values, where, frequency, info) -> pd.DataFrame:
+    frames = []
+    for f in frequency.argsort(descending=True)[:DFA_FEATURES].tolist():
+        if values[0, f] <= 0:
+            continue
+        row, pos = locate[where[0, f]].tolist()
+        dfa = direct_feature_attribution(model, layer, sae, corpus.ids[row], pos, f)[:, : pos + 1]
+        heads, sources = torch.meshgrid(torch.arange(dfa.shape[0]), torch.arange(dfa.shape[1]), indexing="ij")
+        frames.append(
+            pd.DataFrame(
+                {
+                    "head": heads.reshape(-1).numpy(),
+                    "position": sources.reshape(-1).numpy(),
+                    "value": dfa.reshape(-1).numpy(),
+                    "feature": f,
+                    "sequence": row,
+                    "query_position": pos,
+                }
+            )
+        )
+    if not frames:
+        return pd.DataFrame()
+    return pd.concat(frames).assign(**info, metric="dfa", n=1)
+
+
+def summary(df: pd.DataFrame, max_rows: int) -> None:
+    """Per layer: the SAE's metrics, then per head how many features it dominates and how polysemantic
+    they are."""
+    df = aggregated(df)
+    sae_rows = df[(df["intervention"] == "sae") & (df["method"] != "fit")]
+    if "feature" in sae_rows:
+        sae_rows = sae_rows[sae_rows["feature"].isna()]
+    for layer in sorted(sae_rows["layer"].dropna().unique()):
+        _layer_summary(sae_rows[sae_rows["layer"] == layer], int(layer), max_rows)
+
+
+def _layer_summary(df: pd.DataFrame, layer: int, max_rows: int) -> None:
+    top = df[df["head"].isna()]
+    if top.empty:
+        return
+    arch = top["method"].iloc[0]
+    table = Table(
+        title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z "
+        f"({int(top['n'].iloc[0])} held-out tokens)"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for _, r in top.iterrows():
+        table.add_row(str(r["metric"]), f"{r['value']:.4f}")
+    console.print(table)
+    columns = ("n_dominated", "effective_features", "n_context_classes", "min_class_overlap", "polysemantic")
+    heads = df[df["metric"].isin(columns) & df["head"].notna()]
+    wide = heads.pivot(index="head", columns="metric", values="value").reset_index()  # keeps nan overlaps
+    table = Table(title="features per head (decoder-norm dominance; polysemantic: two with unrelated contexts)")
+    for col in ("head", *columns):
+        table.add_column(col, justify="right")
+    for _, r in wide.head(max_rows).iterrows():
+        table.add_row(
+            str(int(r["head"])),
+            str(int(r["n_dominated"])),
+            f"{r['effective_features']:.2f}",
+            str(int(r["n_context_classes"])),
+            f"{r['min_class_overlap']:.2f}",
+            "yes" if r["polysemantic"] else "no",
+        )
+    console.print(table)
