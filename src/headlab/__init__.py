@@ -5,6 +5,7 @@ The Python API (api.py) is the front door; the `headlab` command is a shell over
 
 from .api import RunResult as RunResult
 from .api import Verdict as Verdict
+from .api import atlas as atlas
 from .api import check as check
 from .api import circuit as circuit
 from .api import compose as compose

@@ -266,6 +266,27 @@ def scores(
     return study(model, task, kind, n_prompts, seed, show_progress, **options)
 
 
+def atlas(
+    model: HookedModel,
+    task: Task | None = None,
+    scores: Sequence[str] = (),
+    out: str | Path | None = None,
+    seed: int = 0,
+    show_progress: bool = False,
+    **options: Any,
+) -> pd.DataFrame:
+    """Every head of `model` on one page: the table `headlab atlas` writes, one row per head and score
+    (studies/atlas.py), and, where `out` names a folder, atlas.html there. scores: a subset of the
+    atlas's (default all); `task`: the one a model trained here was trained on (default counting).
+    Options: the atlas's probe sizes (studies/atlas_probes.py's AtlasOptions, e.g. `ioi_prompts=8`) and
+    config keys (`root=...`: each probe's table is cached under root/atlas/<model>/)."""
+    task = task or build_task(compose_config([]).task)
+    overrides = _study_overrides("atlas", task, seed, {**options, "scores": list(scores)})
+    ctx = _context(model, task, overrides, None, show_progress)
+    ctx.run_dir = Path(out) if out is not None else None
+    return run_in_memory(resolve(ctx.cfg, named="atlas"), ctx)
+
+
 def study(
     model: HookedModel,
     task: Task,
@@ -283,17 +304,22 @@ def study(
     in `study.options` for a study with a schema of its own, then everywhere: e.g.
     `headlab.study(m, t, "circuit", method="eap", steps=10)`, `headlab.study(m, t, "sinks", epsilon=0.5)`.
     A study that cannot run this task or model (the sweep on task=markov) is refused in one line."""
+    return _run_study(model, task, name, _study_overrides(name, task, seed, options), n_prompts, show_progress)
+
+
+def _study_overrides(name: str, task: Task, seed: int, options: dict[str, Any]) -> list[str]:
+    """The overrides of `headlab run study=<name>` on this task and seed: a bare option is looked up first
+    in the study's sections, then in its own study.options, then everywhere."""
     chosen = get_study(name)
     own = {k: v for k, v in options.items() if k in chosen.option_names()}
     rest = {k: v for k, v in options.items() if k not in own}
-    overrides = [
+    return [
         f"study={name}",
         f"task={task.name}",
         f"seed={seed}",
         *option_overrides({f"study__options__{k}": v for k, v in own.items()}),
         *option_overrides(rest, prefer=(*chosen.sections, "engine", "output")),
     ]
-    return _run_study(model, task, name, overrides, n_prompts, show_progress)
 
 
 def reuse(

@@ -140,6 +140,9 @@ def _single(command: str, overrides: list[str]) -> None:
         from .models.loading import describe_weights
 
         out.print(f"weights: {result.config.model.name} {describe_weights(weights)}", highlight=False, soft_wrap=True)
+    page = result.run_dir / "atlas.html"
+    if page.is_file():
+        out.print(f"atlas: {page}", highlight=False, soft_wrap=True)
     drawn = sorted((result.run_dir / "figures").glob("*.png"))
     if drawn:
         names = ", ".join(p.name for p in drawn)
@@ -198,6 +201,17 @@ def sae(
         _sweep(ctx.args, sae_task, "sae")
     else:
         _single("sae", ctx.args)
+
+
+@app.command(context_settings=PASS_THROUGH)
+def atlas(
+    ctx: typer.Context,
+    scores: str | None = typer.Option(None, "--scores", help="A subset, comma-separated: e.g. induction,sink."),
+) -> None:
+    """Every head of a model on one page: `headlab atlas model=smollm2-135m [--scores induction,copy]` writes
+    the table of every score and atlas.html (`headlab run study=atlas` is the same)."""
+    chosen = [f"study.options.scores=[{scores}]"] if scores else []
+    _single("run", ["study=atlas", *ctx.args, *chosen])
 
 
 @app.command(context_settings=PASS_THROUGH)

@@ -30,6 +30,7 @@ BUILTIN = (
     "retrieval",
     "induction",
     "ioi_classes",
+    "atlas",
     "pathnet",
     "train",
     "sae",

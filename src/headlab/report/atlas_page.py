@@ -1,0 +1,104 @@
+"""atlas.html: every head of a model on one self-contained page (studies/atlas.py writes it).
+
+The layer x head grid, coloured by the score the menu picks; a head's labels on its cell (the rule on
+hover); a click opens the head's card (atlas.js, beside this file): every score with its interval and
+rank, its labels and why, its composition partners (clickable), its attention pattern on the example
+prompt, the tokens it attends to and writes most. Below, every head in a table to search and sort.
+Styles, script and data are inlined: the file opens with no network, like report.html.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from importlib.resources import files
+from typing import Any
+
+import pandas as pd
+
+from ..tables import head_name
+from .page import ON_ERROR
+from .page import STYLE as REPORT_STYLE
+
+STYLE = """
+body { max-width: 1500px; }
+#atlas-controls { display: flex; gap: 1em; align-items: center; flex-wrap: wrap; margin: .5em 0; }
+#atlas-grid td { width: 2.4em; height: 1.6em; cursor: pointer; font-size: 10px; text-align: center;
+  padding: 0; border: 1px solid #fff; }
+#atlas-grid td.picked { outline: 3px solid #000; } #atlas-grid td.dim { opacity: .25; }
+#atlas-grid th { font-weight: normal; font-size: 11px; }
+#atlas-layout { display: flex; gap: 1.5em; align-items: flex-start; flex-wrap: wrap; }
+#atlas-card { min-width: 420px; max-width: 640px; border: 1px solid #ccc; padding: .5em 1em; }
+#atlas-card[hidden] { display: none; } #atlas-card a { cursor: pointer; color: #0645ad; }
+#atlas-card td.text, #atlas-heads td.text { text-align: left; }
+#atlas-heads th { cursor: pointer; white-space: nowrap; }
+#atlas-legend { font-size: 12px; color: #555; }
+"""
+
+
+def _number(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(v) or math.isinf(v) else round(v, 5)
+
+
+def atlas_data(table: pd.DataFrame, extras: dict) -> dict:
+    """The page's data: heads, and per score and head [value, ci_low, ci_high, rank, n, partner]."""
+    n_layers, n_heads = int(table["layer"].max()) + 1, int(table["head"].max()) + 1
+    scores: dict[str, dict[str, list]] = {}
+    labels: dict[str, list[list[str]]] = {}
+    for r in table.itertuples():
+        name = head_name(int(r.layer), int(r.head))
+        partner = getattr(r, "partner", None)
+        rank = getattr(r, "rank", None)
+        scores.setdefault(str(r.metric), {})[name] = [
+            _number(r.value),
+            _number(r.ci_low),
+            _number(r.ci_high),
+            None if pd.isna(rank) else int(rank),
+            None if pd.isna(r.n) else int(r.n),
+            None if partner is None or pd.isna(partner) else str(partner),
+        ]
+        label = getattr(r, "label", "")
+        if isinstance(label, str) and label:
+            rules = str(getattr(r, "rule", "")).split("; ")
+            for one, rule in zip(label.split(", "), rules):
+                labels.setdefault(name, []).append([one, rule])
+    signed = [m for m in scores if any((v[0] or 0) < 0 for v in scores[m].values())]
+    return {
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "scores": scores,
+        "signed": signed,
+        "labels": labels,
+        **extras,
+    }
+
+
+def page(table: pd.DataFrame, extras: dict) -> str:
+    data = atlas_data(table, extras)
+    blob = json.dumps(data, allow_nan=False).replace("<", "\\u003c")  # can never close the script element
+    script = files(__package__).joinpath("atlas.js").read_text()
+    model = html.escape(str(extras.get("model", "")))
+    rules = "".join(
+        f"<li><b>{html.escape(label)}</b>: {html.escape(rule)}</li>" for label, rule in extras.get("rules", {}).items()
+    )
+    body = (
+        f"<h1>headlab atlas: {model}</h1>"
+        f"<p>{data['n_layers']} layers x {data['n_heads']} heads, {len(data['scores'])} scores. Click a head for "
+        "its card; hover a label for the rule it passed.</p>"
+        "<div id='atlas-controls'><label>colour by <select id='atlas-score'></select></label>"
+        "<label>head <input id='atlas-search' type='search' placeholder='e.g. L3H2 or L3 or induction'></label>"
+        "<span id='atlas-legend'></span></div>"
+        "<div id='atlas-layout'><table id='atlas-grid'></table><div id='atlas-card' hidden></div></div>"
+        "<h2>Every head</h2><p>Click a column to sort by it (again to reverse); the search above filters.</p>"
+        "<div class='scroll'><table id='atlas-heads'><thead></thead><tbody></tbody></table></div>"
+        f"<h2>Class rules</h2><ul>{rules}</ul>"
+        "<noscript>The atlas needs JavaScript; its rows are in results.csv.</noscript>"
+        f"<script type='application/json' id='atlas-data'>{blob}</script><script>{script}</script>"
+    )
+    head = f"<meta charset='utf-8'><title>headlab atlas: {model}</title><style>{REPORT_STYLE}{STYLE}</style>"
+    return f"<!doctype html><html><head>{head}{ON_ERROR}</head><body>{body}</body></html>"

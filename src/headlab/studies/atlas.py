@@ -1,0 +1,146 @@
+"""`headlab atlas model=...` (`headlab run study=atlas`): every head of a model on one page.
+
+Each score comes from the study that owns it, run as its own `headlab run` would run it (atlas_probes.py),
+on one loaded model; its table is cached under output.root/atlas/<model>/<probe>-<that study's config
+hash>/, so a second atlas with another score runs only that score's probe. Attention entropy and distance
+and the heads' cards (an example pattern, the tokens each head attends to and writes most) are the
+atlas's own probe, on the text (analysis/attention_stats.py). Labels follow atlas_rules.py.
+
+Rows: intervention "none", method "score", one per head and atlas score (metric), with its 95% interval
+where the score has one, `rank` among the heads (1: the largest, by magnitude for the ablation effects),
+`probe`, `partner` (composition), `label` and `rule` where the score passes a class's rule. The run dir
+also holds atlas.html (report/atlas_page.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pandas as pd
+
+from .. import results
+from ..config import Config, option, run_info
+from ..errors import HeadlabError, UsageError
+from ..io import atomic_write_bytes
+from ..models.hooked import HookedModel
+from ..report.atlas_page import page
+from ..tables import head_name
+from ..tasks import build_task
+from .atlas_cards import attention_probe
+from .atlas_probes import ATTENTION_SCORES, PROBES, SCORES, AtlasOptions, Probe, cache_dir, partners, probe_config
+from .atlas_rules import labelled, rule_texts
+from .context import RunContext
+from .registry import resolve
+from .runner import previous_result
+from .study import Study
+from .summary import head_table
+
+BY_MAGNITUDE = ("ioi_logit_diff_change", "text_loss_increase")  # ranked by |value|: either sign matters
+PAGE = "atlas.html"
+
+
+def chosen_scores(options: AtlasOptions) -> list[str]:
+    unknown = [s for s in options.scores if s not in SCORES]
+    if unknown:
+        raise UsageError(f"atlas: unknown score {unknown[0]!r}; choose from: {', '.join(SCORES)}")
+    return list(options.scores) or list(SCORES)
+
+
+def run_probe(ctx: RunContext, model: HookedModel, probe: Probe, options: AtlasOptions) -> tuple[pd.DataFrame, str]:
+    """The probe's study table (cached), and the task it ran on."""
+    cfg = probe_config(ctx.cfg, probe.overrides(options))
+    study = resolve(cfg, probe.study)
+    where = cache_dir(ctx.cfg, probe.name, study.hash(cfg))
+    table = previous_result(cfg, where, "run", probe.study)
+    ctx.meta.setdefault("probes", {})[probe.name] = {"dir": str(where), "cached": table is not None}
+    if table is None:
+        inner = RunContext(cfg, where, ctx.show_progress, task=build_task(cfg.task), model=model)
+        inner.options = study.options(cfg)
+        with ctx.timed(probe.name):
+            table = study.run(inner)
+        results.write(table, where, results.run_meta(study.hash(cfg), inner.timings, {"study": study.name, **inner.meta}))
+        ctx.meta["probes"][probe.name]["seconds"] = round(sum(inner.timings.values()), 1)
+    return table, cfg.task.name
+
+
+def ranked(rows: pd.DataFrame) -> pd.DataFrame:
+    key = rows["value"].where(~rows["metric"].isin(BY_MAGNITUDE), rows["value"].abs())
+    rows = rows.assign(rank=key.groupby(rows["metric"]).rank(ascending=False, method="min"))
+    return rows.astype({"rank": "Int64"})
+
+
+def fitted(options: AtlasOptions, cfg: Config) -> AtlasOptions:
+    """The options a toy model allows: BOS and two copies of the repeat within n_ctx; at most half its heads
+    ablated together, so that random draws of as many others exist."""
+    if option(cfg.model.kind) != "toy":
+        return options
+    repeat_len = min(options.repeat_len, (cfg.model.n_ctx - 1) // 2)
+    top_k = min(options.top_k, max(1, cfg.model.n_layers * cfg.model.n_heads // 2))
+    return dataclasses.replace(options, repeat_len=repeat_len, top_k=top_k)
+
+
+def run(ctx: RunContext) -> pd.DataFrame:
+    cfg, options = ctx.cfg, fitted(ctx.options or AtlasOptions(), ctx.cfg)
+    wanted = chosen_scores(options)
+    model = ctx.get_model(runs_task=False)
+    model.place(cfg.device)
+    frames, cards, links = [], {}, {}
+    for probe in PROBES:
+        if not set(probe.scores) & set(wanted):
+            continue
+        if probe.needs_tokenizer and model.tokenizer is None:
+            ctx.note(f"atlas: {model.name} has no tokenizer: {', '.join(probe.scores)} left out (its prompts are text)")
+            continue
+        if probe.name == "composition" and model.n_layers < 2:
+            ctx.note(f"atlas: {model.name} has one layer: composition left out")
+            continue
+        try:
+            table, task = run_probe(ctx, model, probe, options)
+        except UsageError:
+            raise
+        except HeadlabError as e:  # the study ran and found nothing to score (retrieval: no needle recalled)
+            ctx.note(f"atlas: {', '.join(probe.scores)} left out: {e}")
+            continue
+        frames.append(probe.rows(table).assign(probe=probe.name, probe_task=task))
+        if probe.name == "composition":
+            links = partners(table, options.partners)
+    with ctx.timed("attention"):
+        attention, cards = attention_probe(ctx, model, options, set(ATTENTION_SCORES) & set(wanted))
+    frames.append(attention)
+    rows = labelled(ranked(pd.concat([f for f in frames if len(f)], ignore_index=True)))
+    table = results.conform(rows.assign(intervention="none", method="score", **run_info(cfg)))
+    classes = {
+        label: sorted({head_name(int(r.layer), int(r.head)) for r in table.itertuples() if label in str(r.label).split(", ")})
+        for label in rule_texts()
+    }
+    ctx.meta.update({"classes": classes, "rules": rule_texts(), "scores": wanted, "model_family": model.family})
+    ctx.meta["options"] = dataclasses.asdict(options)
+    if ctx.run_dir is not None:
+        html = page(table, {**cards, "partners": links, "rules": rule_texts(), "model": model.name})
+        Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(Path(ctx.run_dir) / PAGE, html.encode())
+    return table
+
+
+def summary(df: pd.DataFrame, max_rows: int) -> None:
+    """Per class, its heads; then the head table of the scores."""
+    from rich.console import Console
+
+    console = Console()
+    labelled_rows = df[df["label"].fillna("") != ""]
+    for label, rule in rule_texts().items():
+        heads = sorted({head_name(int(r.layer), int(r.head)) for r in labelled_rows.itertuples() if label in r.label})
+        console.print(f"[bold]{label}[/bold] ({len(heads)}): {' '.join(heads) or '-'}", highlight=False, soft_wrap=True)
+    console.print(f"{len(df)} rows, {df['metric'].nunique()} scores", highlight=False)
+    head_table(df, max_rows)
+
+
+STUDY = Study(
+    name="atlas",
+    description="every head on one page: its scores from each study, labels by stated rules, atlas.html",
+    run=run,
+    summary=summary,
+    reads=("model", "task", "train"),
+    schema=AtlasOptions,
+)
