@@ -28,13 +28,23 @@ from ..report.atlas_page import page
 from ..tables import head_name
 from ..tasks import build_task
 from .atlas_cards import attention_probe
-from .atlas_probes import ATTENTION_SCORES, PROBES, SCORES, AtlasOptions, Probe, cache_dir, partners, probe_config
+from .atlas_probes import (
+    ATTENTION_SCORES,
+    PROBES,
+    SCORE_METRICS,
+    SCORES,
+    AtlasOptions,
+    Probe,
+    cache_dir,
+    partners,
+    probe_config,
+)
 from .atlas_rules import labelled, rule_texts
 from .context import RunContext
 from .registry import resolve
 from .runner import previous_result
 from .study import Study
-from .summary import head_table
+from .summary import console, head_table
 
 BY_MAGNITUDE = ("ioi_logit_diff_change", "text_loss_increase")  # ranked by |value|: either sign matters
 PAGE = "atlas.html"
@@ -59,7 +69,9 @@ def run_probe(ctx: RunContext, model: HookedModel, probe: Probe, options: AtlasO
         inner.options = study.options(cfg)
         with ctx.timed(probe.name):
             table = study.run(inner)
-        results.write(table, where, results.run_meta(study.hash(cfg), inner.timings, {"study": study.name, **inner.meta}))
+        results.write(
+            table, where, results.run_meta(study.hash(cfg), inner.timings, {"study": study.name, **inner.meta})
+        )
         ctx.meta["probes"][probe.name]["seconds"] = round(sum(inner.timings.values()), 1)
     return table, cfg.task.name
 
@@ -85,7 +97,9 @@ def run(ctx: RunContext) -> pd.DataFrame:
     wanted = chosen_scores(options)
     model = ctx.get_model(runs_task=False)
     model.place(cfg.device)
-    frames, cards, links = [], {}, {}
+    with ctx.timed("attention"):  # first: the cheap probes before the ablations, which take most of the time
+        attention, cards = attention_probe(ctx, model, options, set(ATTENTION_SCORES) & set(wanted))
+    frames, links = [attention], {}
     for probe in PROBES:
         if not set(probe.scores) & set(wanted):
             continue
@@ -102,18 +116,15 @@ def run(ctx: RunContext) -> pd.DataFrame:
         except HeadlabError as e:  # the study ran and found nothing to score (retrieval: no needle recalled)
             ctx.note(f"atlas: {', '.join(probe.scores)} left out: {e}")
             continue
-        frames.append(probe.rows(table).assign(probe=probe.name, probe_task=task))
+        rows = probe.rows(table)
+        keep = [m for s in wanted if s in probe.scores for m in SCORE_METRICS[s]]
+        frames.append(rows[rows["metric"].isin(keep)].assign(probe=probe.name, probe_task=task))
         if probe.name == "composition":
             links = partners(table, options.partners)
-    with ctx.timed("attention"):
-        attention, cards = attention_probe(ctx, model, options, set(ATTENTION_SCORES) & set(wanted))
-    frames.append(attention)
     rows = labelled(ranked(pd.concat([f for f in frames if len(f)], ignore_index=True)))
-    table = results.conform(rows.assign(intervention="none", method="score", **run_info(cfg)))
-    classes = {
-        label: sorted({head_name(int(r.layer), int(r.head)) for r in table.itertuples() if label in str(r.label).split(", ")})
-        for label in rule_texts()
-    }
+    table = rows.assign(intervention="none", method="score", **run_info(cfg))
+    table = results.conform(table.assign(task=table.pop("probe_task")))  # the task each score was read on
+    classes = {label: heads_with(table, label) for label in rule_texts()}
     ctx.meta.update({"classes": classes, "rules": rule_texts(), "scores": wanted, "model_family": model.family})
     ctx.meta["options"] = dataclasses.asdict(options)
     if ctx.run_dir is not None:
@@ -123,14 +134,16 @@ def run(ctx: RunContext) -> pd.DataFrame:
     return table
 
 
+def heads_with(table: pd.DataFrame, label: str) -> list[str]:
+    """The heads one of whose scores passes the rule of `label`, in layer and head order."""
+    found = {(int(r.layer), int(r.head)) for r in table.itertuples() if label in str(r.label).split(", ")}
+    return [head_name(*h) for h in sorted(found)]
+
+
 def summary(df: pd.DataFrame, max_rows: int) -> None:
     """Per class, its heads; then the head table of the scores."""
-    from rich.console import Console
-
-    console = Console()
-    labelled_rows = df[df["label"].fillna("") != ""]
-    for label, rule in rule_texts().items():
-        heads = sorted({head_name(int(r.layer), int(r.head)) for r in labelled_rows.itertuples() if label in r.label})
+    for label in rule_texts():
+        heads = heads_with(df, label)
         console.print(f"[bold]{label}[/bold] ({len(heads)}): {' '.join(heads) or '-'}", highlight=False, soft_wrap=True)
     console.print(f"{len(df)} rows, {df['metric'].nunique()} scores", highlight=False)
     head_table(df, max_rows)

@@ -93,7 +93,9 @@ def composition_rows(table: pd.DataFrame) -> pd.DataFrame:
     for mode in ("q", "k", "v"):
         pairs = table[table["metric"] == f"{mode}_composition"]
         for side, me, other in (("in", "", "writer_"), ("out", "writer_", "")):
-            best = pairs.sort_values("value", ascending=False, kind="stable").drop_duplicates([f"{me}layer", f"{me}head"])
+            best = pairs.sort_values("value", ascending=False, kind="stable").drop_duplicates(
+                [f"{me}layer", f"{me}head"]
+            )
             frames.append(
                 pd.DataFrame(
                     {
@@ -102,7 +104,9 @@ def composition_rows(table: pd.DataFrame) -> pd.DataFrame:
                         "metric": f"{mode}_composition_{side}",
                         "value": best["value"].to_numpy(),
                         "n": 1,
-                        "partner": [head_name(int(a), int(b)) for a, b in zip(best[f"{other}layer"], best[f"{other}head"])],
+                        "partner": [
+                            head_name(int(a), int(b)) for a, b in zip(best[f"{other}layer"], best[f"{other}head"])
+                        ],
                     }
                 )
             )
@@ -191,6 +195,14 @@ PROBES = (
         score_rows({"retrieval_score": "retrieval_score"}),
     ),
     Probe(
+        "composition",
+        "composition",
+        ("composition",),
+        lambda o: ["scores=composition"],
+        False,
+        composition_rows,
+    ),
+    Probe(
         "text_ablation",
         "sweep",
         ("text_ablation",),
@@ -206,15 +218,22 @@ PROBES = (
         True,
         effect_rows("logit_diff", "ioi_logit_diff_change"),
     ),
-    Probe(
-        "composition",
-        "composition",
-        ("composition",),
-        lambda o: ["scores=composition"],
-        False,
-        composition_rows,
-    ),
 )
-# the atlas's own probe (studies/atlas.py): attention entropy and distance on the text, and the cards
+# the atlas's own probe (atlas_cards.py): attention entropy and distance on the text, and the cards
 ATTENTION_SCORES = ("entropy", "distance")
 SCORES = tuple(s for p in PROBES for s in p.scores) + ATTENTION_SCORES
+# each score's rows (metric) in the atlas table
+SCORE_METRICS = {
+    "prev_token": ("prev_token_score",),
+    "duplicate_token": ("duplicate_token_score",),
+    "induction": ("induction_score",),
+    "copy": ("copy_score",),
+    "negative_copy": ("negative_copy_score",),
+    "sink": ("gu_first_token_attention",),
+    "retrieval": ("retrieval_score",),
+    "text_ablation": ("text_loss_increase",),
+    "ioi_ablation": ("ioi_logit_diff_change",),
+    "composition": tuple(f"{m}_composition_{side}" for m in ("q", "k", "v") for side in ("in", "out")),
+    "entropy": ("attention_entropy",),
+    "distance": ("attention_distance",),
+}
