@@ -95,16 +95,16 @@
     const p = (data.patterns || {})[name];
     const tokens = data.tokens || [];
     if (!p) return el("p", "no pattern");
-    const size = 14, pad = 70, n = p.length;
+    const size = 14, pad = 70, top = 4, n = p.length;
     const ns = "http://www.w3.org/2000/svg";
     const svg = document.createElementNS(ns, "svg");
     svg.setAttribute("width", pad + n * size);
-    svg.setAttribute("height", pad + n * size);
+    svg.setAttribute("height", top + n * size);
     svg.setAttribute("class", "pattern");
     for (let q = 0; q < n; q++) {
       const t = document.createElementNS(ns, "text");
       t.setAttribute("x", pad - 3);
-      t.setAttribute("y", pad + q * size + size - 3);
+      t.setAttribute("y", top + q * size + size - 3);
       t.setAttribute("text-anchor", "end");
       t.setAttribute("font-size", "9");
       t.textContent = JSON.stringify(tokens[q] || "").slice(1, -1).slice(0, 10);
@@ -112,7 +112,7 @@
       for (let k = 0; k <= q && k < p[q].length; k++) {
         const r = document.createElementNS(ns, "rect");
         r.setAttribute("x", pad + k * size);
-        r.setAttribute("y", pad + q * size);
+        r.setAttribute("y", top + q * size);
         r.setAttribute("width", size);
         r.setAttribute("height", size);
         const a = p[q][k] / 1000;
