@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..interventions.sinks import real_tokens
 from ..models.hooked import HookedModel
 from ..tasks import TaskData
+from .sinks import real_tokens  # the sink scores' reading of a prompt's real tokens
 
 ATTENTION_QUANTITIES = ("attention_entropy", "attention_distance")
 

@@ -15,6 +15,7 @@ also holds atlas.html (report/atlas_page.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -41,8 +42,6 @@ from .atlas_probes import (
 )
 from .atlas_rules import labelled, rule_texts
 from .context import RunContext
-from .registry import resolve
-from .runner import previous_result
 from .study import Study
 from .summary import console, head_table
 
@@ -58,21 +57,22 @@ def chosen_scores(options: AtlasOptions) -> list[str]:
 
 
 def run_probe(ctx: RunContext, model: HookedModel, probe: Probe, options: AtlasOptions) -> tuple[pd.DataFrame, str]:
-    """The probe's study table (cached), and the task it ran on."""
+    """The probe's study table (from the cache where that study's hash matches), and the task it ran on."""
     cfg = probe_config(ctx.cfg, probe.overrides(options))
-    study = resolve(cfg, probe.study)
-    where = cache_dir(ctx.cfg, probe.name, study.hash(cfg))
-    table = previous_result(cfg, where, "run", probe.study)
-    ctx.meta.setdefault("probes", {})[probe.name] = {"dir": str(where), "cached": table is not None}
-    if table is None:
-        inner = RunContext(cfg, where, ctx.show_progress, task=build_task(cfg.task), model=model)
-        inner.options = study.options(cfg)
-        with ctx.timed(probe.name):
-            table = study.run(inner)
-        results.write(
-            table, where, results.run_meta(study.hash(cfg), inner.timings, {"study": study.name, **inner.meta})
-        )
-        ctx.meta["probes"][probe.name]["seconds"] = round(sum(inner.timings.values()), 1)
+    study = probe.study
+    cfg.study.name = study.name  # as `headlab run` sets it; the overrides name no other study
+    key = study.hash(cfg)
+    where = cache_dir(ctx.cfg, probe.name, key)
+    cached = results.is_complete(where) and json.loads((where / results.META).read_text()).get("config_hash") == key
+    ctx.meta.setdefault("probes", {})[probe.name] = {"dir": str(where), "cached": cached}
+    if cached:
+        return pd.read_parquet(where / results.TABLE), cfg.task.name
+    inner = RunContext(cfg, where, ctx.show_progress, task=build_task(cfg.task), model=model)
+    inner.options = study.options(cfg)
+    with ctx.timed(probe.name):
+        table = study.run(inner)
+    results.write(table, where, results.run_meta(key, inner.timings, {"study": study.name, **inner.meta}))
+    ctx.meta["probes"][probe.name]["seconds"] = round(sum(inner.timings.values()), 1)
     return table, cfg.task.name
 
 

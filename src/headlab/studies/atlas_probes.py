@@ -22,6 +22,12 @@ import pandas as pd
 from ..composition import compose
 from ..config import Config
 from ..tables import head_name
+from .composition import STUDY as COMPOSITION
+from .induction import STUDY as INDUCTION
+from .retrieval import STUDY as RETRIEVAL
+from .sinks import STUDY as SINKS
+from .study import Study
+from .sweep import STUDY as SWEEP
 
 CORPUS = Path(__file__).resolve().parents[3] / "data" / "alice.txt"  # the repo's text corpus (data/README.md)
 ROW_COLUMNS = ["layer", "head", "metric", "value", "n", "ci_low", "ci_high"]
@@ -47,7 +53,7 @@ class AtlasOptions:
 @dataclass(frozen=True)
 class Probe:
     name: str  # the cache folder's prefix
-    study: str  # the study it runs (`headlab run study=...`)
+    study: Study  # the study it runs (`headlab run study=...`)
     scores: tuple[str, ...]  # the atlas scores it yields (names `--scores` takes)
     overrides: Callable[[AtlasOptions], list[str]]  # beside the model's, seed and device
     needs_tokenizer: bool  # IOI, text and needle prompts need the model's tokenizer
@@ -151,7 +157,7 @@ def text_overrides(o: AtlasOptions, n_docs: int) -> list[str]:
 PROBES = (
     Probe(
         "induction",
-        "induction",
+        INDUCTION,
         ("prev_token", "duplicate_token", "induction"),
         lambda o: [
             "scores=induction",
@@ -165,7 +171,7 @@ PROBES = (
     ),
     Probe(
         "copy",
-        "sweep",
+        SWEEP,
         ("copy", "negative_copy"),
         lambda o: ["task=ioi", f"task.n_prompts={o.copy_prompts}", "ablate=none", "head_scores=true"],
         True,
@@ -173,7 +179,7 @@ PROBES = (
     ),
     Probe(
         "sinks",
-        "sinks",
+        SINKS,
         ("sink",),
         lambda o: [*text_overrides(o, 0), "scores=sinks", f"scores.seq_len={o.text_len}"],
         True,
@@ -181,7 +187,7 @@ PROBES = (
     ),
     Probe(
         "retrieval",
-        "retrieval",
+        RETRIEVAL,
         ("retrieval",),
         lambda o: [
             "task=needle",
@@ -196,7 +202,7 @@ PROBES = (
     ),
     Probe(
         "composition",
-        "composition",
+        COMPOSITION,
         ("composition",),
         lambda o: ["scores=composition"],
         False,
@@ -204,7 +210,7 @@ PROBES = (
     ),
     Probe(
         "text_ablation",
-        "sweep",
+        SWEEP,
         ("text_ablation",),
         lambda o: [*text_overrides(o, o.text_docs), "ablate=heads"],
         True,
@@ -212,7 +218,7 @@ PROBES = (
     ),
     Probe(
         "ioi_ablation",
-        "sweep",
+        SWEEP,
         ("ioi_ablation",),
         lambda o: ["task=ioi", f"task.n_prompts={o.ioi_prompts}", "ablate=heads"],
         True,

@@ -33,10 +33,12 @@ class Rule:
         return f"{self.metric}: {where} {self.op} {bound} ({self.source})"
 
     def passes(self, row: pd.Series) -> bool:
-        clean = row.get("clean")
-        if self.relative and not (clean is not None and clean > 0):
-            return False  # a share of a clean value the model does not reach (IOI: logit difference <= 0)
-        limit = self.threshold * float(clean) if self.relative else self.threshold
+        limit = self.threshold
+        if self.relative:
+            clean = float(row.get("clean", float("nan")))
+            if not clean > 0:
+                return False  # a share of a clean value the model does not reach (IOI: logit difference <= 0)
+            limit = self.threshold * clean
         if self.on == "interval":
             edge = row["ci_low"] if self.op == ">" else row["ci_high"]
             if pd.isna(edge):
