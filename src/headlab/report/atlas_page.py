@@ -50,23 +50,30 @@ def atlas_data(table: pd.DataFrame, extras: dict) -> dict:
     n_layers, n_heads = int(table["layer"].max()) + 1, int(table["head"].max()) + 1
     scores: dict[str, dict[str, list]] = {}
     labels: dict[str, list[list[str]]] = {}
-    for r in table.itertuples():
-        name = head_name(int(r.layer), int(r.head))
-        partner = getattr(r, "partner", None)
-        rank = getattr(r, "rank", None)
-        scores.setdefault(str(r.metric), {})[name] = [
-            _number(r.value),
-            _number(r.ci_low),
-            _number(r.ci_high),
-            None if pd.isna(rank) else int(rank),
-            None if pd.isna(r.n) else int(r.n),
-            None if partner is None or pd.isna(partner) else str(partner),
+    blank = pd.Series([None] * len(table), index=table.index, dtype=object)
+    columns = [
+        table["layer"].astype(int).tolist(),
+        table["head"].astype(int).tolist(),
+        table["metric"].astype(str).tolist(),
+        *(table[c].tolist() for c in ("value", "ci_low", "ci_high")),
+        *(
+            table[c].astype(object).where(table[c].notna(), None).tolist() if c in table else blank.tolist()
+            for c in ("rank", "n", "partner", "label", "rule")
+        ),
+    ]
+    for layer, head, metric, value, low, high, rank, n, partner, label, rule in zip(*columns):
+        name = head_name(layer, head)
+        scores.setdefault(metric, {})[name] = [
+            _number(value),
+            _number(low),
+            _number(high),
+            None if rank is None else int(rank),
+            None if n is None else int(n),
+            None if partner is None else str(partner),
         ]
-        label = getattr(r, "label", "")
-        if isinstance(label, str) and label:
-            rules = str(getattr(r, "rule", "")).split("; ")
-            for one, rule in zip(label.split(", "), rules):
-                labels.setdefault(name, []).append([one, rule])
+        if label:
+            for one, why in zip(str(label).split(", "), str(rule).split("; ")):
+                labels.setdefault(name, []).append([one, why])
     signed = [m for m in scores if any((v[0] or 0) < 0 for v in scores[m].values())]
     return {
         "n_layers": n_layers,

@@ -136,7 +136,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
 
 def heads_with(table: pd.DataFrame, label: str) -> list[str]:
     """The heads one of whose scores passes the rule of `label`, in layer and head order."""
-    found = {(int(r.layer), int(r.head)) for r in table.itertuples() if label in str(r.label).split(", ")}
+    mine = table[table["label"].fillna("").astype(str).str.split(", ").apply(lambda labels: label in labels)]
+    found = set(zip(mine["layer"].astype(int).tolist(), mine["head"].astype(int).tolist()))
     return [head_name(*h) for h in sorted(found)]
 
 
