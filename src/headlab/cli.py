@@ -210,7 +210,7 @@ def atlas(
 ) -> None:
     """Every head of a model on one page: `headlab atlas model=smollm2-135m [--scores induction,copy]` writes
     the table of every score and atlas.html (`headlab run study=atlas` is the same)."""
-    chosen = [f"study.options.scores=[{scores}]"] if scores else []
+    chosen = [f"++study.options.scores=[{scores}]"] if scores else []
     _single("run", ["study=atlas", *ctx.args, *chosen])
 
 
