@@ -218,3 +218,12 @@ def test_atlas_page_in_headless_chromium(llama_atlas, tmp_path):
     import matplotlib.image
 
     assert matplotlib.image.imread(shot)[..., :3].std() > 0.05  # not a blank page
+
+
+def test_the_study_yaml_holds_the_options_defaults():
+    import dataclasses
+
+    from headlab.composition import compose
+    from headlab.studies.atlas_probes import AtlasOptions
+
+    assert dict(compose(["study=atlas"]).study.options) == dataclasses.asdict(AtlasOptions())
