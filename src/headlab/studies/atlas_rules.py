@@ -122,7 +122,7 @@ RULES = (
 def labelled(rows: pd.DataFrame) -> pd.DataFrame:
     """The atlas rows with `label` (the class whose rule the row's score passes, else empty) and
     `rule` (that rule, in words, with the clean value where the threshold is relative to it)."""
-    rows = rows.copy()
+    rows = rows.reset_index(drop=True)  # one row per index label, whatever the frames it was built from
     rows["label"], rows["rule"] = "", ""
     for rule in RULES:
         mine = rows["metric"] == rule.metric
