@@ -235,11 +235,16 @@ def main() -> int:
     parser.add_argument("--axes", default=",".join(AXES), help="which axes to run (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="two small points per axis: a check that it runs")
     parser.add_argument("--out", default="outputs/bench")
+    parser.add_argument("--replot", help="a points csv (scaling.csv) to redraw the figure and slopes from")
     parser.add_argument("--docs", default="docs", help="where the README's copy of the figure goes ('' for none)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        return write_outputs(pd.read_csv(args.replot), out, args.docs)
     tune_allocator()
     load_start = os.getloadavg()[0]
     rows: list[dict] = []
@@ -260,21 +265,25 @@ def main() -> int:
             else:
                 new = sweep_point(axis, len(models[layers].cells) if axis == "heads" else x, models[layers], data, args)
             rows += new
+            pd.DataFrame(rows).to_csv(out / "scaling.csv", index=False)  # so far: a cut-short run keeps its points
             for r in new:
                 print(f"{axis}_{r['x']}_{r['side']}: {r['seconds']:.3f} s, {r['peak_mb']:.0f} MB", flush=True)
-    points = pd.DataFrame(rows)
+    write_outputs(pd.DataFrame(rows), out, args.docs)
+    print(f"load_average_1min: {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+def write_outputs(points: pd.DataFrame, out: Path, docs: str) -> int:
+    """The points, the slopes table and the figure (and its copy for the README)."""
     table = slopes(points)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     points.to_csv(out / "scaling.csv", index=False)
     table.to_csv(out / "scaling_slopes.csv", index=False)
     figure(points, table, out / "scaling.png")
-    if args.docs:
-        Path(args.docs).mkdir(exist_ok=True)
-        shutil.copy(out / "scaling.png", Path(args.docs) / "scaling.png")
+    if docs:
+        Path(docs).mkdir(exist_ok=True)
+        shutil.copy(out / "scaling.png", Path(docs) / "scaling.png")
     for r in table.itertuples():
         print(f"slope_{r.axis}_{r.side}: seconds {r.slope_seconds:.2f}, peak_mb {r.slope_peak_mb:.2f}")
-    print(f"load_average_1min: {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     return 0
 
 
