@@ -22,7 +22,8 @@ the loaded weights excluded. A loop's peak is one pass's, so running it on a few
 Slope: least squares of log(seconds) and log(peak_mb) on log(x), per side and axis.
 
 Writes outputs/bench/scaling.csv (every point), scaling_slopes.csv, scaling.png, and copies the figure to
-docs/scaling.png (the README's). Run from the repo root: `make scaling` (about 10 minutes on 2 CPU cores).
+docs/scaling.png (the README's). Run from the repo root: `make scaling`
+(55 minutes on 2 shared cores under a load average of 25 to 12).
 """
 
 from __future__ import annotations
