@@ -70,7 +70,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         ]
         ivs = [CLEAN, *senders] if clean is None else senders
         with ctx.timed(f"path_patching_{round_}"):
-            quantities = execute(
+            patched = execute(
                 model,
                 task,
                 data,
@@ -80,7 +80,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
                 seed=cfg.seed,
                 gpu_memory_share=cfg.engine.gpu_memory_share,
             )
-            quantities = quantities.cpu().numpy()
+            quantities = patched.cpu().numpy()
         if clean is None:
             clean = float(quantities[0, :, task.quantities.index("logit_diff")].mean())
         rows = [iv.row() for iv in ivs]
