@@ -315,17 +315,17 @@ class SaeConfig:
     architecture: SaeArchitecture = SaeArchitecture.relu_l1
     layer: int = 0
     layers: list[int] | None = None  # one SAE per listed layer, in one run (None: sae.layer alone)
-    # sized for `headlab sae model=smollm2-135m` (its ~4,800 training tokens of data/alice.txt, 2 CPU
-    # cores); Kissane et al. fit expansion 32 on hundreds of millions of tokens
-    expansion: int = 4  # latents per input dimension: d_sae = expansion * n_heads * d_head
+    # the defaults are those of every run before them (a default's change would move every run's hash);
+    # experiment=attn_sae_smollm2 sizes them for smollm2 over data/alice.txt on 2 CPU cores
+    expansion: int = 16  # latents per input dimension: d_sae = expansion * n_heads * d_head
     # fit on z scaled to a mean squared norm of d_in (SAELens's normalize_activations=
     # "expected_average_only_in"), so l1_coeff means the same on every model; the saved SAE takes raw z
-    normalize: bool = True
+    normalize: bool = False
     l1_coeff: float = 1.0  # relu_l1: weight of sum |f| against the squared error (summed over dimensions)
     l1_warmup_steps: int = 0  # relu_l1: the L1 weight ramps up linearly over these steps
     k: int = 8  # topk: latents active per token
-    steps: int = 400
-    batch_size: int = 512  # tokens per step
+    steps: int = 2000
+    batch_size: int = 1024  # tokens per step
     lr: float = 1e-3
     warmup_steps: int = 100
     beta1: float = 0.9

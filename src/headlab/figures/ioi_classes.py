@@ -101,7 +101,9 @@ def classify(scores: dict[str, np.ndarray], direct: np.ndarray | None) -> dict[s
 def procedure_classes(df: pd.DataFrame) -> dict[str, list[str]]:
     """class -> heads "L.H" from the class rows of study=ioi_classes (Wang et al.'s procedure), in its
     class order; empty where the table has none. A class the procedure left empty is absent."""
-    rows = df[df["method"] == CLASS_METHOD].dropna(subset=["layer", "head"]) if "method" in df else df.iloc[:0]
+    if not {"method", "group"} <= set(df.columns):
+        return {}
+    rows = df[df["method"] == CLASS_METHOD].dropna(subset=["layer", "head"])
     found: dict[str, list[str]] = {}
     for cls in CLASSES:
         part = rows[rows["group"] == cls].drop_duplicates(["layer", "head"]).sort_values(["layer", "head"])
@@ -157,7 +159,8 @@ def draw(df: pd.DataFrame, out: Path, shape: tuple[int, int], model: str | None)
     if not found:
         return {}
     numbers.update({"found": found, "paper_gpt2_small": PAPER, "structure": structure(found)})
-    diagram = ioi_diagram.draw(found, shape[0], str(model), out)
+    # the diagram's arrows are the path-patching rounds: drawn only for the classes they found
+    diagram = ioi_diagram.draw(found, shape[0], str(model), out) if numbers["procedure"].startswith("path") else None
     if diagram:
         numbers["diagram"] = diagram
     gpt2 = model == GPT2_SMALL
