@@ -12,8 +12,7 @@ suffix (runs_suffixes false) runs the whole sequence at every step instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -83,20 +82,7 @@ def _decode_batch(model: HookedModel, batch: Inputs, prompt_len: int, steps: int
     return torch.stack(tokens, 1), torch.stack(tops, 2)
 
 
-@contextmanager
-def _top_keys(model: HookedModel, row: int) -> Iterator[dict[int, Tensor]]:
+def _top_keys(model: HookedModel, row: int) -> AbstractContextManager[dict[int, Tensor]]:
     """layer -> [b, head]: the key of highest attention from query row `row` of each pattern (ties to the
     earliest key), kept as the pass runs."""
-    seen: dict[int, Tensor] = {}
-
-    def keep(layer: int):
-        def hook(pattern: Tensor) -> Tensor:
-            seen[layer] = pattern[:, :, row].argmax(-1)
-            return pattern
-
-        return hook
-
-    with ExitStack() as stack:
-        for layer in range(model.n_layers):
-            stack.enter_context(model.sites.hooks(layer, pattern=keep(layer)))
-        yield seen
+    return model.kept(Site.pattern, lambda pattern: pattern[:, :, row].argmax(-1))

@@ -41,6 +41,13 @@ from ..vocabulary import Kind, Method
 REPEAT_QUANTITIES = ("first_copy_loss", "second_copy_loss", "repeat_loss_drop")
 
 
+def target_losses(logits: Tensor, data: TaskData) -> Tensor:
+    """logits [..., n, reads, vocab] -> the cross entropy of each read's answers["target"] token [..., n, reads]."""
+    target = data.answers["target"].to(logits.device).expand(logits.shape[:-1])
+    wide = torch.promote_types(logits.dtype, torch.float32)  # half-precision logits: the loss in float32
+    return F.cross_entropy(logits.flatten(0, -2).to(wide), target.flatten(), reduction="none").view(target.shape)
+
+
 class RepeatLoss(Task):
     """The repeat loss as a task, so that the engine's joint ablation reads it like any task's metric."""
 
@@ -54,9 +61,7 @@ class RepeatLoss(Task):
 
     def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
         """logits [..., n, 2(T-1), vocab] at the first copy's reads, then the second's -> [..., n, 3]."""
-        target = data.answers["target"].to(logits.device).expand(logits.shape[:-1])
-        wide = torch.promote_types(logits.dtype, torch.float32)  # half-precision logits: the loss in float32
-        loss = F.cross_entropy(logits.flatten(0, -2).to(wide), target.flatten(), reduction="none").view(target.shape)
+        loss = target_losses(logits, data)
         half = loss.shape[-1] // 2
         first, second = loss[..., :half].mean(-1), loss[..., half:].mean(-1)
         return torch.stack([first, second, first - second], dim=-1)
@@ -106,9 +111,7 @@ class TokenLoss(Task):
 
     def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
         """logits [..., n, 2, vocab] at the reads predicting the 50th and 500th tokens -> [..., n, 3]."""
-        target = data.answers["target"].to(logits.device).expand(logits.shape[:-1])
-        wide = torch.promote_types(logits.dtype, torch.float32)
-        loss = F.cross_entropy(logits.flatten(0, -2).to(wide), target.flatten(), reduction="none").view(target.shape)
+        loss = target_losses(logits, data)
         early, late = loss[..., 0], loss[..., 1]
         return torch.stack([early, late, late - early], dim=-1)
 

@@ -24,8 +24,7 @@ prefill is.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -164,24 +163,15 @@ def teacher_forced_retrieval(model: HookedModel, data: TaskData, batch_size: int
     return Retrieval(torch.cat(parts).T.cpu(), torch.cat(recalls).cpu())
 
 
-@contextmanager
-def _copy_step_patterns(model: HookedModel, steps: Tensor) -> Iterator[dict[int, Tensor]]:
+def _copy_step_patterns(model: HookedModel, steps: Tensor) -> AbstractContextManager[dict[int, Tensor]]:
     """layer -> attention [b, head, L, key] from the copy steps only, kept as the forward pass runs: a
     full pattern per layer would grow with the square of the context."""
-    seen: dict[int, Tensor] = {}
 
-    def keep(layer: int):
-        def hook(pattern: Tensor) -> Tensor:
-            rows = torch.arange(pattern.shape[0], device=pattern.device)[:, None]
-            seen[layer] = pattern[rows, :, steps.to(pattern.device)].transpose(1, 2).float()
-            return pattern
+    def rows_of(pattern: Tensor) -> Tensor:
+        rows = torch.arange(pattern.shape[0], device=pattern.device)[:, None]
+        return pattern[rows, :, steps.to(pattern.device)].transpose(1, 2).float()
 
-        return hook
-
-    with ExitStack() as stack:
-        for layer in range(model.n_layers):
-            stack.enter_context(model.sites.hooks(layer, pattern=keep(layer)))
-        yield seen
+    return model.kept(Site.pattern, rows_of)
 
 
 def mask_interventions(heads: list[tuple[int, int]], length: int, group: str) -> list[Intervention]:

@@ -241,13 +241,22 @@ class HookedModel:
     def embed(self, inputs: Inputs) -> Tensor:
         """The residual stream entering the first block [batch, pos, d_model] (token and, where the model
         has them, position embeddings); no block runs."""
+        return self._input_to(self.blocks[0], inputs)
+
+    def forward_blocks(self, inputs: Inputs) -> Tensor:
+        """A forward pass that stops before the final norm: hooks see every block, and no vocabulary-
+        sized logits are computed. Returns the residual stream entering the final norm."""
+        return self._input_to(self.final_norm, inputs)
+
+    def _input_to(self, module: nn.Module, inputs: Inputs) -> Tensor:
+        """The hidden states a forward pass hands `module`; the pass stops there."""
         kept: list[Tensor] = []
 
         def grab(_module, args, kwargs):
             kept.append(args[0] if args else kwargs["hidden_states"])
             raise _Stop
 
-        handle = self.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        handle = module.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             self.forward(inputs)
         except _Stop:
@@ -256,23 +265,23 @@ class HookedModel:
             handle.remove()
         return kept[0]
 
-    def forward_blocks(self, inputs: Inputs) -> Tensor:
-        """A forward pass that stops before the final norm: hooks see every block, and no vocabulary-
-        sized logits are computed. Returns the residual stream entering the final norm."""
-        final: list[Tensor] = []
+    @contextmanager
+    def kept(self, site: str, read: Callable[[Tensor], Tensor]) -> Iterator[dict[int, Tensor]]:
+        """layer -> read(the layer's `site` tensor), filled as a pass runs, the tensor itself left as it is:
+        for what a full record (sites.record) would hold too much of, e.g. one row of every pattern."""
+        seen: dict[int, Tensor] = {}
 
-        def stop(_module, args):
-            final.append(args[0])
-            raise _Stop
+        def keep(layer: int) -> Callable[[Tensor], Tensor]:
+            def hook(t: Tensor) -> Tensor:
+                seen[layer] = read(t)
+                return t
 
-        handle = self.final_norm.register_forward_pre_hook(stop)
-        try:
-            self.forward(inputs)
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
-        return final[0]
+            return hook
+
+        with ExitStack() as stack:
+            for layer in range(self.n_layers):
+                stack.enter_context(self.sites.hooks(layer, **{site: keep(layer)}))
+            yield seen
 
     @contextmanager
     def hooks(self, layer: int, **fns: Callable[[Tensor], Tensor]) -> Iterator[None]:
