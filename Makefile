@@ -47,13 +47,17 @@ $(VENV)/.headlab-bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]' 'torch==2.13.0'
 	touch $@
 
+# DEVICE=cuda runs the benchmarks on the GPU (their loops then cover every head)
+DEVICE ?= cpu
+BENCH_LOOP := $(if $(filter cpu,$(DEVICE)),--loop-heads 24,)
+
 bench: $(VENV)/.headlab-bench  # the GPT-2-shaped random model, then smollm2-135m (real weights): every ratio with its goal
-	$(BIN)/python benchmarks/sweep_speed.py --loop-heads 24
-	$(BIN)/python benchmarks/smollm2_speed.py
+	$(BIN)/python benchmarks/sweep_speed.py --device $(DEVICE) $(BENCH_LOOP)
+	$(BIN)/python benchmarks/smollm2_speed.py --device $(DEVICE)
 
 .PHONY: scaling
 scaling: $(VENV)/.headlab-bench  # cost vs prompts, tokens, heads and edges: outputs/bench/scaling.{png,csv}, docs/scaling.png
-	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/scaling.py --device $(DEVICE) $(if $(filter cpu,$(DEVICE)),,--docs '')
 
 .PHONY: sae-bench
 sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer on random-GPT-2 z and smollm2 z over data/alice.txt, ~10 min

@@ -19,7 +19,8 @@ shared machine's load a point moves by tens of percent, the slopes over a 16-256
 Memory: peak_mb is the peak resident set during the sweep above the resident set just before it (freed heap
 given back with malloc_trim, VmHWM reset through /proc/self/clear_refs): what the sweep itself allocates,
 the loaded weights excluded. A loop's peak is one pass's, so running it on a few heads measures it whole.
-Slope: least squares of log(seconds) and log(peak_mb) on log(x), per side and axis.
+On CUDA (--device cuda) the clock waits for the GPU and peak_mb is torch.cuda.max_memory_allocated above the
+memory allocated before the sweep. Slope: least squares of log(seconds) and log(peak_mb) on log(x), per side and axis.
 
 Writes outputs/bench/scaling.csv (every point), scaling_slopes.csv, scaling.png, and copies the figure to
 docs/scaling.png (the README's). Run from the repo root: `make scaling`
@@ -78,9 +79,19 @@ def status_kb(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def measured(fn) -> tuple[float, float, object]:
-    """(seconds, peak MB above the resident set before, result) of fn()."""
+def measured(fn, device: str = "cpu") -> tuple[float, float, object]:
+    """(seconds, peak MB above the resident set before, result) of fn(); on CUDA the peak is the GPU's
+    (torch.cuda.max_memory_allocated above what was allocated before) and the clock waits for the GPU."""
     gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        return seconds, (torch.cuda.max_memory_allocated() - before) / 2**20, result
     ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     before = status_kb("VmRSS")
@@ -165,7 +176,7 @@ def sweep_point(axis: str, x: int, models: Models, data, args) -> list[dict]:
     models.nnsight(small, heads[:1])()
     for _ in range(args.repeats):
         for side, (fn, factor) in runs.items():
-            seconds, peak, _ = measured(fn)
+            seconds, peak, _ = measured(fn, models.device)
             rows.append(dict(axis=axis, x=x, side=side, seconds=seconds * factor, peak_mb=peak))
     return rows
 
@@ -178,9 +189,9 @@ def edges_point(x: int, models: Models, data, args) -> list[dict]:
     edges = tl_sample(graph, graph.real, max(3, args.loop))  # one q, k and v edge at least
     rows = []
     for _ in range(args.repeats):
-        seconds, peak, _ = measured(eap_ig(data))
+        seconds, peak, _ = measured(eap_ig(data), models.device)
         rows.append(dict(axis="edges", x=n_edges, side="headlab", seconds=seconds, peak_mb=peak))
-        seconds, peak, (_, cache_s, per_edge) = measured(lambda: tl_loop(models.tl, graph, data, edges))
+        seconds, peak, (_, cache_s, per_edge) = measured(lambda: tl_loop(models.tl, graph, data, edges), models.device)
         total = cache_s + float(np.mean(per_edge)) * n_edges
         rows.append(dict(axis="edges", x=n_edges, side="transformerlens", seconds=total, peak_mb=peak))
     return rows

@@ -29,7 +29,9 @@ max_abs_diff: the largest difference of any value compared (every loop head of e
 peers; every head's attribution estimate; the clean metric); the script exits non-zero above 1e-4.
 
 Run from the repo root (`make bench` runs it after sweep_speed.py): .venv/bin/python benchmarks/smollm2_speed.py
-[--prompts N] [--tokens T] [--loop-heads K] [--repeats R] [--device cpu|cuda] [--root outputs]
+[--prompts N] [--tokens T] [--loop-heads K] [--repeats R] [--device cpu|cuda] [--root outputs] [--random-weights]
+(--random-weights: the same architecture with random weights, for a machine the GGUF cannot reach; timings hold,
+the values are still compared between the sides.)
 """
 
 from __future__ import annotations
@@ -65,6 +67,32 @@ GOALS = {
     "end_patch_speedup_vs_transformerlens": 25.0,
     "attribution_speedup_vs_transformerlens": 50.0,
 }
+
+
+# smollm2-135m's shape (its converted config.json), for --random-weights
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=SMOLLM2_VOCAB,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+    tie_word_embeddings=True,
+)
+
+
+def random_smollm2(directory: str) -> str:
+    """smollm2-135m's architecture with random weights (torch seed 0), saved under `directory`: for a machine
+    the 98 MB weights cannot reach. Every operation and shape is the real model's, so are the seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).save_pretrained(directory)
+    return directory
 
 
 def prompts(n: int, seq: int, device: str):
@@ -277,6 +305,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the min per side is kept")
     parser.add_argument("--chunk-mb", type=float, default=32.0)
     parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
+    parser.add_argument("--random-weights", action="store_true", help="smollm2's shape, random weights (no GGUF)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--tl-weights", help=argparse.SUPPRESS)
@@ -293,7 +322,11 @@ def main() -> int:
 
     tune_allocator()
     load_start = os.getloadavg()[0]
-    args.model_path = headlab.load_model("smollm2-135m", root=args.root).module.name_or_path
+    shape_only = tempfile.TemporaryDirectory() if args.random_weights else None
+    if shape_only is not None:
+        args.model_path = random_smollm2(shape_only.name)
+    else:
+        args.model_path = headlab.load_model("smollm2-135m", root=args.root).module.name_or_path
     n_cells = 30 * 9
     heads = loop_heads(30, 9, args.loop_heads or (6 if args.device == "cpu" else n_cells))
     data = prompts(args.prompts, args.tokens, args.device)
@@ -339,7 +372,11 @@ def main() -> int:
     worst = max(diffs.values())
     exact = values["headlab", "end_patch"][1:] - values["headlab", "end_patch"][0]
 
-    print("model: smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to float32; 30x9 heads, 3 kv heads)")
+    if shape_only is not None:
+        shape_only.cleanup()
+        print("model: smollm2-135m's shape with random weights (--random-weights; 30x9 heads, 3 kv heads)")
+    else:
+        print("model: smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to float32; 30x9 heads, 3 kv heads)")
     print(f"prompts: {args.prompts}")
     print(f"tokens_per_prompt: {args.tokens}")
     print(f"device: {args.device}")
