@@ -54,7 +54,8 @@ def test_batched_sweep_equals_naive_loop_on_toy(pos_emb, layer_norm):
     task = CountingTask(counting_cfg())
     data = task.build(40, seed=1)
     ivs = _sweep(model.n_layers, model.n_heads)
-    fast = execute(model, task, data, ivs, chunk_mb=40 * 27 * 32 * 4 * 2 / 2**20)  # two copies a chunk
+    # two copies a chunk: a copy's widest activation is its scores and pattern (3 heads, float32)
+    fast = execute(model, task, data, ivs, chunk_mb=2 * 40 * 3 * 27 * 27 * 8 / 2**20)
     slow = execute(model, task, data, ivs, naive=True)
     assert fast.shape == (len(ivs), 40, len(task.quantities))
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)

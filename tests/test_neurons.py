@@ -227,7 +227,8 @@ def test_stacked_neuron_ablation_equals_naive_loop():
                 ivs.append(Intervention("ablate_neurons", method, layer, neurons=NEURONS, **where))
     ivs += [Intervention("ablate_mlp", "mean", 2), Intervention("ablate_head", "zero", 2, 1)]
     task = _Logits(VOCAB, 2)
-    fast = execute(model, task, data, ivs, chunk_mb=N * T * 32 * 4 * 2 / 2**20)  # two copies a chunk
+    # two copies a chunk: a copy's widest activation is its scores and pattern (3 heads, float32)
+    fast = execute(model, task, data, ivs, chunk_mb=2 * N * 3 * T * T * 8 / 2**20)
     slow = execute(model, task, data, ivs, naive=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
     moved = (fast[1:] - fast[0]).abs().flatten(1).amax(1)

@@ -127,8 +127,9 @@ def test_own_edits_batched_equal_a_hooked_forward_pass_on_a_toy_model():
         headlab.Intervention("q_L1_every_head", layer=1, site="q", position=first, edit=lambda q: q + 1.0),
         headlab.Intervention("k_L1H1", layer=1, head=1, site="k", edit=lambda k: k.flip(-1)),
     ]
-    # chunks of two copies: several stacked passes per layer
-    _check_against_naive(model, task, data, ivs, chunk_mb=24 * 27 * 32 * 4 * 2 / 2**20)
+    # chunks of two copies (a copy's widest activation: its scores and pattern, 3 heads, float32):
+    # several stacked passes per layer
+    _check_against_naive(model, task, data, ivs, chunk_mb=2 * 24 * 3 * 27 * 27 * 8 / 2**20)
 
 
 @pytest.fixture(scope="module")

@@ -204,7 +204,8 @@ def test_the_calibration_sweep_batched_equals_naive_and_factor_one_equals_clean(
     # a low alpha (or a fixed threshold, as ACT's code has, lower than its 0.1): every head has hidden sinks here
     ivs = _calibration_plan(model, 0.4, sinks, alpha=1.5, threshold=threshold)
     assert len(ivs) == 1 + 6 and {iv.group for iv in ivs[1:]} == {"calibration 0.4"}
-    fast = execute(model, task, data, ivs, chunk_mb=40 * 27 * 32 * 4 * 2 / 2**20)  # two copies a chunk
+    # two copies a chunk: a copy's widest activation is its scores and pattern (3 heads, float32)
+    fast = execute(model, task, data, ivs, chunk_mb=2 * 40 * 3 * 27 * 27 * 8 / 2**20)
     slow = execute(model, task, data, ivs, naive=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
     margin = task.quantities.index("label_margin")

@@ -10,6 +10,7 @@ The engine, path patching and attribution patching all run a batch that stacks g
   calibrated        a pattern with its sinks' attention calibrated (sink calibration)
   edit_hooks        per-site hooks that edit copy i of a stacked batch as chunk[i] says
   copy_edit_hooks   the same with several interventions per copy
+  copy_bytes        the memory one stacked copy needs at once in a block
   chunk_size        how many copies fit in a memory budget
   read_quantities   task quantities of a stacked batch, its logits read out a few copies at a time
 """
@@ -27,7 +28,7 @@ from torch import Tensor
 from ..config import MeanOver, option
 from ..errors import UsageError
 from ..models.hooked import HookedModel
-from ..models.sites import Hook
+from ..models.sites import Hook, attention_bytes
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
 from .plan import Edit, Intervention
@@ -296,13 +297,23 @@ def copy_edit_hooks(
     return {site: hook(site, items) for site, items in per_site.items()}
 
 
+def copy_bytes(model: HookedModel, data: TaskData, length: int | None = None) -> int:
+    """The memory one stacked copy of the prompts (of their `length` last positions; default all) needs
+    at once in a block: its widest per-token activation (the MLP's hidden units), or the attention's
+    scores and pattern over every key (models.sites.attention_bytes), whichever is larger; the two are
+    not alive together. The attention's grows with the square of the length: at 2048 tokens it is 64
+    times the MLP's on a model with 4 heads and d_mlp 256 (float32)."""
+    n, seq_len = next(iter(data.inputs.values())).shape[:2]
+    queries = seq_len if length is None else length
+    dtype = next(model.module.parameters()).dtype
+    widest = n * queries * model.width * dtype.itemsize
+    return max(widest, n * attention_bytes(model.n_heads, queries, seq_len, dtype))
+
+
 def chunk_size(model: HookedModel, data: TaskData, chunk_mb: float, length: int | None = None) -> int:
     """How many stacked copies of the prompts (of their `length` last positions; default all) fit in
-    `chunk_mb` of the widest activation."""
-    n, seq_len = next(iter(data.inputs.values())).shape[:2]
-    seq_len = seq_len if length is None else length
-    bytes_per_copy = n * seq_len * model.width * next(model.module.parameters()).element_size()
-    return max(1, int(chunk_mb * 2**20 // bytes_per_copy))
+    `chunk_mb` of a block's widest activation (copy_bytes); one at least."""
+    return max(1, int(chunk_mb * 2**20 // copy_bytes(model, data, length)))
 
 
 def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:

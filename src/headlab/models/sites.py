@@ -50,6 +50,16 @@ def prefix_length(module: nn.Module) -> int:
     return 0 if slot is None or slot.prefix is None else slot.prefix[0].shape[2]
 
 
+def attention_bytes(heads: int, queries: int, keys: int, dtype: torch.dtype) -> int:
+    """The memory `headlab_attention` holds at once for one prompt: two [heads, queries, keys] tensors,
+    the scores and the pattern (each step below makes a new one before the old is freed; softmax writes
+    the pattern in at least float32, and a cast back to a narrower dtype makes a third, narrow one).
+    At long sequences this, not the MLP's hidden units, is a block's widest activation."""
+    softmax = torch.promote_types(dtype, torch.float32)
+    per_score = dtype.itemsize + softmax.itemsize + (dtype.itemsize if softmax != dtype else 0)
+    return heads * queries * keys * per_score
+
+
 def headlab_attention(
     module: nn.Module,
     query: Tensor,
