@@ -89,6 +89,20 @@ def test_a_row_says_where_its_norms_are_and_whether_its_components_sum(family, t
     assert model.sites.out_projs[LAYER] is model.blocks[LAYER].get_submodule(f"{row.attn}.{row.out_proj}")
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_rows_qkv_projections_split_into_heads_as_its_weights_read(family, tiny_hf_dir):
+    """Edge attribution cuts the projections' output gradients into heads with qkv_split: each head's part
+    of their outputs must be the norm's output times that head's W_Q (W_K, W_V) as W_QKV reads them."""
+    sites = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False).sites
+    assert sites.qkv_projs is not None and sites.qkv_split is not None
+    x = torch.randn(2, 3, sites.d_model, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        projs = sites.qkv_projs[LAYER]
+        linear = [m(x) - m(torch.zeros_like(x)) for m in projs]  # the biases out
+        for part, w in zip(sites.qkv_split(linear), sites.W_QKV(LAYER), strict=True):
+            torch.testing.assert_close(part, torch.einsum("npd,gde->npge", x, w), atol=1e-5, rtol=1e-4)
+
+
 def test_a_row_without_suffix_runs_runs_every_position(tiny_hf_dir, monkeypatch):
     monkeypatch.setitem(FAMILIES, "llama", replace(FAMILIES["llama"], suffix_runs=False))
     model = load_hf(str(tiny_hf_dir("llama")), need_tokenizer=False)

@@ -13,8 +13,9 @@ private copy), so its gradient is that of the receiver alone:
                       a layer's MLP) outputs the interpolation of its clean and corrupted outputs.
 
 Gradients are taken one layer at a time, from the logits down: the forward pass keeps only each block's
-input; each block is run again with autograd, its receivers' gradients are turned into scores at once,
-and only its input's gradient goes on. Beside the residual cache, one layer's activations are held.
+input (the clean run's own trace where the run edits nothing: eap runs no extra forward pass); each block
+is run again with autograd, its receivers' gradients are turned into scores at once, and only its input's
+gradient goes on. Beside the residual cache, one layer's activations are held.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..errors import UsageError
 from ..models.hooked import HookedModel, Trace
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import Site
-from .graph import QKV, EdgeGraph
+from .graph import EdgeGraph
 from .record import Recording, check_pairs, metric, metric_column, record, sender_outputs
 
 METHODS = ("eap", "eap_ig", "eap_ig_activations")
@@ -116,12 +117,14 @@ def _accumulate(
 ) -> None:
     """Add one gradient run's scores (summed over its prompts) to total."""
     trace = clean.trace
+    # blocks before the run's first edited node see the clean run's inputs: those come from the trace
+    first = model.n_layers if run.what is None else 0 if run.what == "input" else run.layer
     with torch.no_grad():
-        h = trace.resid_pre[0]
+        cache = list(trace.resid_pre[:first])
+        h = trace.resid_final if first == model.n_layers else trace.resid_pre[first]
         if run.what == "input":
             h = corrupt.trace.resid_pre[0] + run.alpha * (h - corrupt.trace.resid_pre[0])
-        cache = []
-        for layer in range(model.n_layers):
+        for layer in range(first, model.n_layers):
             cache.append(h)
             with _interpolated(model, run, layer, clean, corrupt):
                 h = model.run_blocks(h, layer, trace, stop=layer + 1)
@@ -151,7 +154,12 @@ def _layer_gradients(
     corrupt: Recording,
 ) -> tuple[Tensor, Tensor]:
     """(gradients at the layer's receivers' inputs [receivers, n, pos, d] in graph order, gradient at
-    the block's input)."""
+    the block's input).
+
+    A head's receiver is the attention's input as that head's q (k, v) alone reads it: one backward pass
+    gives the gradient at the q, k and v projections' outputs, whose columns are per head (nothing after
+    them mixes heads); each head's part times its own weights is the gradient at the norm's output from
+    that head alone, and one pass of the norm over stacked copies takes them all back through it."""
     x = x.detach().requires_grad_()
     kept: dict[str, Tensor] = {}
 
@@ -162,40 +170,57 @@ def _layer_gradients(
 
         return hook
 
-    has_mlp = layer in graph.mlp_layers
+    def seen(name: str) -> Callable[[Tensor], Tensor]:
+        def hook(t: Tensor) -> Tensor:
+            kept[name] = t
+            return t
+
+        return hook
+
+    def keep(name: str) -> Callable[[nn.Module, object, Tensor], None]:
+        def hook(_module: nn.Module, _args: object, output: Tensor) -> None:
+            kept[name] = output
+
+        return hook
+
+    sites, has_mlp = model.sites, layer in graph.mlp_layers
+    norm = model.attn_inputs[layer]
+    assert sites.qkv_projs is not None and sites.qkv_split is not None and norm is not None  # EdgeGraph.of checked
+    projs = sites.qkv_projs[layer]
     with ExitStack() as stack:
         stack.enter_context(
-            model.input_hooks(layer, attn_in=copy("attn_in"), mlp_in=copy("mlp_in") if has_mlp else None)
+            model.input_hooks(layer, attn_in=seen("attn_in"), mlp_in=copy("mlp_in") if has_mlp else None)
         )
-        kept_sites = stack.enter_context(model.sites.record(QKV, [layer]))
+        for i, module in enumerate(projs):
+            stack.callback(module.register_forward_hook(keep(f"proj{i}")).remove)
         stack.enter_context(_interpolated(model, run, layer, clean, corrupt))
         out = model.run_blocks(x, layer, trace, stop=layer + 1)
-    kept.update({site: kept_sites[(site, layer)] for site in QKV})
-    names = [*QKV, *(["mlp_in"] if has_mlp else [])]
-    wanted = [x] + [kept[n] for n in names]
-    grads = torch.autograd.grad(out, wanted, grad_out, retain_graph=True, allow_unused=True)
-    grad_x, per_site = grads[0], dict(zip(names, grads[1:]))
-    parts = [_per_head(kept[site], kept["attn_in"], per_site[site]) for site in QKV]
-    if has_mlp:
-        g = per_site["mlp_in"]
-        parts.append((torch.zeros_like(x) if g is None else g).unsqueeze(0))
+    outs = [kept[f"proj{i}"] for i in range(len(projs))]
+    wanted = [x, *outs] + ([kept["mlp_in"]] if has_mlp else [])
+    grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+    grad_x = grads[0]
     assert grad_x is not None
+    # None: the layer's output does not depend on its q, k, v (an interpolated attention)
+    at_proj = [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads[1 : 1 + len(outs)])]
+    per_head = torch.cat(
+        [torch.einsum("npge,gde->gnpd", g, w.to(g.dtype)) for g, w in zip(sites.qkv_split(at_proj), sites.W_QKV(layer))]
+    )
+    parts = [_through_norm(norm, kept["attn_in"], per_head)]
+    if has_mlp:
+        g = grads[-1]
+        parts.append((torch.zeros_like(x) if g is None else g).unsqueeze(0))
     return torch.cat(parts), grad_x
 
 
-def _per_head(site: Tensor, reader: Tensor, grad: Tensor | None) -> Tensor:
-    """[heads, n, pos, d]: the gradient at the attention's input from each head of `site` alone
-    ([n, head, pos, d_head]) : one vector-Jacobian product per head, batched."""
-    heads = site.shape[1]
-    if grad is None:  # the layer's output does not depend on this site (an interpolated attention)
-        return reader.new_zeros(heads, *reader.shape)
-    eye = torch.eye(heads, dtype=grad.dtype, device=grad.device).view(heads, 1, heads, 1, 1)
-    cotangents = eye * grad.unsqueeze(0)
-    try:
-        (out,) = torch.autograd.grad(site, reader, cotangents, retain_graph=True, is_grads_batched=True)
-    except RuntimeError:  # an op without a batching rule: one product per head
-        out = torch.stack([torch.autograd.grad(site, reader, c, retain_graph=True)[0] for c in cotangents])
-    return out
+def _through_norm(norm: nn.Module, reader: Tensor, cotangents: Tensor) -> Tensor:
+    """[k, n, pos, d]: k vector-Jacobian products of the norm at `reader` [n, pos, d] (cotangents
+    [k, n, pos, d]), from one pass of the norm over k stacked copies of its input: a norm acts on each
+    position alone, and autograd's batched products would loop over k (no batching rule for a norm's
+    backward)."""
+    k = cotangents.shape[0]
+    stacked = reader.detach().repeat(k, 1, 1).requires_grad_()
+    (out,) = torch.autograd.grad(norm(stacked), stacked, cotangents.flatten(0, 1))
+    return out.unflatten(0, (k, reader.shape[0]))
 
 
 @contextmanager

@@ -92,6 +92,8 @@ class EdgeGraph:
             )
         if any(module is None for module in model.attn_inputs):
             raise UsageError(f"{model.name}: headlab does not know where its attention reads the residual stream")
+        if model.sites.qkv_projs is None or model.sites.qkv_split is None:
+            raise UsageError(f"{model.name}: headlab does not know its attention's q, k and v projections")
         sites = model.sites
         mlps = tuple(
             layer

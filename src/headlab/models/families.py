@@ -50,6 +50,24 @@ def interleaved_qkv(attn: nn.Module, n_heads: int, n_kv: int, d_head: int) -> QK
     return per_head[:, 0], per_head[:, 1], per_head[:, 2]
 
 
+# How the q, k and v projections' outputs [..., features] split into heads: (q [..., head, d_head], k and v
+# [..., kv_head, d_head]), the layouts the three weight readers above read (edges/attribution.py cuts
+# each projection's output gradient into per-head parts with them)
+def separate_split(outs: list[Tensor], n_heads: int, n_kv: int, d_head: int) -> QKV:
+    q, k, v = outs
+    return q.unflatten(-1, (n_heads, d_head)), k.unflatten(-1, (n_kv, d_head)), v.unflatten(-1, (n_kv, d_head))
+
+
+def conv1d_split(outs: list[Tensor], n_heads: int, n_kv: int, d_head: int) -> QKV:
+    per_head = outs[0].unflatten(-1, (3, n_heads, d_head))
+    return per_head[..., 0, :, :], per_head[..., 1, :, :], per_head[..., 2, :, :]
+
+
+def interleaved_split(outs: list[Tensor], n_heads: int, n_kv: int, d_head: int) -> QKV:
+    per_head = outs[0].unflatten(-1, (n_heads, 3, d_head))
+    return per_head[..., 0, :], per_head[..., 1, :], per_head[..., 2, :]
+
+
 @dataclass(frozen=True)
 class Family:
     """Module paths are dotted attribute names: `blocks` and `final_norm` from the model, the rest from
@@ -61,6 +79,10 @@ class Family:
     final_norm: str
     # W_Q [head, d_model, d_head], W_K, W_V [kv_head, d_model, d_head] of one attention module
     qkv: Callable[[nn.Module, int, int, int], QKV] = separate_qkv
+    # the modules (in the attention module) whose outputs hold q, k and v before any per-head operation
+    # (rotary, q/k norms), and how those outputs split into heads: the layout `qkv` reads
+    qkv_projs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    qkv_split: Callable[[list[Tensor], int, int, int], QKV] = separate_split
     conv1d: bool = False  # out_proj is GPT-2's Conv1D, weight [in, out], not nn.Linear's [out, in]
     mlp: str = "mlp"  # position-wise feed-forward inside a block
     down_proj: str = "mlp.down_proj"  # the MLP's output projection (its input is "neurons")
@@ -95,6 +117,8 @@ FAMILIES: dict[str, Family] = {
         "c_proj",
         "transformer.ln_f",
         qkv=conv1d_qkv,
+        qkv_projs=("c_attn",),
+        qkv_split=conv1d_split,
         conv1d=True,
         down_proj="mlp.c_proj",
         attn_norm="ln_1",
@@ -106,6 +130,8 @@ FAMILIES: dict[str, Family] = {
         "dense",
         "gpt_neox.final_layer_norm",
         qkv=interleaved_qkv,
+        qkv_projs=("query_key_value",),
+        qkv_split=interleaved_split,
         down_proj="mlp.dense_4h_to_h",
     ),
     "llama": _LLAMA,

@@ -138,7 +138,13 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
     def w_qkv(layer: int) -> tuple[Tensor, Tensor, Tensor]:
         return family.qkv(attns[layer], n_heads, n_kv, d_head)
 
-    sites = HeadSites(attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size, w_qkv, out_projs=outs)
+    def qkv_split(outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        return family.qkv_split(outs, n_heads, n_kv, d_head)
+
+    projs = [[attribute(a, name) for name in family.qkv_projs] for a in attns]
+    sites = HeadSites(
+        attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size, w_qkv, out_projs=outs, qkv_projs=projs, qkv_split=qkv_split
+    )
     return HookedModel(
         name=name,
         module=model,

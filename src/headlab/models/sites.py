@@ -141,6 +141,11 @@ class HeadSites:
     # per layer the attention's output projection, whose input is z [..., head * d_head]; None: not known
     out_projs: list[nn.Module] | None = None
     returns_pattern: bool = True  # the attention module returns (output, weights), as HF's do, not output alone
+    # per layer the modules whose outputs hold q, k and v before any per-head operation (rotary, q/k
+    # norms; nothing between them and the q, k, v sites mixes heads), and how their outputs [..., features]
+    # split into (q [..., head, d_head], k, v [..., kv_head, d_head]), as w_qkv reads their weights
+    qkv_projs: list[list[nn.Module]] | None = None
+    qkv_split: Callable[[list[Tensor]], tuple[Tensor, Tensor, Tensor]] | None = None
     slots: list[LayerSlot] = field(init=False)
 
     def __post_init__(self) -> None:

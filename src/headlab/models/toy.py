@@ -162,7 +162,25 @@ def hooked_toy(model: ToyTransformer, name: str) -> HookedModel:
 
     attns: list[nn.Module] = [b.attn for b in blocks]
     outs: list[nn.Module] = [b.attn.o for b in blocks]
-    sites = HeadSites(attns, w_o, cfg.n_heads, cfg.n_heads, cfg.d_head, cfg.d_model, w_qkv, outs, returns_pattern=False)
+
+    def qkv_split(outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = (t.unflatten(-1, (cfg.n_heads, cfg.d_head)) for t in outs)
+        return q, k, v
+
+    projs: list[list[nn.Module]] = [[b.attn.q, b.attn.k, b.attn.v] for b in blocks]
+    sites = HeadSites(
+        attns,
+        w_o,
+        cfg.n_heads,
+        cfg.n_heads,
+        cfg.d_head,
+        cfg.d_model,
+        w_qkv,
+        outs,
+        returns_pattern=False,
+        qkv_projs=projs,
+        qkv_split=qkv_split,
+    )
     return HookedModel(
         name=name,
         module=model,
