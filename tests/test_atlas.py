@@ -144,6 +144,8 @@ def test_llama_atlas_scores_equal_their_own_studies(llama_atlas):
         model, headlab.load_task("ioi"), ablate="none", head_scores=True, n_prompts=SMALL["copy_prompts"], n_boot=100
     )
     np.testing.assert_array_equal(scores_of(table, "copy_score")["value"], scores_of(copy, "copy_score")["value"])
+    (probe,) = root.glob("atlas/*/copy-*/results.parquet")  # sequence_scores=false: the induction probe has them
+    assert not set(pd.read_parquet(probe)["metric"]) & {"induction_score", "prev_token_score"}
     sinks = headlab.scores(
         model,
         headlab.load_task("text", path=str(CORPUS), seq_len=SMALL["text_len"], n_prompts=0),

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from headlab.analysis.scores import (
     IOI_SCORES,
     SEQ_SCORES,
+    in_top_k,
     induction_scores,
     ioi_scores,
     repeated_tokens,
@@ -173,6 +174,32 @@ def test_copy_scores_read_out_through_the_final_norm(gpt2, ioi_data):
     expected = (ioi_data.answers["io"] == mary).float().numpy()
     assert 0 < expected.sum() < ioi_data.n
     np.testing.assert_array_equal(scores, np.broadcast_to(expected[:, None], scores.shape))
+
+
+@pytest.mark.parametrize("vocab_chunk", [50257, 4096, 777])
+def test_in_top_k_counted_over_vocabulary_slices_equals_a_plain_topk(gpt2, vocab_chunk):
+    """Rows whose token is the 1st..10th logit and rows with a random token: the slice count must say
+    exactly what topk over the whole vocabulary says, row by row."""
+    model, reference = gpt2
+    torch.manual_seed(1)
+    resid = torch.randn(60, reference.config.n_embd) * 3
+    with torch.inference_mode():
+        logits = reference.lm_head(reference.transformer.ln_f(resid))
+        ranked = logits.argsort(-1, descending=True)
+        token = torch.randint(0, logits.shape[1], (60,))
+        token[:40] = ranked[torch.arange(40), torch.arange(40) % 10]  # rank 1..10
+        expected = (logits.topk(5).indices == token[:, None]).any(-1)
+        found = in_top_k(model, resid, token, vocab_chunk=vocab_chunk)
+    assert expected[:40].sum() == 20 and torch.equal(found, expected)
+
+
+def test_in_top_k_counts_a_tie_against_the_token(gpt2):
+    """A zero output through a bias-free final norm: every logit ties, so no token is in the top 5 (topk
+    would keep the first five ids, which are no names either)."""
+    model, reference = gpt2
+    mary = reference.config.vocab_size - 100
+    with torch.inference_mode():
+        assert not in_top_k(model, torch.zeros(2, reference.config.n_embd), torch.tensor([mary, mary + 1])).any()
 
 
 def test_score_table_is_tidy_and_aggregates_the_per_prompt_scores(gpt2, ioi_data):

@@ -482,6 +482,7 @@ class Config:
     name: str = "default"
     attention_by_token: bool = False  # add each head's mean attention, from the first read position, per token
     head_scores: bool = False  # add head-class scores (previous-token, induction, copy, ...; see analysis/scores.py)
+    sequence_scores: bool = True  # with head_scores, the repeated-random-token ones too; false: the IOI ones alone
     seed: int = 0
     device: str = "cpu"
     threads: int = 0  # 0 keeps torch's default; sweeps launched side by side should set 1 or 2
@@ -550,6 +551,7 @@ ADDED_LATER: dict[tuple[str, str], Any] = {
     ("scores", "icl_len"): 512,
     ("sae", "layers"): None,
     ("sae", "normalize"): False,
+    ("", "sequence_scores"): True,  # group "": a top-level field
 }
 
 
@@ -564,8 +566,9 @@ def config_hash(cfg: Any, keys: tuple[str, ...] | None = None) -> str:
     if data.get("scores", {}).get("kind", ScoreKind.none.name) == ScoreKind.none.name:
         data.pop("scores", None)  # likewise for runs from before scores existed
     for (group, name), neutral in ADDED_LATER.items():
-        if data.get(group, {}).get(name, neutral) == neutral:
-            data.get(group, {}).pop(name, None)
+        part = data.get(group, {}) if group else data
+        if part.get(name, neutral) == neutral:
+            part.pop(name, None)
     if keys is not None:
         data = {k: data[k] for k in keys if k in data}
     blob = json.dumps(data, sort_keys=True, default=str)

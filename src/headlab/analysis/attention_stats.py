@@ -63,7 +63,7 @@ def attention_profile(model: HookedModel, data: TaskData, batch_size: int = 8) -
         batch = {k: v[start : start + batch_size] for k, v in data.inputs.items()}
         rows = real[start : start + batch_size]
         with model.sites.record(sites=("pattern", "z")) as seen:
-            model.forward(batch)
+            model.forward_blocks(batch)
         rows_dev = rows.to(seen[("pattern", 0)].device)
         per_layer = []
         for layer in range(model.n_layers):
@@ -101,5 +101,5 @@ def logit_lens_top(model: HookedModel, vectors: Tensor, k: int = 5) -> tuple[Ten
 def example_patterns(model: HookedModel, ids: Tensor) -> Tensor:
     """ids [pos] -> [layer * head, pos, pos]: every head's attention pattern on one prompt."""
     with model.sites.record(sites=("pattern",)) as seen:
-        model.forward({"input_ids": ids[None].to(model.input_device)})
+        model.forward_blocks({"input_ids": ids[None].to(model.input_device)})
     return torch.cat([seen[("pattern", layer)][0].float().cpu() for layer in range(model.n_layers)])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import results
@@ -23,7 +24,8 @@ from ..tasks import TaskData, mean_of
 SEQ_SCORES = ("prev_token_score", "duplicate_token_score", "induction_score")
 IOI_SCORES = ("attn_end_to_io", "attn_end_to_s1", "attn_end_to_s2", "copy_score", "negative_copy_score")
 TOP_K = 5  # the paper's copy score: is the name among the top-5 logits
-_UNEMBED_ROWS = 128  # vectors unembedded at once: [128, vocab] floats stays small even for 256k vocabs
+_UNEMBED_ROWS = 2048  # vectors read out at once,
+_VOCAB_COLUMNS = 4096  # against this many tokens at once: [2048, 4096] floats, 32 MB whatever the vocabulary
 
 
 def ordinary_ids(model: HookedModel, low: int | None = None, high: int | None = None) -> Tensor:
@@ -143,30 +145,54 @@ def ioi_scores(model: HookedModel, data: TaskData, batch_size: int = 16) -> Tens
             pos = {r: roles[r][part] for r in ("IO", "S1", "S2", "END")}
             io = data.answers["io"][part]
             rows = torch.arange(len(io), device=pos["END"].device)
-            per_layer = []
+            attn, written = [], []
             for layer in range(model.n_layers):
                 at_end = store[("pattern", layer)][rows, :, pos["END"]].float()  # [batch, head, k_pos]
-                attn = [at_end[rows, :, pos[r]] for r in ("IO", "S1", "S2")]  # each [batch, head]
+                attn.append(torch.stack([at_end[rows, :, pos[r]] for r in ("IO", "S1", "S2")], dim=-1))
                 v_io = store[("v", layer)][rows, :, pos["IO"]][:, kv]  # [batch, head, d_head]
-                out = torch.einsum("bhd,hdm->bhm", v_io, model.sites.W_O(layer))  # [batch, head, d_model]
-                token = io.unsqueeze(1).expand(-1, model.n_heads).reshape(-1)
-                copies = [
-                    _in_top_k(model, sign * out.reshape(-1, out.shape[-1]), token).view(out.shape[:2])
-                    for sign in (1, -1)
-                ]
-                per_layer.append(torch.stack([*attn, *(c.float() for c in copies)], dim=-1))
-            chunks.append(torch.stack(per_layer))  # [layer, batch, head, 5]
+                written.append(torch.einsum("bhd,hdm->bhm", v_io, model.sites.W_O(layer)))  # [batch, head, d_model]
+            out = torch.stack(written)  # [layer, batch, head, d_model]: every layer's heads read out together
+            token = io.to(out.device)[None, :, None].expand(out.shape[:3]).reshape(-1)
+            flat = out.reshape(-1, out.shape[-1])
+            copies = [in_top_k(model, sign * flat, token).view(out.shape[:3]).float() for sign in (1, -1)]
+            per_layer = torch.cat([torch.stack(attn), torch.stack(copies, dim=-1)], dim=-1)
+            chunks.append(per_layer)  # [layer, batch, head, 5]
     return torch.cat(chunks, dim=1).transpose(1, 2).cpu()
 
 
-def _in_top_k(model: HookedModel, resid: Tensor, token: Tensor) -> Tensor:
-    """resid [m, d_model], token [m] -> [m] bool: token among the TOP_K logits of resid read out alone.
-    (A logit softcap is monotone, so it cannot change the top k and is not applied.)"""
+def in_top_k(model: HookedModel, resid: Tensor, token: Tensor, vocab_chunk: int = _VOCAB_COLUMNS) -> Tensor:
+    """resid [m, d_model], token [m] -> [m] bool: token among the TOP_K logits of resid read out alone
+    (final norm, then the unembedding), i.e. fewer than TOP_K other tokens have a logit >= its own. A tie
+    counts against the token (topk would break it by index), so an output the norm maps to zero, all
+    logits equal, is no copy.
+
+    Counted over slices of vocab_chunk tokens instead of a topk over the whole vocabulary: a row leaves
+    as soon as TOP_K tokens beat it, which for most heads' outputs is within the first slice, so the
+    unembedding is multiplied out in full only for the rows that do rank their token high. (A logit
+    softcap is monotone, so it cannot change the top k and is not applied.)"""
+    weight = model.unembed.weight
+    bias = getattr(model.unembed, "bias", None)
+    assert isinstance(weight, Tensor)  # a Parameter; nn.Module's __getattr__ is typed Tensor | Module
     hits = []
     for i in range(0, resid.shape[0], _UNEMBED_ROWS):
-        logits = model.unembed(model.final_norm(resid[i : i + _UNEMBED_ROWS]))  # [rows, vocab]
-        top = logits.topk(TOP_K, dim=-1).indices
-        hits.append((top == token[i : i + _UNEMBED_ROWS, None].to(top.device)).any(-1))
+        x = model.final_norm(resid[i : i + _UNEMBED_ROWS])  # [rows, d_model]
+        tok = token[i : i + _UNEMBED_ROWS].to(x.device)
+        names, which = torch.unique(tok, return_inverse=True)  # IOI's answers: a few dozen names
+        own = F.linear(x, weight[names], None if bias is None else bias[names])  # a matmul, as the slices'
+        own = own.gather(1, which[:, None])  # [rows, 1]
+        beaten = torch.zeros(len(x), dtype=torch.long, device=x.device)
+        live = torch.arange(len(x), device=x.device)  # the rows not yet beaten TOP_K times
+        for start in range(0, weight.shape[0], vocab_chunk):
+            if not len(live):
+                break
+            end = min(start + vocab_chunk, weight.shape[0])
+            logits = F.linear(x[live], weight[start:end], None if bias is None else bias[start:end])
+            above = logits >= own[live]
+            mine = (tok[live] >= start) & (tok[live] < end)  # the token itself is no competitor
+            above[mine.nonzero()[:, 0], tok[live][mine] - start] = False
+            beaten[live] += above.sum(-1)
+            live = live[beaten[live] < TOP_K]
+        hits.append(beaten < TOP_K)
     return torch.cat(hits)
 
 
@@ -180,10 +206,12 @@ def score_table(
     seq_len: int = 20,
     vocab_low: int | None = None,
     vocab_high: int | None = None,
+    sequences: bool = True,
 ) -> pd.DataFrame:
     """Tidy rows (intervention "none", method "score", per layer and head) for SEQ_SCORES over n_seq random
     sequences (made with `seed`) and, where the task's prompts have IOI's roles, IOI_SCORES over them,
-    with bootstrap intervals."""
+    with bootstrap intervals. sequences=False leaves SEQ_SCORES out (the atlas reads them off its own
+    induction probe)."""
     labels = [
         {"intervention": "none", "method": "score", "layer": layer, "head": head}
         for layer in range(model.n_layers)
@@ -192,13 +220,13 @@ def score_table(
     frames = []
     # a task's own small vocabulary (Count01 has 7 tokens) holds fewer distinct tokens than seq_len
     seq_len = max(2, min(seq_len, len(ordinary_ids(model, vocab_low, vocab_high))))
-    sets: list[tuple[Tensor, tuple[str, ...]]] = [
-        (induction_scores(model, n_seq, seq_len, seed, vocab_low, vocab_high), SEQ_SCORES)
-    ]
+    sets: list[tuple[Tensor, tuple[str, ...]]] = []
+    if sequences:
+        sets.append((induction_scores(model, n_seq, seq_len, seed, vocab_low, vocab_high), SEQ_SCORES))
     if has_ioi_roles(data):
         sets.append((ioi_scores(model, data), IOI_SCORES))
     for scores, names in sets:
         quantities = scores.numpy().reshape(len(labels), scores.shape[2], len(names)).astype(np.float64)
         metrics = {name: mean_of(j) for j, name in enumerate(names)}
         frames.append(results.tidy(run_info, labels, quantities, names, {}, metrics, n_boot=n_boot))
-    return results.conform(pd.concat(frames, ignore_index=True))
+    return results.conform(pd.concat(frames or [pd.DataFrame()], ignore_index=True))

@@ -106,7 +106,7 @@ def sink_scores(
         batch = {k: v[start : start + batch_size] for k, v in data.inputs.items()}
         rows = real[start : start + batch_size]
         with model.sites.record(sites=("pattern",)) as seen:
-            model.forward(batch)
+            model.forward_blocks(batch)
         patterns = [seen[("pattern", layer)].float() for layer in range(model.n_layers)]
         rows = rows.to(patterns[0].device)
         parts.append(torch.stack([sink_quantities(p, rows, epsilon, alpha, fixed) for p in patterns], 1).cpu())

@@ -161,6 +161,7 @@ PROBES = (
         ("prev_token", "duplicate_token", "induction"),
         lambda o: [
             "scores=induction",
+            "scores.icl_text=''",  # the ICL score's ablations on 512-token text: no atlas score reads them
             f"scores.n_sequences={o.repeat_sequences}",
             f"scores.repeat_len={o.repeat_len}",
             f"scores.top_k={o.top_k}",
@@ -173,7 +174,13 @@ PROBES = (
         "copy",
         SWEEP,
         ("copy", "negative_copy"),
-        lambda o: ["task=ioi", f"task.n_prompts={o.copy_prompts}", "ablate=none", "head_scores=true"],
+        lambda o: [
+            "task=ioi",
+            f"task.n_prompts={o.copy_prompts}",
+            "ablate=none",
+            "head_scores=true",
+            "sequence_scores=false",  # the induction probe gives them
+        ],
         True,
         score_rows({"copy_score": "copy_score", "negative_copy_score": "negative_copy_score"}),
     ),

@@ -2,7 +2,7 @@
 layer x head heatmaps (figures/heads_<metric>.png).
 
 Optionally with each head's attention per token (attention_by_token) and head-class scores
-(head_scores) in the same table.
+(head_scores; sequence_scores=false leaves their random-token ones out) in the same table.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         from ..analysis.scores import score_table
 
         with ctx.timed("head_scores"):
-            scores = score_table(model, data, info, n_boot=cfg.output.n_boot, seed=cfg.seed)
+            scores = score_table(model, data, info, cfg.output.n_boot, cfg.seed, sequences=cfg.sequence_scores)
         df = results.conform(pd.concat([df, scores], ignore_index=True))
     ctx.meta.update({"n_interventions": len(interventions), "n_prompts": data.n, "model_family": model.family})
     return df
@@ -133,7 +133,17 @@ STUDY = Study(
     description="every intervention ablate= and patch= plan (heads, layers, patching, ...), per metric",
     run=run,
     summary=head_table,
-    reads=("model", "task", "train", "ablate", "patch", "engine", "attention_by_token", "head_scores"),
+    reads=(
+        "model",
+        "task",
+        "train",
+        "ablate",
+        "patch",
+        "engine",
+        "attention_by_token",
+        "head_scores",
+        "sequence_scores",
+    ),
     sections=("ablate", "patch"),
     figures="heads",  # layer x head heatmaps of every head sweep, per metric
 )
