@@ -54,6 +54,7 @@ BENCH_LOOP := $(if $(filter cpu,$(DEVICE)),--loop-heads 24,)
 bench: $(VENV)/.headlab-bench  # the GPT-2-shaped random model, then smollm2-135m (real weights): every ratio with its goal
 	$(BIN)/python benchmarks/sweep_speed.py --device $(DEVICE) $(BENCH_LOOP)
 	$(BIN)/python benchmarks/smollm2_speed.py --device $(DEVICE)
+	$(BIN)/python benchmarks/copy_scores.py
 
 .PHONY: scaling
 scaling: $(VENV)/.headlab-bench  # cost vs prompts, tokens, heads and edges: outputs/bench/scaling.{png,csv}, docs/scaling.png

@@ -55,6 +55,10 @@ def test_scores_and_channels_equal_the_definition_and_gqa_shares_kv(tiny_hf_dir)
             score, sv = explicit(model, mode, l1, h1, l2, h2)
             assert found.scores[mode][l1, h1, l2, h2].item() == pytest.approx(score, rel=1e-9)
             assert found.channels[mode][l1, h1, l2, h2] == pytest.approx(sv[:3].tolist(), rel=1e-7, abs=1e-12)
+    alone = composition(model, channels=0)  # no SVDs: the same scores, no channels
+    for mode in ("q", "k", "v"):
+        torch.testing.assert_close(alone.scores[mode], found.scores[mode], rtol=1e-12, atol=0, equal_nan=True)
+        assert alone.channels[mode].shape[-1] == 0
 
 
 def tl_gpt2(hf, processed: bool = False):

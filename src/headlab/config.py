@@ -408,7 +408,7 @@ class ScoresConfig:
     # tokens, those shorter left out (a note says how many); 0: the prompts as the task gives them
     seq_len: int = 0
     # composition
-    channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair
+    channels: int = 4  # singular values (low-rank channels) kept per writer/reader pair; 0: none (no SVDs)
     # on TransformerLens's default weights (fold_ln, center_writing_weights) instead of the raw ones; false is
     # what headlab always computed (and what keeps old runs' hashes)
     fold_norms: bool = False

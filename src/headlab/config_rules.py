@@ -253,7 +253,7 @@ RULES: dict[tuple[type, str], Rule] = {
     (ScoresConfig, "alpha"): POSITIVE,
     (ScoresConfig, "hidden_threshold"): SHARE,
     (ScoresConfig, "seq_len"): NATURAL,  # 0: prompts as the task gives them
-    (ScoresConfig, "channels"): COUNT,
+    (ScoresConfig, "channels"): NATURAL,  # 0: no channels
     (ScoresConfig, "top_k"): COUNT,
     (ScoresConfig, "n_random"): NATURAL,
     (ScoresConfig, "min_recall"): Range(high=1),  # negative: every prompt counts

@@ -18,8 +18,9 @@ W_V are those of its key/value head.
 
 Every matrix is d_model x d_model of rank d_head, so the products are never formed: with left = A B and
 right = C D (A, C: [d_model, d_head]; B, D: [d_head, d_model]) and A = Q_A R_A, D^T = Q_D R_D (QR), the
-product has the singular values of the d_head x d_head core R_A B C R_D^T. `channels` are those
-singular values over ||left|| ||right||: the squares of all of them sum to the score's square.
+product has the Frobenius norm and the singular values of the d_head x d_head core R_A B C R_D^T. `channels`
+are those singular values over ||left|| ||right|| (the squares of all of them sum to the score's square);
+channels=0 leaves them out, and with them the SVDs, most of the cost.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _r(m: Tensor) -> Tensor:
 
 
 def composition(model: HookedModel, channels: int = 4, fold_norms: bool = False) -> Composition:
-    """Q-, K- and V-composition scores and channels of every pair of heads in different layers; fold_norms:
+    """Q-, K- and V-composition scores and `channels` channels (0: none) of every pair of heads in different
+    layers; fold_norms:
     on TransformerLens's default processing of the weights (the module docstring), else on the raw ones."""
     n_layers, n_heads = model.n_layers, model.n_heads
     centre = fold_norms and centres_writes(model)
@@ -99,7 +101,8 @@ def composition(model: HookedModel, channels: int = 4, fold_norms: bool = False)
             for l1 in range(l2):
                 left_norm = torch.linalg.matrix_norm(left_b[l1])  # [writer]
                 core = torch.einsum("wim,rmj->wrij", left_b[l1], right_c)  # [writer, reader, d_head, d_head]
-                sv = torch.linalg.svdvals(core) / (left_norm[:, None, None] * right_norm[None, :, None])
-                scores[mode][l1, :, l2, :] = sv.square().sum(-1).sqrt()
-                chans[mode][l1, :, l2, :] = sv[..., :c]
+                norms = left_norm[:, None] * right_norm[None, :]  # [writer, reader]
+                scores[mode][l1, :, l2, :] = torch.linalg.matrix_norm(core) / norms
+                if c:  # the SVDs are most of the cost: only where channels are asked for
+                    chans[mode][l1, :, l2, :] = torch.linalg.svdvals(core)[..., :c] / norms[..., None]
     return Composition(scores, chans)

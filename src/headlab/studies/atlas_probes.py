@@ -211,7 +211,7 @@ PROBES = (
         "composition",
         COMPOSITION,
         ("composition",),
-        lambda o: ["scores=composition"],
+        lambda o: ["scores=composition", "scores.channels=0"],  # the scores alone: no SVD of each pair
         False,
         composition_rows,
     ),

@@ -4,7 +4,8 @@ from the weights (analysis/head_composition.py), and each pair's low-rank channe
 Rows (intervention "none", method "score", n 1: weights, no prompts, so no interval): layer / head are
 the reader, writer_layer / writer_head the writer; metric q_composition, k_composition, v_composition;
 and, per pair, `scores.channels` rows q_channel, k_channel, v_channel with `channel` 1, 2, ...: the
-product's singular values over the norms of its two factors (their squares sum to the score's square).
+product's singular values over the norms of its two factors (their squares sum to the score's square;
+`scores.channels=0`: none).
 """
 
 from __future__ import annotations
