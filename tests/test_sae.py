@@ -359,6 +359,26 @@ def test_topk_loss_gradients_equal_the_dense_formulation():
         _assert_close_relative(a, b, name)
 
 
+def test_topk_fit_loss_gives_the_dense_gradients_with_the_decoder_rows_parallel_part_removed():
+    sae, x = _topk_with_negatives(seed=5)
+    params = [sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec]
+    loss, _, fires = sae.fit_loss(x, step=0)
+    loss.backward()
+    got = _grads(params)
+    dense = _dense_topk_loss(sae, x)
+    dense.backward()
+    expected = _grads(params)
+    with torch.no_grad():  # written out here: each decoder row's gradient minus its part along the row
+        row = sae.W_dec / sae.W_dec.norm(dim=1, keepdim=True)
+        expected[2] = expected[2] - (expected[2] * row).sum(1, keepdim=True) * row
+    assert sae.fit_loss_grad_tangent and loss.item() == pytest.approx(dense.item(), rel=1e-6)
+    for name, a, b in zip(["W_enc", "b_enc", "W_dec", "b_dec"], got, expected):
+        _assert_close_relative(a, b, name)
+    pre = sae.pre_activation(x).detach()
+    top = pre.topk(sae.k, dim=-1)
+    assert torch.equal(fires, torch.bincount(top.indices[top.values > 0], minlength=sae.d_sae))
+
+
 def test_fit_steps_equal_steps_computed_the_dense_way(tmp_path):
     """fit's TopK steps (sparse backward, fused Adam) against the same steps by hand: dense autograd,
     torch's reference Adam, the decoder constraint as written out here."""

@@ -54,6 +54,15 @@ class SparseAutoencoder(nn.Module):
         on a batch [tokens, d_in]."""
         raise NotImplementedError
 
+    # fit_loss's backward already leaves W_dec.grad without its part along each row (fit then skips
+    # remove_parallel_grad)
+    fit_loss_grad_tangent: ClassVar[bool] = False
+
+    def fit_loss(self, x: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """loss() as fit() takes it: the same value; its backward may also do remove_parallel_grad's work
+        where an architecture can do it for less (fit_loss_grad_tangent)."""
+        return self.loss(x, step)
+
     # ------------------------------------------------------------------ constraints kept during fitting
 
     @torch.no_grad()
@@ -65,7 +74,8 @@ class SparseAutoencoder(nn.Module):
         """Drop the part of each decoder row's gradient along the row: the step then moves the row
         on its unit sphere (to first order) instead of fighting the renormalisation."""
         if self.W_dec.grad is not None:
-            parallel = (self.W_dec.grad * self.W_dec).sum(1, keepdim=True)
+            # row-wise dots as a batched product: one pass, no [d_sae, d_in] temporary (sum of a product: two)
+            parallel = torch.einsum("ij,ij->i", self.W_dec.grad, self.W_dec).unsqueeze(1)
             self.W_dec.grad.addcmul_(parallel, self.W_dec, value=-1)  # in place: no [d_sae, d_in] temporary
 
     @torch.no_grad()

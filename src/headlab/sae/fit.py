@@ -64,10 +64,11 @@ def fit(
                     sae.b_dec.copy_(x.mean(0))  # the decoder bias starts at the data's centre
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, sc)
-            loss, parts, fires = sae.loss(x, step)
+            loss, parts, fires = sae.fit_loss(x, step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            sae.remove_parallel_grad()
+            if not sae.fit_loss_grad_tangent:
+                sae.remove_parallel_grad()
             opt.step()
             sae.normalize_decoder()
             step += 1
