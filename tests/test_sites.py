@@ -96,3 +96,22 @@ def test_unknown_directory_and_architecture_fail_with_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(HeadlabError, match="unsupported architecture 'bert'"):
         load_hf(str(tmp_path), need_tokenizer=False)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_output_attentions_gives_the_patterns_of_plain_eager_attention(family, tiny_hf_dir):
+    """Unwatched, headlab's attention makes no pattern (scaled_dot_product_attention) and returns None
+    as its weights; asked for them (output_attentions=True: Llama passes the flag to the attention,
+    GPT-2 collects each attention's weights with a hook), it makes them, as transformers' eager one."""
+    path = tiny_hf_dir(family)
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    hooked = load_hf(str(path), need_tokenizer=False)
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = reference(ids, output_attentions=True).attentions
+        got = hooked.module(ids, output_attentions=True).attentions
+        unasked = hooked.module(ids)
+    assert len(got) == len(expected) == hooked.n_layers
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-6
+    assert unasked.attentions is None

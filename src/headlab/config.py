@@ -448,8 +448,9 @@ class StudyConfig:
 @dataclass
 class EngineConfig:
     # Size of the widest activation in one batched pass of stacked interventions: tokens x max(d_model,
-    # d_mlp) floats, or at long sequences the attention's scores and pattern, 2 x heads x queries x keys
-    # floats (edits.copy_bytes). Small enough to stay in cache beats large batches on CPUs
+    # d_mlp) floats, or, where the attention runs eagerly (a pattern edit, a suffix of positions, a
+    # softcap) at long sequences, its scores and pattern, 2 x heads x queries x keys floats
+    # (edits.copy_bytes). Small enough to stay in cache beats large batches on CPUs
     # (benchmarks/sweep_speed.py).
     chunk_mb: float = 32.0
     # on a GPU, chunks are sized from its free memory instead: this share of it, after the clean caches

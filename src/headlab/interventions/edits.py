@@ -12,6 +12,7 @@ The engine, path patching and attribution patching all run a batch that stacks g
   copy_edit_hooks   the same with several interventions per copy
   copy_bytes        the memory one stacked copy needs at once in a block
   chunk_size        how many copies fit in a memory budget
+  edits_pattern     whether interventions edit an attention pattern (the attention then runs eagerly)
   read_quantities   task quantities of a stacked batch, its logits read out a few copies at a time
 """
 
@@ -297,23 +298,35 @@ def copy_edit_hooks(
     return {site: hook(site, items) for site, items in per_site.items()}
 
 
-def copy_bytes(model: HookedModel, data: TaskData, length: int | None = None) -> int:
+def copy_bytes(model: HookedModel, data: TaskData, length: int | None = None, pattern: bool = False) -> int:
     """The memory one stacked copy of the prompts (of their `length` last positions; default all) needs
-    at once in a block: its widest per-token activation (the MLP's hidden units), or the attention's
-    scores and pattern over every key (models.sites.attention_bytes), whichever is larger; the two are
-    not alive together. The attention's grows with the square of the length: at 2048 tokens it is 64
-    times the MLP's on a model with 4 heads and d_mlp 256 (float32)."""
+    at once in a block: its widest per-token activation (the MLP's hidden units), or, where the attention
+    runs eagerly, its scores and pattern over every key (models.sites.attention_bytes), whichever is
+    larger; the two are not alive together. Eager: where an edit reads or sets the `pattern`, on a
+    suffix of positions (after clean prefix keys) or with a softcap on the scores (sites.needs_pattern);
+    there the attention's term grows with the square of the length: at 2048 tokens it is 64 times the
+    MLP's on a model with 4 heads and d_mlp 256 (float32). Elsewhere scaled_dot_product_attention makes
+    nothing of that size and the MLP's bound holds at every length."""
     n, seq_len = next(iter(data.inputs.values())).shape[:2]
     queries = seq_len if length is None else length
     dtype = next(model.module.parameters()).dtype
     widest = n * queries * model.width * dtype.itemsize
-    return max(widest, n * attention_bytes(model.n_heads, queries, seq_len, dtype))
+    eager = pattern or queries < seq_len or model.sites.attn_softcap is not None
+    return max(widest, n * attention_bytes(model.n_heads, queries, seq_len, dtype, eager))
 
 
-def chunk_size(model: HookedModel, data: TaskData, chunk_mb: float, length: int | None = None) -> int:
-    """How many stacked copies of the prompts (of their `length` last positions; default all) fit in
-    `chunk_mb` of a block's widest activation (copy_bytes); one at least."""
-    return max(1, int(chunk_mb * 2**20 // copy_bytes(model, data, length)))
+def chunk_size(
+    model: HookedModel, data: TaskData, chunk_mb: float, length: int | None = None, pattern: bool = False
+) -> int:
+    """How many stacked copies of the prompts (of their `length` last positions; default all; `pattern`:
+    some edit is on the pattern) fit in `chunk_mb` of a block's widest activation (copy_bytes); one at
+    least."""
+    return max(1, int(chunk_mb * 2**20 // copy_bytes(model, data, length, pattern)))
+
+
+def edits_pattern(interventions: Sequence[Intervention], n_heads: int) -> bool:
+    """Does any of the interventions edit (or read from another run) an attention pattern?"""
+    return any(edit.site == Site.pattern for iv in interventions for edit in iv.edits(n_heads))
 
 
 def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:

@@ -33,7 +33,7 @@ from ..runtime import chunk_budget_mb
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
-from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, first_edited, read_quantities
+from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_pattern, first_edited, read_quantities
 from .path import run_path
 from .plan import Intervention
 
@@ -146,7 +146,9 @@ def _run_stacked(
     chunks = []
     for layer, idx in sorted(by_layer.items()):
         # a layer whose interventions all edit positions p.. alone runs on p..: more copies fit a chunk
-        per_chunk = chunk_size(model, data, chunk_mb, trace.length - suffix_start([interventions[i] for i in idx]))
+        ivs = [interventions[i] for i in idx]
+        pattern = edits_pattern(ivs, model.n_heads)
+        per_chunk = chunk_size(model, data, chunk_mb, trace.length - suffix_start(ivs), pattern)
         chunks += [(layer, idx[s : s + per_chunk]) for s in range(0, len(idx), per_chunk)]
     report.update(cache_mb=round(trace.nbytes / 2**20, 3), chunk_mb=round(chunk_mb, 3), chunks=len(chunks))
     log.info("sweep: clean caches %.1f MB, %d chunks of at most %.0f MB", trace.nbytes / 2**20, len(chunks), chunk_mb)

@@ -24,7 +24,7 @@ from ..models.sites import Hook
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import Site, Source
-from .edits import Sources, chunk_size, edit_heads, edit_hooks, read_quantities
+from .edits import Sources, chunk_size, edit_heads, edit_hooks, edits_pattern, read_quantities
 from .plan import LOGITS, Intervention, receiver_heads
 
 
@@ -45,7 +45,7 @@ def run_path(
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, iv in enumerate(senders):
         groups[(iv.layer, iv.receivers, iv.site)].append(i)
-    per_chunk = chunk_size(model, data, chunk_mb)
+    per_chunk = chunk_size(model, data, chunk_mb, pattern=edits_pattern(senders, model.n_heads))
     chunks = [
         (key, idx[s : s + per_chunk])
         for key, idx in sorted(groups.items(), key=lambda kv: kv[0][0])

@@ -1,7 +1,7 @@
 """Hugging Face causal LMs, by hub name or local path.
 
-HF models compute attention through `headlab_attention`, registered in transformers' attention
-interface as "headlab"; the only per-family knowledge is a model_type's row of FAMILIES (families.py).
+HF models compute attention through `headlab_attention` (hf_attention), registered in transformers'
+attention interface as "headlab"; the only per-family knowledge is a model_type's row of FAMILIES (families.py).
 """
 
 from __future__ import annotations
@@ -52,8 +52,26 @@ def register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, headlab_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+
+
+def hf_attention(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """headlab_attention, told to return the pattern where the caller asked for attentions: Llama's
+    attention gets output_attentions among its kwargs, GPT-2's model drops the flag and collects each
+    attention's weights with a forward hook, active while transformers' output collector holds them."""
+    wanted = bool(kwargs.pop("output_attentions", False)) or _collecting_attentions()
+    return headlab_attention(module, *args, output_attentions=wanted, **kwargs)
+
+
+def _collecting_attentions() -> bool:
+    try:  # transformers' own record of what a forward with output_attentions=True collects
+        from transformers.utils.output_capturing import _active_collector
+
+        collected = _active_collector.get()
+    except (ImportError, LookupError):
+        return False
+    return isinstance(collected, dict) and "attentions" in collected
 
 
 def _find(root: nn.Module, dotted: str | None) -> nn.Module | None:
@@ -143,7 +161,17 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
 
     projs = [[attribute(a, name) for name in family.qkv_projs] for a in attns]
     sites = HeadSites(
-        attns, w_o, n_heads, n_kv, d_head, cfg.hidden_size, w_qkv, out_projs=outs, qkv_projs=projs, qkv_split=qkv_split
+        attns,
+        w_o,
+        n_heads,
+        n_kv,
+        d_head,
+        cfg.hidden_size,
+        w_qkv,
+        out_projs=outs,
+        qkv_projs=projs,
+        qkv_split=qkv_split,
+        attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
     )
     return HookedModel(
         name=name,

@@ -106,8 +106,10 @@ def _suffix(t: Tensor, length: int, start: int) -> Tensor:
 
 
 def _repeat(t: Tensor, batch: int, copies: int) -> Tensor:
-    """A batch-shaped tensor repeated `copies` times along dim 0 (group-major, like h.repeat)."""
-    if t.dim() == 0 or t.shape[0] != batch:
+    """A batch-shaped tensor repeated `copies` times along dim 0 (group-major, like h.repeat); but an
+    attention mask shared by the heads ([batch, 1, queries, keys]) stays one per prompt, which
+    headlab_attention applies to every copy: repeated, it would be the widest tensor of a long chunk."""
+    if t.dim() == 0 or t.shape[0] != batch or (t.dim() == 4 and t.shape[1] == 1):
         return t
     return t.repeat(copies, *([1] * (t.dim() - 1)))
 

@@ -2,7 +2,10 @@
 
 Every attention layer that headlab serves, Hugging Face or toy, computes attention through
 `headlab_attention` below. Each such module carries a `LayerSlot`; when a slot's hooks are all None the
-function is plain eager attention, so an installed-but-idle HeadSites leaves logits unchanged.
+function is plain attention, so an installed-but-idle HeadSites leaves logits unchanged (to float
+rounding). Where nothing needs the pattern (no pattern hook, no prefix, no softcap, no output_attentions:
+needs_pattern) it is torch's scaled_dot_product_attention, which never makes the [head, query, key]
+scores; elsewhere eager attention, which makes the scores and the pattern.
 
 Hook signatures (TransformerLens naming and shapes):
   q:        [batch, head, pos, d_head]       -> same         (query heads)
@@ -50,11 +53,25 @@ def prefix_length(module: nn.Module) -> int:
     return 0 if slot is None or slot.prefix is None else slot.prefix[0].shape[2]
 
 
-def attention_bytes(heads: int, queries: int, keys: int, dtype: torch.dtype) -> int:
-    """The memory `headlab_attention` holds at once for one prompt: two [heads, queries, keys] tensors,
-    the scores and the pattern (each step below makes a new one before the old is freed; softmax writes
-    the pattern in at least float32, and a cast back to a narrower dtype makes a third, narrow one).
-    At long sequences this, not the MLP's hidden units, is a block's widest activation."""
+def needs_pattern(slot: LayerSlot | None, softcap: float | None = None, wants_weights: bool = False) -> bool:
+    """Must `headlab_attention` make the scores and the pattern themselves (its eager path)? Where a hook
+    reads or edits the pattern (recording it goes through the hook too), a softcap bends the scores, a
+    suffix run puts clean prefix keys before the queries' own (their scores are made per prompt, not
+    per copy: see per_copy), or the caller asked for the attention weights (output_attentions)."""
+    hooked = slot is not None and (slot.pattern is not None or slot.prefix is not None)
+    return hooked or softcap is not None or wants_weights
+
+
+def attention_bytes(heads: int, queries: int, keys: int, dtype: torch.dtype, eager: bool = True) -> int:
+    """The memory `headlab_attention` holds at once for one prompt. Eager: two [heads, queries, keys]
+    tensors, the scores and the pattern (each step below makes a new one before the old is freed;
+    softmax writes the pattern in at least float32, and a cast back to a narrower dtype makes a third,
+    narrow one); at long sequences this, not the MLP's hidden units, is a block's widest activation.
+    Not eager (scaled_dot_product_attention): nothing of that size; what it holds per prompt is its
+    output z, no wider than d_model, and its CPU kernel's scratch is per thread (a block of queries by a
+    block of keys: about 1 MB per thread at 2048 tokens), not per prompt: 0."""
+    if not eager:
+        return 0
     softmax = torch.promote_types(dtype, torch.float32)
     per_score = dtype.itemsize + softmax.itemsize + (dtype.itemsize if softmax != dtype else 0)
     return heads * queries * keys * per_score
@@ -69,9 +86,11 @@ def headlab_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     softcap: float | None = None,
-    **_: object,
-) -> tuple[Tensor, Tensor]:
-    """Eager attention with hook points; the signature of transformers' attention interface."""
+    **kwargs: object,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention with hook points; the signature of transformers' attention interface. The weights it
+    returns are the pattern, or None (as transformers' sdpa does) where nothing needs the pattern: then
+    z comes from scaled_dot_product_attention, which never makes the [heads, queries, keys] scores."""
     slot: LayerSlot | None = getattr(module, "headlab_slot", None)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -82,6 +101,64 @@ def headlab_attention(
             key = slot.k(key)
         if slot.v is not None:
             value = slot.v(value)
+    if needs_pattern(slot, softcap, bool(kwargs.get("output_attentions"))):
+        z, pattern = _eager(module, query, key, value, attention_mask, scaling, dropout, softcap)
+    else:
+        z, pattern = _fused(module, query, key, value, attention_mask, scaling, dropout), None
+    if slot is not None and slot.z is not None:
+        z = slot.z(z)
+    return z.contiguous(), pattern
+
+
+def _fused(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float, dropout: float
+) -> Tensor:
+    """z [batch, pos, head, d_head] from scaled_dot_product_attention, with the eager path's mask
+    semantics: a bool mask keeps its True keys, a masked key adds the dtype's lowest value (as the
+    eager path's fill does, so a row with every key masked is uniform, not NaN); a float mask adds. A
+    mask of one row per prompt for g stacked copies of b > 1 prompts is applied by folding the copies
+    into the heads ([g * b, head, ...] -> [b, g * head, ...]): the mask then broadcasts over them."""
+    prompts = 1
+    if mask is not None:
+        mask = mask[..., : key.shape[-2]]
+        if mask.dtype == torch.bool:
+            kept, masked = (
+                torch.tensor(x, dtype=query.dtype, device=query.device) for x in (0.0, torch.finfo(query.dtype).min)
+            )
+            mask = torch.where(mask, kept, masked)
+        elif mask.dtype != query.dtype:
+            mask = mask.to(query.dtype)
+        if mask.dim() == 4 and mask.shape[0] not in (1, query.shape[0]):
+            prompts = mask.shape[0]
+    heads = query.shape[1]
+    if prompts > 1:
+        query, key, value = (t.unflatten(0, (-1, prompts)).transpose(0, 1).flatten(1, 2) for t in (query, key, value))
+    z = nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    if prompts > 1:
+        z = z.unflatten(1, (-1, heads)).transpose(0, 1).flatten(0, 1)
+    return z.transpose(1, 2)
+
+
+def _eager(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float,
+    dropout: float,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """z [batch, pos, head, d_head] and the pattern, through the slot's pattern hook and prefix."""
+    slot: LayerSlot | None = getattr(module, "headlab_slot", None)
     prefix = None if slot is None else slot.prefix
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
@@ -96,10 +173,7 @@ def headlab_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask[..., : scores.shape[-1]], torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask[..., : scores.shape[-1]]
+        scores = _masked(scores, attention_mask[..., : scores.shape[-1]])
     # at least float32 (as HF's eager attention), but never below the model's own precision
     pattern = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
     if slot is not None and slot.pattern is not None:
@@ -109,10 +183,19 @@ def headlab_attention(
     if prefix is not None:  # one product over every key, as a full pass sums them
         copies = value.shape[0] // prefix[1].shape[0]
         value = torch.cat([prefix[1].repeat(copies, 1, 1, 1), value], dim=2)
-    z = torch.matmul(pattern, value).transpose(1, 2)
-    if slot is not None and slot.z is not None:
-        z = slot.z(z)
-    return z.contiguous(), pattern
+    return torch.matmul(pattern, value).transpose(1, 2), pattern
+
+
+def _masked(scores: Tensor, mask: Tensor) -> Tensor:
+    """Scores [g * b, head, q, k] under a mask of one row per prompt ([b, ...]) or one for all."""
+    by_prompt = mask.dim() == 4 and mask.shape[0] not in (1, scores.shape[0])
+    if by_prompt:  # [g, b, head, q, k]: the mask broadcasts over the copies
+        scores = scores.unflatten(0, (-1, mask.shape[0]))
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    return scores.flatten(0, 1) if by_prompt else scores
 
 
 def per_copy(a: Tensor, b: Tensor) -> Tensor:
@@ -146,6 +229,7 @@ class HeadSites:
     # split into (q [..., head, d_head], k, v [..., kv_head, d_head]), as w_qkv reads their weights
     qkv_projs: list[list[nn.Module]] | None = None
     qkv_split: Callable[[list[Tensor]], tuple[Tensor, Tensor, Tensor]] | None = None
+    attn_softcap: float | None = None  # the softcap the model's attention puts on its scores (Gemma 2)
     slots: list[LayerSlot] = field(init=False)
 
     def __post_init__(self) -> None:
