@@ -121,19 +121,19 @@ def _decode_backward(
 ) -> tuple[Tensor | None, Tensor | None]:
     """(grad of values, grad of W_dec) of sum_j values[t, j] W_dec[indices[t, j]] given grad_out [n, d_in]."""
     pairs = _Pairs(indices, W_dec.shape[0])
-    grad_values = grad_w = None
+    dots = grad_w = None
     if need_values or (need_w and tangent):  # grad_out[t] . W_dec[indices[t, j]] for the n k pairs only
         pattern = pairs.by_token(torch.ones_like(values))
         with _sparse_csr_beta():
             sampled = torch.sparse.sampled_addmm(pattern, grad_out, W_dec.t(), beta=0.0)
-        grad_values = sampled.values().view(values.shape)
+        dots = sampled.values().view(values.shape)
     if need_w:
         grad_w = pairs.sum_per_latent(values, grad_out)
-        if tangent:
+        if tangent and dots is not None:
             along = torch.zeros(W_dec.shape[0], dtype=grad_w.dtype, device=grad_w.device)
-            along.index_add_(0, pairs.flat, (values * grad_values).reshape(-1))
+            along.index_add_(0, pairs.flat, (values * dots).reshape(-1))
             grad_w.addcmul_(along.unsqueeze(1), W_dec, value=-1)
-    return (grad_values if need_values else None), grad_w
+    return (dots if need_values else None), grad_w
 
 
 class TopKDecode(torch.autograd.Function):
