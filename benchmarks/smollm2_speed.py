@@ -22,9 +22,10 @@ turn (interleaved), so that the machine's load, which moves by the minute when i
 sides alike; the min over `--repeats` is kept. The loops cost one full forward pass per head whichever head
 it is: they run on `--loop-heads` heads spread over every layer and are scaled to all 270 (plus their fixed
 cached run). Peak memory: each side runs every sweep once more in a child process of its own (this script
-with --side; the loops on 2 heads: a loop's peak is one pass's), peak_rss_mb_<side> = its ru_maxrss, weights
-loaded included; on CUDA also torch.cuda.max_memory_allocated (peak_gpu_mb_<side>). On a CPU the three
-children run while the parent times (memory does not care about the load); on CUDA after it.
+with --side; the loops on 2 heads: a loop's peak is one pass's), peak_rss_mb_<side> = its VmHWM (ru_maxrss would
+carry over the parent's, which holds all three models), weights loaded included; on CUDA also
+torch.cuda.max_memory_allocated (peak_gpu_mb_<side>). The three children run after the timing, which they
+would otherwise slow unevenly.
 max_abs_diff: the largest difference of any value compared (every loop head of every sweep, against both
 peers; every head's attribution estimate; the clean metric); the script exits non-zero above 1e-4.
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -272,7 +272,8 @@ def run_memory_side(args) -> int:
     data = prompts(args.prompts, args.tokens, args.device)
     for sweep in peer_sweeps(args.side):
         side.run(sweep, data, loop_heads(30, 9, 2))
-    report = {"loaded_kb": loaded, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    # VmHWM, not ru_maxrss: Linux carries the parent's high-water mark over the child's exec into ru_maxrss
+    report = {"loaded_kb": loaded, "peak_kb": rss_kb("VmHWM")}
     report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     torch.save(report, args.out)
     return 0
@@ -336,8 +337,6 @@ def main() -> int:
         tl = build_tl(sides["headlab"].hm.module, args.tokens)
         torch.save(tl.state_dict(), tl_weights)
         sides["transformerlens"] = TransformerLens(tl.to(args.device))
-        # peak memory needs no quiet machine: the children run while this process times (on a GPU, after it)
-        children = {name: start_memory_child(name, args, tmp, tl_weights) for name in SIDES if args.device == "cpu"}
         sides["nnsight"] = Nnsight(args.model_path, args.device)
         warm = replace(data.take(slice(0, 2)), reference=data.take(slice(0, 2)).inputs)
         for name, side in sides.items():  # warm-up: every code path once (headlab: the last layer's heads)
@@ -356,7 +355,7 @@ def main() -> int:
                         print(f"{name} {sweep}: {total:.1f} s", file=sys.stderr, flush=True)  # progress
         clean = {name: side.clean_logits(data) for name, side in sides.items()}
         del sides, tl
-        children = children or {name: start_memory_child(name, args, tmp, tl_weights) for name in SIDES}
+        children = {name: start_memory_child(name, args, tmp, tl_weights) for name in SIDES}
         memory = {name: memory_result(name, child) for name, child in children.items()}
 
     at = torch.tensor([l * 9 + h for l, h in heads]) + 1  # headlab's rows: the clean baseline first

@@ -23,7 +23,7 @@ Every head of the model, three ways:
                 own attribution patching (hook_z activations of both runs and the gradient of the summed
                 metric, torch.autograd.grad), also timed (transformerlens_attribution_seconds).
 Each side runs in a fresh child process of its own (this script with --side), so that its peak resident
-memory (ru_maxrss, peak_rss_mb_<side>) is its own: its weights loaded once from the saved files
+memory (VmHWM, peak_rss_mb_<side>) is its own: its weights loaded once from the saved files
 (rss_mb_loaded_<side>) plus everything its runs allocate; on CUDA also torch.cuda.max_memory_allocated
 (peak_gpu_mb_<side>). headlab's child runs all three sweeps, TransformerLens's its two loops and its
 attribution, nnsight's its ablation loop.
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -275,7 +274,7 @@ def run_side(args) -> int:
     report = {"headlab": side_headlab, "transformerlens": side_transformerlens, "nnsight": side_nnsight}[args.side](
         args, shape
     )
-    report["peak_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report["peak_kb"] = rss_kb("VmHWM")  # ru_maxrss would carry over the parent's high-water mark across exec
     report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     report["threads"] = torch.get_num_threads()
     torch.save(report, args.out)
