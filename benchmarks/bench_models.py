@@ -10,6 +10,7 @@ term, as zeroing its slice of the attention output projection's input does in th
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -203,6 +204,14 @@ def min_time(fn: Callable[[], Any], repeats: int, device: str = "cpu") -> tuple[
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best, result
+
+
+def cuda_missing(device: str) -> bool:
+    """True, after saying so on stderr, where `--device cuda` was asked for and torch sees no CUDA device."""
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
+        return True
+    return False
 
 
 def dist_version(dist: str) -> str:

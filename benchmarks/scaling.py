@@ -48,7 +48,7 @@ import pandas as pd
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from bench_models import LogitDiff, build_hooked_transformer, make_data
+from bench_models import LogitDiff, build_hooked_transformer, cuda_missing, make_data
 from circuit_speed import tl_loop, tl_sample
 from headlab.edges.attribution import scores
 from headlab.edges.graph import EdgeGraph
@@ -250,8 +250,7 @@ def main() -> int:
     parser.add_argument("--replot", help="a points csv (scaling.csv) to redraw the figure and slopes from")
     parser.add_argument("--docs", default="docs", help="where the README's copy of the figure goes ('' for none)")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

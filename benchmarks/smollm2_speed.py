@@ -51,7 +51,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
-from bench_models import LogitDiff, dist_version, load_hooked, make_data, tl_llama_config
+from bench_models import LogitDiff, cuda_missing, dist_version, load_hooked, make_data, tl_llama_config
 from sweep_speed import loop_heads, metric, pearson, rss_kb, tl_attribution
 
 TOLERANCE = 1e-4
@@ -312,8 +312,7 @@ def main() -> int:
     parser.add_argument("--tl-weights", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     if args.side:
         return run_memory_side(args)

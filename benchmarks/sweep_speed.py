@@ -73,6 +73,7 @@ from bench_models import (
     LogitDiff,
     build_hooked_llama,
     build_hooked_transformer,
+    cuda_missing,
     dist_version,
     llama_config,
     load_hooked,
@@ -328,8 +329,7 @@ def main() -> int:
     parser.add_argument("--llama-dtype", default="bfloat16", help=argparse.SUPPRESS)  # float32: test on a CPU
     parser.add_argument("--llama-dims", help=argparse.SUPPRESS)  # layers,heads,kv_heads,d_model,d_mlp,vocab
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
+    if cuda_missing(args.device):
         return 2
     if args.side:
         return run_side(args)
