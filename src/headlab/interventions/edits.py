@@ -29,7 +29,7 @@ from torch import Tensor
 from ..config import MeanOver, option
 from ..errors import UsageError
 from ..models.hooked import HookedModel
-from ..models.sites import Hook, attention_bytes
+from ..models.sites import Hook, attention_bytes, runs_eagerly
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
 from .plan import Edit, Intervention
@@ -303,7 +303,7 @@ def copy_bytes(model: HookedModel, data: TaskData, length: int | None = None, pa
     at once in a block: its widest per-token activation (the MLP's hidden units), or, where the attention
     runs eagerly, its scores and pattern over every key (models.sites.attention_bytes), whichever is
     larger; the two are not alive together. Eager: where an edit reads or sets the `pattern`, on a
-    suffix of positions (after clean prefix keys) or with a softcap on the scores (sites.needs_pattern);
+    suffix of positions (after clean prefix keys) or with a softcap on the scores (sites.runs_eagerly);
     there the attention's term grows with the square of the length: at 2048 tokens it is 64 times the
     MLP's on a model with 4 heads and d_mlp 256 (float32). Elsewhere scaled_dot_product_attention makes
     nothing of that size and the MLP's bound holds at every length."""
@@ -311,7 +311,7 @@ def copy_bytes(model: HookedModel, data: TaskData, length: int | None = None, pa
     queries = seq_len if length is None else length
     dtype = next(model.module.parameters()).dtype
     widest = n * queries * model.width * dtype.itemsize
-    eager = pattern or queries < seq_len or model.sites.attn_softcap is not None
+    eager = runs_eagerly(pattern, queries < seq_len, model.sites.attn_softcap)
     return max(widest, n * attention_bytes(model.n_heads, queries, seq_len, dtype, eager))
 
 

@@ -53,13 +53,18 @@ def prefix_length(module: nn.Module) -> int:
     return 0 if slot is None or slot.prefix is None else slot.prefix[0].shape[2]
 
 
-def needs_pattern(slot: LayerSlot | None, softcap: float | None = None, wants_weights: bool = False) -> bool:
+def runs_eagerly(pattern: bool, suffix: bool, softcap: float | None, wants_weights: bool = False) -> bool:
     """Must `headlab_attention` make the scores and the pattern themselves (its eager path)? Where a hook
     reads or edits the pattern (recording it goes through the hook too), a softcap bends the scores, a
     suffix run puts clean prefix keys before the queries' own (their scores are made per prompt, not
     per copy: see per_copy), or the caller asked for the attention weights (output_attentions)."""
-    hooked = slot is not None and (slot.pattern is not None or slot.prefix is not None)
-    return hooked or softcap is not None or wants_weights
+    return pattern or suffix or softcap is not None or wants_weights
+
+
+def needs_pattern(slot: LayerSlot | None, softcap: float | None = None, wants_weights: bool = False) -> bool:
+    """runs_eagerly for the hooks a layer's slot holds now."""
+    hooked = slot is not None and slot.pattern is not None
+    return runs_eagerly(hooked, slot is not None and slot.prefix is not None, softcap, wants_weights)
 
 
 def attention_bytes(heads: int, queries: int, keys: int, dtype: torch.dtype, eager: bool = True) -> int:
@@ -102,7 +107,7 @@ def headlab_attention(
         if slot.v is not None:
             value = slot.v(value)
     if needs_pattern(slot, softcap, bool(kwargs.get("output_attentions"))):
-        z, pattern = _eager(module, query, key, value, attention_mask, scaling, dropout, softcap)
+        z, pattern = _eager(module, slot, query, key, value, attention_mask, scaling, dropout, softcap)
     else:
         z, pattern = _fused(module, query, key, value, attention_mask, scaling, dropout), None
     if slot is not None and slot.z is not None:
@@ -128,7 +133,7 @@ def _fused(
             mask = torch.where(mask, kept, masked)
         elif mask.dtype != query.dtype:
             mask = mask.to(query.dtype)
-        if mask.dim() == 4 and mask.shape[0] not in (1, query.shape[0]):
+        if mask_per_prompt(mask, query.shape[0]):
             prompts = mask.shape[0]
     heads = query.shape[1]
     if prompts > 1:
@@ -149,6 +154,7 @@ def _fused(
 
 def _eager(
     module: nn.Module,
+    slot: LayerSlot | None,
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -158,7 +164,6 @@ def _eager(
     softcap: float | None,
 ) -> tuple[Tensor, Tensor]:
     """z [batch, pos, head, d_head] and the pattern, through the slot's pattern hook and prefix."""
-    slot: LayerSlot | None = getattr(module, "headlab_slot", None)
     prefix = None if slot is None else slot.prefix
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
@@ -186,9 +191,15 @@ def _eager(
     return torch.matmul(pattern, value).transpose(1, 2), pattern
 
 
+def mask_per_prompt(mask: Tensor, batch: int) -> bool:
+    """Is `mask` one row per prompt of a batch of `batch` stacked copies (rather than one per row or one
+    for all)?"""
+    return mask.dim() == 4 and mask.shape[0] not in (1, batch)
+
+
 def _masked(scores: Tensor, mask: Tensor) -> Tensor:
     """Scores [g * b, head, q, k] under a mask of one row per prompt ([b, ...]) or one for all."""
-    by_prompt = mask.dim() == 4 and mask.shape[0] not in (1, scores.shape[0])
+    by_prompt = mask_per_prompt(mask, scores.shape[0])
     if by_prompt:  # [g, b, head, q, k]: the mask broadcasts over the copies
         scores = scores.unflatten(0, (-1, mask.shape[0]))
     if mask.dtype == torch.bool:
