@@ -308,6 +308,24 @@ def test_attribution_is_the_directional_derivative_of_the_logit_difference(tiny_
         derivative = (at(1e-4) - at(-1e-4)) / 2e-4
         torch.testing.assert_close(got[i, :, LD] - got[0, :, LD], derivative, atol=1e-6, rtol=1e-4)
         assert derivative.abs().max() > 1e-4
+    assert all(p.requires_grad for p in model.module.parameters())  # the weights' flags are given back
+
+
+def test_a_directorys_own_tokenizer_loads_when_first_asked_for(tiny_hf_dir, gpt2_tokenizer, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_hf_dir("gpt2"), tmp_path / "m")
+    model = load_hf(str(tmp_path / "m"), need_tokenizer=False)
+    assert model.tokenizer is None  # nothing beside the weights
+    gpt2_tokenizer.save_pretrained(tmp_path / "m")
+    model = load_hf(str(tmp_path / "m"), need_tokenizer=False)
+    text = "When Mary and John went to the store"
+    assert model.tokenizer(text)["input_ids"] == gpt2_tokenizer(text)["input_ids"]
+    unread = load_hf(str(tmp_path / "m"), need_tokenizer=False)
+    for f in (tmp_path / "m").iterdir():  # read when first asked for, not at loading: gone by then
+        if f.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            f.unlink()
+    assert unread.tokenizer is None
 
 
 def test_cli_runs_ioi_on_a_local_model_and_refuses_bad_input_with_one_line(tiny_hf_dir, gpt2_tokenizer, tmp_path):

@@ -1,16 +1,15 @@
 """Attribution patching (Nanda 2023; Kramar et al. 2024): a first-order estimate of activation patching.
 
-One forward and one backward pass on the clean prompts give, for every head site a, the gradient of the
-task's smooth quantity m (IOI: the logit difference) with respect to a; patching a to its counterfactual
-value a' then changes m by about (a' - a) . dm/da. Summed over the positions and heads an intervention
-touches, that is its estimate; the task's other quantities have no estimate (NaN). Rows keep
-method=attribution, so a table never passes these numbers off as exact.
+A forward and a backward pass on the clean prompts (the backward one block at a time: _site_gradients)
+give, for every head site a, the gradient of the task's smooth quantity m (IOI: the logit difference)
+with respect to a; patching a to its counterfactual value a' then changes m by about (a' - a) . dm/da.
+Summed over the positions and heads an intervention touches, that is its estimate; the task's other
+quantities have no estimate (NaN). Rows keep method=attribution, so a table never passes these numbers off as exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import ExitStack
 
 import torch
 from torch import Tensor
@@ -42,19 +41,11 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
         part = data.take(slice(start, start + PROMPTS_PER_PASS))
         with torch.inference_mode():
             patched = {site: model.record(part.counterfactual, site) for site in sites}  # type: ignore[arg-type]
-        store: dict[tuple[str, int], Tensor] = {}
-        with torch.enable_grad(), ExitStack() as stack:
-            for layer in range(model.n_layers):
-                stack.enter_context(model.hooks(layer, **{s: _keep(store, s, layer) for s in sites}))
-            logits = model.readout(model.forward_blocks(part.inputs), part.positions)
-            quantities = task.per_prompt(logits, part)
-            keys = list(store)
-            grads = torch.autograd.grad(quantities[:, col].sum(), [store[k] for k in keys], allow_unused=True)
-        clean.append(quantities.detach())
-        for key, grad in zip(keys, grads):
-            site, layer = key
-            d = torch.zeros_like(store[key]) if grad is None else (patched[site][layer] - store[key].detach()) * grad
-            deltas.setdefault(key, []).append(d)
+        quantities, gradients = _site_gradients(model, task, part, sites, col)
+        clean.append(quantities)
+        for (site, layer), (value, grad) in gradients.items():
+            d = torch.zeros_like(value) if grad is None else (patched[site][layer] - value) * grad
+            deltas.setdefault((site, layer), []).append(d)
     clean_q = torch.cat(clean)
     joined = {key: torch.cat(parts) for key, parts in deltas.items()}
     sources = Sources(model, data, set())
@@ -71,9 +62,39 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
     return out
 
 
+def _site_gradients(
+    model: HookedModel, task: Task, data: TaskData, sites: Sequence[str], col: int
+) -> tuple[Tensor, dict[tuple[str, int], tuple[Tensor, Tensor | None]]]:
+    """The clean quantities [n, Q] and, per (site, layer), the site's clean value and the gradient of
+    quantity `col` (summed over the prompts) with respect to it (None: the quantity does not depend on it).
+
+    One clean pass keeps each block's input; the gradient then goes back one block at a time, each block
+    run again from its kept input: the graph of one block is alive at once, not the whole model's (at
+    2048 tokens the whole graph of a 7B model would take gigabytes a prompt), for one block's forward
+    pass more in all."""
+    with torch.no_grad():  # not inference_mode: the kept inputs meet autograd below
+        trace = model.trace(data.inputs)
+    out: dict[tuple[str, int], tuple[Tensor, Tensor | None]] = {}
+    with torch.enable_grad(), model.frozen():
+        h = trace.resid_final.detach().requires_grad_()
+        quantities = task.per_prompt(model.readout(h, data.positions), data)
+        (grad,) = torch.autograd.grad(quantities[:, col].sum(), h)
+        for layer in reversed(range(model.n_layers)):
+            x = trace.resid_pre[layer].detach().requires_grad_()
+            store: dict[tuple[str, int], Tensor] = {}
+            with model.hooks(layer, **{s: _keep(store, s, layer) for s in sites}):
+                h = model.run_blocks(x, layer, trace, stop=layer + 1)
+            keys = list(store)
+            grads = torch.autograd.grad(h, [x, *(store[k] for k in keys)], grad.to(h.device), allow_unused=True)
+            for key, g in zip(keys, grads[1:]):
+                out[key] = (store[key].detach(), g)
+            grad = torch.zeros_like(x) if grads[0] is None else grads[0]
+    return quantities.detach(), out
+
+
 def _keep(store: dict[tuple[str, int], Tensor], site: str, layer: int) -> Hook:
     def hook(t: Tensor) -> Tensor:
-        if not t.requires_grad:  # a model with frozen weights: make the site a leaf of the graph
+        if not t.requires_grad:  # a site that does not depend on the block's input: make it a leaf of the graph
             t = t.detach().requires_grad_()
         store[(site, layer)] = t
         return t

@@ -128,14 +128,18 @@ def load_hf(
     tok = None
     if need_tokenizer or tokenizer:
         tok = _tokenizer(model, tokenizer or path, None if tokenizer else revision, where)
-    elif Path(path).is_dir():  # a directory's own tokenizer, where it has a usable one: tasks asked for later need it
-        try:
-            tok = _tokenizer(model, path, revision, where)
-        except HeadlabError:
-            tok = None
     hooked = hook_hf(model, name or path, family, tok)
+    if tok is None and Path(path).is_dir():  # its own tokenizer, where usable: a task asked for later needs it
+        hooked.tokenizer_from(lambda: _usable_tokenizer(model, path, revision, where))
     hooked.source = source
     return hooked
+
+
+def _usable_tokenizer(model: PreTrainedModel, path: str, revision: str | None, where: str) -> Any:
+    try:
+        return _tokenizer(model, path, revision, where)
+    except HeadlabError:
+        return None
 
 
 def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = None) -> HookedModel:

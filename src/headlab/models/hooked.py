@@ -144,7 +144,8 @@ class HookedModel:
         self.unembed = unembed
         self._call = call
         self.family = family
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
+        self._tokenizer_loader: Callable[[], Any] | None = None
         self.logit_softcap = logit_softcap
         self.mlps = mlps or [None] * len(blocks)
         self.down_projs = down_projs or [None] * len(blocks)  # per layer: the module whose input is "neurons"
@@ -163,6 +164,22 @@ class HookedModel:
         self.source: object = None  # what its loader needs to load it again (hf.Pretrained); None: built here
         # where its weights came from, where a file was converted for it (a GGUF file's package, sha256)
         self.weights: dict[str, Any] | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """Its tokenizer (None: it has none); one found beside the weights loads when first asked for, a
+        sweep that reads token ids alone never holds it."""
+        if self._tokenizer_loader is not None:
+            self._tokenizer, self._tokenizer_loader = self._tokenizer_loader(), None
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer, self._tokenizer_loader = tokenizer, None
+
+    def tokenizer_from(self, loader: Callable[[], Any]) -> None:
+        """The tokenizer is what `loader` returns (None: none usable), loaded when first asked for."""
+        self._tokenizer, self._tokenizer_loader = None, loader
 
     @property
     def n_layers(self) -> int:
@@ -197,6 +214,19 @@ class HookedModel:
     @property
     def n_heads(self) -> int:
         return self.sites.n_heads
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Its weights need no gradient while inside: a backward pass to activations alone then keeps no
+        linear layer's input (only a weight's gradient reads it), a third of the forward's memory or more."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.requires_grad_(True)
 
     def forward(self, inputs: Inputs) -> Tensor:
         """Full logits [batch, pos, vocab]."""
