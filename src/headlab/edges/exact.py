@@ -21,6 +21,7 @@ from contextlib import ExitStack
 import torch
 from torch import Tensor
 
+from ..interventions.edits import copy_bytes
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
@@ -49,8 +50,10 @@ def exact_scores(
         delta = corrupt_out - sender_outputs(model, graph, clean)
         trace = clean.trace
         base = metric(model, task, data, trace.resid_final, column)
-        n, seq, d = trace.resid_final.shape
-        per_chunk = max(1, int(chunk_mb * 2**20 // (3 * n * seq * max(d, model.width) * delta.element_size())))
+        n = data.n
+        # a copy holds two input differences and its residual stream (d_model wide) besides a block's
+        # widest activation: three of the widest bound them all
+        per_chunk = max(1, int(chunk_mb * 2**20 // (3 * copy_bytes(model, data))))
         groups = [(layer, which[:, graph.layer_receivers(layer)]) for layer in range(graph.n_layers)]
         logits = len(graph.receivers) - 1
         work = sum(int(w.sum()) for _, w in groups) + int(which[:, logits].sum())
