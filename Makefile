@@ -61,7 +61,7 @@ scaling: $(VENV)/.headlab-bench  # cost vs prompts, tokens, heads and edges: out
 	$(BIN)/python benchmarks/scaling.py --device $(DEVICE) $(if $(filter cpu,$(DEVICE)),,--docs '')
 
 .PHONY: sae-bench
-sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer on random-GPT-2 z and smollm2 z over data/alice.txt, ~10 min
+sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer on random-GPT-2 z and smollm2 z over data/devil.txt, ~7 min
 	$(BIN)/python benchmarks/sae_speed.py
 
 .PHONY: circuit-bench
