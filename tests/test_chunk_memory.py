@@ -108,7 +108,9 @@ def test_an_unwatched_attention_holds_no_scores_and_matches_the_eager_one(dtype,
     assert none is None and pattern is not None
     torch.testing.assert_close(folded, eager, atol=0, rtol=0)
     z_bytes = z.numel() * z.element_size()
-    mask_bytes = seq * seq * dtype.itemsize * batch if mask_kind == "bool" else 0
+    # a bool mask made float; an additive one read once for whether it is the plain causal mask (a bool
+    # mask of its size, beside two causal [query, key] ones)
+    mask_bytes = seq * seq * dtype.itemsize * batch if mask_kind == "bool" else seq * seq * (batch + 2)
     held = (2 if copies == 1 else 2 + (1 + 2 / 3) + 1) * z_bytes + mask_bytes
     assert measured.peak <= held < copies * batch * heads * seq * seq * dtype.itemsize / 4
     assert attention_bytes(heads, seq, seq, dtype, eager=False) == 0
@@ -117,6 +119,38 @@ def test_an_unwatched_attention_holds_no_scores_and_matches_the_eager_one(dtype,
     # the fully masked row: the mean of the values over every key, in both (every copy of prompt 0)
     uniform = v[::batch, :, :, :].float().mean(2).repeat_interleave(3, 1)  # [copies, head, d_head]
     torch.testing.assert_close(z[::batch, 0].float(), uniform, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mask_kind", ["float", "bool", "-inf"])
+def test_a_plain_causal_mask_is_run_as_is_causal_and_matches_the_eager_attention(mask_kind, monkeypatch):
+    """The plain causal mask (no padding, no window) goes to scaled_dot_product_attention as is_causal,
+    which skips the hidden half of the scores, as transformers' sdpa path does; any other mask is given
+    as it is. Either way z is the eager attention's."""
+    batch, heads, kv_heads, seq, d_head = 2, 4, 2, 64, 8
+    q, k, v = _qkv(batch, heads, kv_heads, seq, d_head, torch.float32)
+    keep = torch.ones(seq, seq, dtype=torch.bool).tril().repeat(batch, 1, 1, 1)
+    fill = float("-inf") if mask_kind == "-inf" else torch.finfo(torch.float32).min
+
+    def as_kind(kept: torch.Tensor) -> torch.Tensor:
+        return kept if mask_kind == "bool" else torch.zeros(kept.shape).masked_fill(~kept, fill)
+
+    padded = keep.clone()
+    padded[1, :, :, 1:4] = False  # prompt 1's keys 1 to 3 are padding
+    window = keep & ~torch.ones(seq, seq, dtype=torch.bool).tril(-9)  # a sliding window of 8 keys
+    calls: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(*args, **kwargs):
+        calls.append(bool(kwargs.get("is_causal")) and kwargs.get("attn_mask") is None)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    for kept, causal in ((keep, True), (keep[:1], True), (padded, False), (window, False)):
+        mask = as_kind(kept)
+        z, _ = headlab_attention(nn.Module(), q, k, v, mask)
+        eager, _ = headlab_attention(_watched(), q, k, v, mask)
+        assert calls.pop() is causal
+        torch.testing.assert_close(z, eager, atol=1e-6, rtol=1e-6)
 
 
 def _toy(n_ctx: int, d_mlp: int = 32):

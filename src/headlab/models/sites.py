@@ -126,6 +126,10 @@ def _fused(
     prompts = 1
     if mask is not None:
         mask = mask[..., : key.shape[-2]]
+    causal = mask is not None and query.shape[-2] == key.shape[-2] and plain_causal(mask)
+    if causal:
+        mask = None
+    elif mask is not None:
         if mask.dtype == torch.bool:
             kept, masked = (
                 torch.tensor(x, dtype=query.dtype, device=query.device) for x in (0.0, torch.finfo(query.dtype).min)
@@ -144,12 +148,29 @@ def _fused(
         value,
         attn_mask=mask,
         dropout_p=dropout if module.training else 0.0,
+        is_causal=causal,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
     if prompts > 1:
         z = z.unflatten(1, (-1, heads)).transpose(0, 1).flatten(0, 1)
     return z.transpose(1, 2)
+
+
+def plain_causal(mask: Tensor) -> bool:
+    """Is `mask` ([..., queries, keys], bool or additive) the plain causal mask for every prompt, key j
+    visible to query i iff j <= i (no padding, no window)? scaled_dot_product_attention then takes
+    is_causal instead, which skips the hidden half of the scores (as transformers' own sdpa path does)."""
+    queries, keys = mask.shape[-2:]
+    if queries != keys:
+        return False
+    tril = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, tril.expand_as(mask))
+    # one bool mask at a time beside it: the eager fill or -inf hidden (no weight after the softmax), 0 seen
+    if not torch.equal(mask == 0, tril.expand_as(mask)):
+        return False
+    return torch.equal(mask <= torch.finfo(mask.dtype).min / 2, ~tril.expand_as(mask))
 
 
 def _eager(
