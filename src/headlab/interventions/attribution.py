@@ -25,7 +25,10 @@ from .plan import Intervention
 PROMPTS_PER_PASS = 32  # prompts are independent: backward passes over slices bound the graph's memory
 
 
-def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequence[Intervention]) -> list[Tensor]:
+def estimate(
+    model: HookedModel, task: Task, data: TaskData, interventions: Sequence[Intervention]
+) -> tuple[Tensor, list[Tensor]]:
+    """(the clean run's quantities [n, Q], each intervention's estimated quantities [n, Q])."""
     if task.smooth_quantity is None:
         raise UsageError(f"task {task.name} names no smooth quantity for attribution patching")
     if data.counterfactual is None:
@@ -59,7 +62,7 @@ def estimate(model: HookedModel, task: Task, data: TaskData, interventions: Sequ
         q = torch.full_like(clean_q, float("nan"))
         q[:, col] = clean_q[:, col] + change
         out.append(q)
-    return out
+    return clean_q, out
 
 
 def _site_gradients(

@@ -87,8 +87,13 @@ def execute(
     paths = [i for i, iv in enumerate(interventions) if iv.method == Method.path]
     exact = [i for i, iv in enumerate(interventions) if iv.method not in (Method.path, Method.attribution)]
     if attributed:
-        for i, q in zip(attributed, estimate(model, task, data, [interventions[i] for i in attributed])):
+        clean, estimates = estimate(model, task, data, [interventions[i] for i in attributed])
+        for i, q in zip(attributed, estimates):
             out[i] = q
+        if all(interventions[i].intervention == Kind.none for i in exact):  # the clean run: estimate's own
+            for i in exact:
+                out[i] = clean
+            exact = []
     with torch.inference_mode():
         needed = {(e.source, e.site) for i in exact for e in interventions[i].edits(model.n_heads)}
         if paths:
@@ -96,9 +101,10 @@ def execute(
         sources = Sources(model, data, needed, seed, mean_over)
         exact_ivs = [interventions[i] for i in exact]
         report = {} if report is None else report
+        results: list[Tensor] = []
         if naive:
             results = _run_naive(model, task, data, exact_ivs, sources, show_progress)
-        else:
+        elif exact_ivs:
             results = _run_stacked(
                 model, task, data, exact_ivs, sources, chunk_mb, gpu_memory_share, show_progress, report
             )
