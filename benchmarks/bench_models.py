@@ -216,3 +216,34 @@ def cuda_missing(device: str) -> bool:
 
 def dist_version(dist: str) -> str:
     return version(dist)
+
+
+def ablation_work_ratio(config: Any, prompts: int, tokens: int) -> float:
+    """The matrix-product FLOPs of a loop of full forward passes (TransformerLens, nnsight: every layer, logits
+    at every position) over those of headlab's stacked sweep, for a zero ablation of every head at every
+    position with the metric read at one position: the speedup at equal FLOP/s, which batching alone moves.
+    headlab, for a head of layer l: block l from its output projection on (its attention is the cached z's),
+    blocks l+1.. whole, the last block's MLP and the logits at the read position only; plus one clean pass."""
+    d, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    d_head = getattr(config, "head_dim", None) or d // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d_mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d
+    gated = config.model_type != "gpt2"  # gate, up and down projections, not two
+    qkv, out = 2 * d * (heads + 2 * kv) * d_head, 2 * heads * d_head * d
+    mlp = 2 * d * d_mlp * (3 if gated else 2)
+    attention = 4 * tokens * heads * d_head  # scores and the weighted sum, per query over every key
+    block, logits = qkv + out + mlp + attention, 2 * d * config.vocab_size
+    n = prompts * tokens  # tokens of one pass
+    loop = layers * heads * (layers * n * block + n * logits)
+
+    def from_layer(l: int) -> float:
+        """headlab's FLOPs for one head of layer l."""
+        if l == layers - 1:
+            return n * out + prompts * (mlp + logits)
+        whole = (layers - 2 - l) * n * block
+        last = n * (qkv + out + attention) + prompts * mlp
+        return n * (out + mlp) + whole + last + prompts * logits
+
+    stacked = layers * n * block + prompts * logits + heads * sum(from_layer(l) for l in range(layers))
+    return loop / stacked

@@ -14,8 +14,9 @@ run_with_hooks pass per head on hook_z; nnsight one trace per head on attn.c_pro
             against a TransformerLens loop patching one edge per forward pass (circuit_speed.tl_loop) on
             `--loop` edges (3 at least), scaled to every edge (plus its two cached runs); nnsight has no EAP-IG
 The loops cost one pass per head (edge) whichever it is: they run on `--loop` heads (edges) and are scaled.
-All sides live in this one process and run each point in turn (interleaved), once (`--repeats`): under a
-shared machine's load a point moves by tens of percent, the slopes over a 16-256x range much less.
+All sides live in this one process and run each point in turn (interleaved), three times (`--repeats`), the
+best kept: under a shared machine's load a point moves by tens of percent, the slopes over a 16-256x range
+much less.
 Memory: peak_mb is the peak resident set during the sweep above the resident set just before it (freed heap
 given back with malloc_trim, VmHWM reset through /proc/self/clear_refs): what the sweep itself allocates,
 the loaded weights excluded. A loop's peak is one pass's, so running it on a few heads measures it whole.
@@ -24,7 +25,7 @@ memory allocated before the sweep. Slope: least squares of log(seconds) and log(
 
 Writes outputs/bench/scaling.csv (every point), scaling_slopes.csv, scaling.png, and copies the figure to
 docs/scaling.png (the README's). Run from the repo root: `make scaling`
-(55 minutes on 2 shared cores under a load average of 25 to 12).
+(52 s on 2 quiet cores, best of 3 per point).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--loop", type=int, default=1, help="heads (edges) the peers' loops run on, then scaled")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each point, the best kept")
     parser.add_argument("--chunk-mb", type=float, default=32.0)
     parser.add_argument("--axes", default=",".join(AXES), help="which axes to run (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="two small points per axis: a check that it runs")

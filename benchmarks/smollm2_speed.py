@@ -51,7 +51,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
-from bench_models import LogitDiff, cuda_missing, dist_version, load_hooked, make_data, tl_llama_config
+from bench_models import (
+    LogitDiff,
+    ablation_work_ratio,
+    cuda_missing,
+    dist_version,
+    load_hooked,
+    make_data,
+    tl_llama_config,
+)
 from sweep_speed import loop_heads, metric, pearson, rss_kb, tl_attribution
 
 TOLERANCE = 1e-4
@@ -327,6 +335,9 @@ def main() -> int:
         args.model_path = random_smollm2(shape_only.name)
     else:
         args.model_path = headlab.load_model("smollm2-135m", root=args.root).module.name_or_path
+    from transformers import AutoConfig
+
+    work = ablation_work_ratio(AutoConfig.from_pretrained(args.model_path), args.prompts, args.tokens)
     n_cells = 30 * 9
     heads = loop_heads(30, 9, args.loop_heads or (6 if args.device == "cpu" else n_cells))
     data = prompts(args.prompts, args.tokens, args.device)
@@ -412,6 +423,7 @@ def main() -> int:
         peer_seconds = tl_patch if sweep == "attribution" else seconds[peer, sweep]
         ratio = peer_seconds / seconds["headlab", sweep]
         print(f"{line}: {ratio:.2f} (goal >= {goal:g}: {'met' if ratio >= goal else 'NOT met'})")
+    print(f"ablation_work_ratio_vs_loops: {work:.2f} (the loops' matrix-product FLOPs over headlab's)")
     return 0 if worst <= TOLERANCE else 1
 
 

@@ -71,10 +71,12 @@ from bench_models import (
     TOKEN_A,
     TOKEN_B,
     LogitDiff,
+    ablation_work_ratio,
     build_hooked_llama,
     build_hooked_transformer,
     cuda_missing,
     dist_version,
+    gpt2_config,
     llama_config,
     load_hooked,
     make_data,
@@ -423,6 +425,8 @@ def main() -> int:
     print(with_goal("attribution_speedup_vs_transformerlens", tl_patch_s / secs["headlab"]["attribution"]))
     speedup = secs["transformerlens"]["ablation"] / secs["headlab"]["ablation"]
     print(with_goal("ablation_speedup_vs_transformerlens", speedup))
+    work = ablation_work_ratio(gpt2_config(), N_PROMPTS, SEQ_LEN)
+    print(f"ablation_work_ratio_vs_loops: {work:.2f} (the loops' matrix-product FLOPs over headlab's)")
     print(f"speedup_vs_transformerlens: {speedup:.2f}")
     return 0 if worst <= TOLERANCE else 1
 
