@@ -18,8 +18,8 @@ Every head of the model, three ways:
                   TransformerLens  `run_with_cache` of the counterfactual prompts (hook_z), then one
                                    `run_with_hooks` pass per head writing the cached z[:, -1, h]
   attribution   headlab's attribution patching of the same 144 patches (`execute`, method attribution: a
-                counterfactual and a clean forward pass and one backward), timed against the exact
-                TransformerLens patching loop above. Its values are checked against TransformerLens's
+                counterfactual and a clean forward pass, and a backward pass block by block), timed against
+                the exact TransformerLens patching loop above. Its values are checked against TransformerLens's
                 own attribution patching (hook_z activations of both runs and the gradient of the summed
                 metric, torch.autograd.grad), also timed (transformerlens_attribution_seconds).
 Each side runs in a fresh child process of its own (this script with --side), so that its peak resident
