@@ -383,7 +383,8 @@ def main() -> int:
     print(f"nnsight: {nnsight_line}")
     print(f"chunk_mb: {hl['engine']['ablation']['chunk_mb']:g} (up to {min(per_chunk, N_HEADS)} heads per chunk)")
     for what, engine in hl["engine"].items():
-        print(f"headlab_cache_mb_{what}: {engine.get('cache_mb', 0):g}")
+        if "cache_mb" in engine:  # attribution alone keeps no stacked sweep's trace
+            print(f"headlab_cache_mb_{what}: {engine['cache_mb']:g}")
     print(f"loop_heads: {len(sample)} of {n_cells} (loop seconds scaled to all {n_cells})")
     print(f"repeats: {args.repeats}")
     print(f"allocator_tuned: {not args.default_malloc}")
