@@ -44,7 +44,7 @@ The last line is `speedup_vs_transformerlens`: the all-heads ablation ratio. Tim
 runs only at similar load averages (printed).
 
 Run from the repo root: .venv/bin/python benchmarks/sweep_speed.py [--repeats R] [--loop-heads K]
-[--device cpu|cuda] [--chunk-mb MB]   (`make bench`, about 9 minutes on 2 CPU cores)
+[--device cpu|cuda] [--chunk-mb MB]   (`make bench`, 5 minutes on 2 quiet CPU cores, then smollm2_speed.py 4)
 """
 
 from __future__ import annotations
