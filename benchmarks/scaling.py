@@ -296,7 +296,31 @@ def write_outputs(points: pd.DataFrame, out: Path, docs: str) -> int:
         shutil.copy(out / "scaling.png", Path(docs) / "scaling.png")
     for r in table.itertuples():
         print(f"slope_{r.axis}_{r.side}: seconds {r.slope_seconds:.2f}, peak_mb {r.slope_peak_mb:.2f}")
+    for line in goal_lines(points, table):
+        print(line)
     return 0
+
+
+def goal_lines(points: pd.DataFrame, table: pd.DataFrame) -> list[str]:
+    """Per axis: headlab's slopes against the flattest peer's (issue 34's goal: none steeper), and at the
+    axis's largest point how many times faster and leaner headlab is than each peer (a fitted slope mixes
+    the growing work with each side's fixed cost per sweep; this ratio does not)."""
+    lines = []
+    for axis, group in points.groupby("axis", sort=False):
+        slope = table[table.axis == axis].set_index("side")
+        peers = [side for side in slope.index if side != "headlab"]
+        for what in ("seconds", "peak_mb"):
+            mine, flattest = slope.loc["headlab", f"slope_{what}"], slope.loc[peers, f"slope_{what}"].min()
+            verdict = "met" if mine <= flattest else "NOT met"
+            lines.append(f"slope_goal_{axis}_{what}: headlab {mine:.2f}, flattest peer {flattest:.2f} ({verdict})")
+        best = group.groupby(["side", "x"]).min(numeric_only=True)
+        x = group["x"].max()
+        mine = best.loc[("headlab", x)]
+        for side in peers:
+            peer = best.loc[(side, x)]
+            faster, leaner = peer.seconds / mine.seconds, peer.peak_mb / max(mine.peak_mb, 1e-3)
+            lines.append(f"largest_{axis}_{x}_vs_{side}: headlab {faster:.1f}x faster, {leaner:.1f}x less memory")
+    return lines
 
 
 if __name__ == "__main__":
