@@ -125,7 +125,7 @@ def test_an_unwatched_attention_holds_no_scores_and_matches_the_eager_one(dtype,
 def test_a_plain_causal_mask_is_run_as_is_causal_and_matches_the_eager_attention(mask_kind, monkeypatch):
     """The plain causal mask (no padding, no window) goes to scaled_dot_product_attention as is_causal,
     which skips the hidden half of the scores, as transformers' sdpa path does; any other mask is given
-    as it is. Either way z is the eager attention's."""
+    as it is. Either way z is the eager attention's. The answer is kept on the mask until it is edited."""
     batch, heads, kv_heads, seq, d_head = 2, 4, 2, 64, 8
     q, k, v = _qkv(batch, heads, kv_heads, seq, d_head, torch.float32)
     keep = torch.ones(seq, seq, dtype=torch.bool).tril().repeat(batch, 1, 1, 1)
@@ -151,6 +151,12 @@ def test_a_plain_causal_mask_is_run_as_is_causal_and_matches_the_eager_attention
         eager, _ = headlab_attention(_watched(), q, k, v, mask)
         assert calls.pop() is causal
         torch.testing.assert_close(z, eager, atol=1e-6, rtol=1e-6)
+    mask = as_kind(keep.clone())  # read once, then edited in place: read again
+    headlab_attention(nn.Module(), q, k, v, mask)
+    mask[1, :, :, 1:4] = False if mask_kind == "bool" else fill
+    z, _ = headlab_attention(nn.Module(), q, k, v, mask)
+    assert calls[-2:] == [True, False]
+    torch.testing.assert_close(z, headlab_attention(_watched(), q, k, v, mask)[0], atol=1e-6, rtol=1e-6)
 
 
 def _toy(n_ctx: int, d_mlp: int = 32):

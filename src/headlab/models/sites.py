@@ -124,9 +124,9 @@ def _fused(
     mask of one row per prompt for g stacked copies of b > 1 prompts is applied by folding the copies
     into the heads ([g * b, head, ...] -> [b, g * head, ...]): the mask then broadcasts over them."""
     prompts = 1
+    causal = mask is not None and query.shape[-2] == key.shape[-2] and plain_causal(mask, key.shape[-2])
     if mask is not None:
         mask = mask[..., : key.shape[-2]]
-    causal = mask is not None and query.shape[-2] == key.shape[-2] and plain_causal(mask)
     if causal:
         mask = None
     elif mask is not None:
@@ -157,10 +157,22 @@ def _fused(
     return z.transpose(1, 2)
 
 
-def plain_causal(mask: Tensor) -> bool:
-    """Is `mask` ([..., queries, keys], bool or additive) the plain causal mask for every prompt, key j
-    visible to query i iff j <= i (no padding, no window)? scaled_dot_product_attention then takes
-    is_causal instead, which skips the hidden half of the scores (as transformers' own sdpa path does)."""
+def plain_causal(mask: Tensor, keys: int) -> bool:
+    """Is `mask` ([..., queries, keys and more], bool or additive) over its first `keys` keys the plain
+    causal mask for every prompt, key j visible to query i iff j <= i (no padding, no window)?
+    scaled_dot_product_attention then takes is_causal instead, which skips the hidden half of the scores
+    (as transformers' own sdpa path does). The answer is kept on the mask: every layer and chunk of a
+    sweep is handed the same one, and at 2048 tokens reading it costs a fifth of a small model's sweep."""
+    known: dict[tuple[int, int], bool] = mask.__dict__.setdefault("_headlab_plain_causal", {})
+    # an in-place edit of the mask makes it ask again where torch counts them (not on inference tensors;
+    # nothing in headlab or transformers edits a mask in place)
+    key = (0 if mask.is_inference() else mask._version, keys)
+    if key not in known:
+        known[key] = _reads_plain_causal(mask[..., :keys])
+    return known[key]
+
+
+def _reads_plain_causal(mask: Tensor) -> bool:
     queries, keys = mask.shape[-2:]
     if queries != keys:
         return False
