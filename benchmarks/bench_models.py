@@ -10,11 +10,15 @@ term, as zeroing its slice of the attention output projection's input does in th
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -212,6 +216,23 @@ def cuda_missing(device: str) -> bool:
         print(f"error: --device cuda: no CUDA device here (torch {torch.__version__})", file=sys.stderr)
         return True
     return False
+
+
+def status_kb(field: str = "VmRSS") -> int:
+    """A kB field of /proc/self/status: VmRSS, the resident set now; VmHWM, its high-water mark (ru_maxrss
+    would carry over a parent's high-water mark across a child's exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Give freed heap memory back (tune_allocator keeps it in glibc's heap), then reset VmHWM to the
+    resident set that is left, so that the next VmHWM is what runs after this allocates."""
+    gc.collect()
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def dist_version(dist: str) -> str:

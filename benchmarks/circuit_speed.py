@@ -92,7 +92,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 from torch import Tensor
 
-from bench_models import D_MODEL, N_HEADS, N_LAYERS, TOKEN_A, TOKEN_B, LogitDiff, build, make_data
+from bench_models import (
+    D_MODEL,
+    N_HEADS,
+    N_LAYERS,
+    TOKEN_A,
+    TOKEN_B,
+    LogitDiff,
+    build,
+    make_data,
+    reset_peak,
+    status_kb,
+)
 from headlab.edges.attribution import scores
 from headlab.edges.exact import exact_scores
 from headlab.edges.graph import EdgeGraph
@@ -128,25 +139,6 @@ def weight_checksum(hm) -> float:
 
 
 # --- peak memory ------------------------------------------------------------------------------------
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak() -> None:
-    """Give freed heap memory back (building the model leaves a second copy's worth in glibc's heap, kept
-    there by tune_allocator), then reset VmHWM to the resident set that is left."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def worker(args: argparse.Namespace) -> int:
     """`--only METHOD`: time one attribution method on every edge and measure its peak memory."""
     hm, _ = build(args.init_range, with_tl=False)
@@ -155,13 +147,13 @@ def worker(args: argparse.Namespace) -> int:
     kwargs = dict(method=args.only, steps=args.steps, prompts_per_pass=args.prompts_per_pass)
     scores(hm, task, data.take(slice(0, 2)), graph, **kwargs)  # warm-up
     reset_peak()
-    baseline = _status_kb("VmRSS")
+    baseline = status_kb("VmRSS")
     seconds = float("inf")
     for _ in range(args.repeats if args.only == "eap" else 1):
         start = time.perf_counter()
         result = scores(hm, task, data, graph, **kwargs)
         seconds = min(seconds, time.perf_counter() - start)
-    peak = _status_kb("VmHWM")
+    peak = status_kb("VmHWM")
     torch.save(result, args.scores_out)
     report = {"seconds": seconds, "peak_kb": peak, "baseline_kb": baseline}
     print(json.dumps({**report, "checksum": weight_checksum(hm)}))

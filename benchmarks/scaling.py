@@ -31,8 +31,6 @@ docs/scaling.png (the README's). Run from the repo root: `make scaling`
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import gc
 import os
 import shutil
@@ -49,7 +47,7 @@ import pandas as pd
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from bench_models import LogitDiff, build_hooked_transformer, cuda_missing, make_data
+from bench_models import LogitDiff, build_hooked_transformer, cuda_missing, make_data, reset_peak, status_kb
 from circuit_speed import tl_loop, tl_sample
 from headlab.edges.attribution import scores
 from headlab.edges.graph import EdgeGraph
@@ -73,13 +71,6 @@ class EdgeLogitDiff(LogitDiff):
     smooth_quantity = "logit_diff"
 
 
-def status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def measured(fn, device: str = "cpu") -> tuple[float, float, object]:
     """(seconds, peak MB above the resident set before, result) of fn(); on CUDA the peak is the GPU's
     (torch.cuda.max_memory_allocated above what was allocated before) and the clock waits for the GPU."""
@@ -93,8 +84,7 @@ def measured(fn, device: str = "cpu") -> tuple[float, float, object]:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         return seconds, (torch.cuda.max_memory_allocated() - before) / 2**20, result
-    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
+    reset_peak()
     before = status_kb("VmRSS")
     start = time.perf_counter()
     result = fn()

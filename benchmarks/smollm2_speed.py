@@ -58,9 +58,10 @@ from bench_models import (
     dist_version,
     load_hooked,
     make_data,
+    status_kb,
     tl_llama_config,
 )
-from sweep_speed import loop_heads, metric, pearson, rss_kb, tl_attribution
+from sweep_speed import loop_heads, metric, pearson, tl_attribution
 
 TOLERANCE = 1e-4
 SMOLLM2_VOCAB = 49152
@@ -276,12 +277,12 @@ def run_memory_side(args) -> int:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     side = load_side(args.side, args, args.tl_weights)
-    loaded = rss_kb()
+    loaded = status_kb()
     data = prompts(args.prompts, args.tokens, args.device)
     for sweep in peer_sweeps(args.side):
         side.run(sweep, data, loop_heads(30, 9, 2))
     # VmHWM, not ru_maxrss: Linux carries the parent's high-water mark over the child's exec into ru_maxrss
-    report = {"loaded_kb": loaded, "peak_kb": rss_kb("VmHWM")}
+    report = {"loaded_kb": loaded, "peak_kb": status_kb("VmHWM")}
     report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     torch.save(report, args.out)
     return 0

@@ -83,6 +83,7 @@ from bench_models import (
     min_time,
     save_gpt2,
     save_llama,
+    status_kb,
     tl_gpt2_config,
     tl_llama_config,
 )
@@ -93,13 +94,6 @@ SIDES = ("headlab", "transformerlens", "nnsight")
 
 
 # --- the sides (each in a child process) -----------------------------------------------------------------
-def rss_kb(field: str = "VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def metric(last_logits: torch.Tensor) -> float:
     """Mean logit diff from logits [n, vocab] at the last position."""
     return (last_logits[:, TOKEN_A] - last_logits[:, TOKEN_B]).mean().item()
@@ -125,7 +119,7 @@ def side_headlab(args, shape: dict) -> dict:
 
     hm = load_hf(args.model_dir, name=shape["name"], need_tokenizer=False, dtype=args.dtype)
     hm.module.to(args.device)
-    loaded = rss_kb()
+    loaded = status_kb()
     data, task = prompts(args.device), LogitDiff()
     cells = [(l, h) for l in range(hm.n_layers) for h in range(hm.n_heads)]
     sweeps = {
@@ -158,7 +152,7 @@ def side_transformerlens(args, shape: dict) -> dict:
     else:
         cfg = tl_gpt2_config(hf_config, init_weights=False, device="cpu")
     tl = load_hooked(cfg, str(Path(args.model_dir) / "transformer_lens.pt"), args.device)
-    loaded = rss_kb()
+    loaded = status_kb()
     data = prompts(args.device)
     clean, corrupt = data.inputs["input_ids"], data.counterfactual["input_ids"]
     heads = loop_heads(cfg.n_layers, cfg.n_heads, args.loop_heads)
@@ -238,7 +232,7 @@ def side_nnsight(args, shape: dict) -> dict:
 
     hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
     model = NNsight(hf.to(args.device).eval())
-    loaded = rss_kb()
+    loaded = status_kb()
     clean = prompts(args.device).inputs["input_ids"]
     n_layers, n_heads = hf.config.num_hidden_layers, hf.config.num_attention_heads
     d_head = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // n_heads
@@ -277,7 +271,7 @@ def run_side(args) -> int:
     report = {"headlab": side_headlab, "transformerlens": side_transformerlens, "nnsight": side_nnsight}[args.side](
         args, shape
     )
-    report["peak_kb"] = rss_kb("VmHWM")  # ru_maxrss would carry over the parent's high-water mark across exec
+    report["peak_kb"] = status_kb("VmHWM")  # ru_maxrss would carry over the parent's high-water mark across exec
     report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     report["threads"] = torch.get_num_threads()
     torch.save(report, args.out)
