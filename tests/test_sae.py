@@ -345,15 +345,21 @@ def test_topk_encoder_backward_equals_autograd_through_the_dense_pre_activation(
     assert (expected[1] == 0).any() and got[1].is_contiguous()  # latents outside every top k: no gradient
 
 
-def test_topk_loss_gradients_equal_the_dense_formulation():
-    sae, x = _topk_with_negatives(seed=4)
+def _beside_dense(sae: TopKSAE, x: Tensor, loss_fn) -> tuple[Tensor, Tensor, list[Tensor], Tensor, list[Tensor]]:
+    """(loss, fires, its gradients, the dense loss, its gradients) of W_enc, b_enc, W_dec, b_dec, for one of
+    the SAE's losses (loss_fn: sae.loss or sae.fit_loss) against _dense_topk_loss on the same x."""
     params = [sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec]
-    loss, parts, fires = sae.loss(x, step=0)
+    loss, _, fires = loss_fn(x, step=0)
     loss.backward()
     got = _grads(params)
     dense = _dense_topk_loss(sae, x)
     dense.backward()
-    expected = _grads(params)
+    return loss, fires, got, dense, _grads(params)
+
+
+def test_topk_loss_gradients_equal_the_dense_formulation():
+    sae, x = _topk_with_negatives(seed=4)
+    loss, _, got, dense, expected = _beside_dense(sae, x, sae.loss)
     assert loss.item() == pytest.approx(dense.item(), rel=1e-6)
     for name, a, b in zip(["W_enc", "b_enc", "W_dec", "b_dec"], got, expected):
         _assert_close_relative(a, b, name)
@@ -361,13 +367,7 @@ def test_topk_loss_gradients_equal_the_dense_formulation():
 
 def test_topk_fit_loss_gives_the_dense_gradients_with_the_decoder_rows_parallel_part_removed():
     sae, x = _topk_with_negatives(seed=5)
-    params = [sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec]
-    loss, _, fires = sae.fit_loss(x, step=0)
-    loss.backward()
-    got = _grads(params)
-    dense = _dense_topk_loss(sae, x)
-    dense.backward()
-    expected = _grads(params)
+    loss, fires, got, dense, expected = _beside_dense(sae, x, sae.fit_loss)
     with torch.no_grad():  # written out here: each decoder row's gradient minus its part along the row
         row = sae.W_dec / sae.W_dec.norm(dim=1, keepdim=True)
         expected[2] = expected[2] - (expected[2] * row).sum(1, keepdim=True) * row
