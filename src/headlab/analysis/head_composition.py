@@ -77,8 +77,8 @@ def _r(m: Tensor) -> Tensor:
 
 def composition(model: HookedModel, channels: int = 4, fold_norms: bool = False) -> Composition:
     """Q-, K- and V-composition scores and `channels` channels (0: none) of every pair of heads in different
-    layers; fold_norms:
-    on TransformerLens's default processing of the weights (the module docstring), else on the raw ones."""
+    layers; fold_norms: on TransformerLens's default processing of the weights (the module docstring), else
+    on the raw ones."""
     n_layers, n_heads = model.n_layers, model.n_heads
     centre = fold_norms and centres_writes(model)
     factors = [_head_factors(model, layer, fold_norms, centre) for layer in range(n_layers)]

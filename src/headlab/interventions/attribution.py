@@ -4,7 +4,8 @@ A forward and a backward pass on the clean prompts (the backward one block at a 
 give, for every head site a, the gradient of the task's smooth quantity m (IOI: the logit difference)
 with respect to a; patching a to its counterfactual value a' then changes m by about (a' - a) . dm/da.
 Summed over the positions and heads an intervention touches, that is its estimate; the task's other
-quantities have no estimate (NaN). Rows keep method=attribution, so a table never passes these numbers off as exact.
+quantities have no estimate (NaN). Rows keep method=attribution, so a table never passes these numbers off
+as exact.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..vocabulary import Site
 from .edits import Sources, edit_heads, site_index
 from .plan import Intervention
 
-PROMPTS_PER_PASS = 32  # prompts are independent: backward passes over slices bound the graph's memory
+PROMPTS_PER_PASS = 32  # prompts are independent: passes over slices bound the trace's and a block's graph's memory
 
 
 def estimate(
