@@ -316,7 +316,9 @@ def main() -> int:
         "--chunk-mb", type=float, default=32.0, help="headlab's execute(); on a GPU chunks take a share of free memory"
     )
     parser.add_argument("--default-malloc", action="store_true", help="leave glibc's allocator untuned")
-    parser.add_argument("--llama", action="store_true", help="run the Llama section here too (default: on CUDA only)")
+    parser.add_argument(
+        "--llama", action=argparse.BooleanOptionalAction, help="run the Llama section (default: on CUDA only)"
+    )
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=("gpt2", "llama"), default="gpt2", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -338,7 +340,7 @@ def main() -> int:
         save_models("gpt2", tmp, "float32", {})
         runs = {side: run_child(side, "gpt2", tmp, args, "float32", heads) for side in sides}
     llama = None
-    if args.device == "cuda" or args.llama:
+    if args.llama or (args.llama is None and args.device == "cuda"):
         dims = LLAMA_1B
         if args.llama_dims:
             dims = dict(zip(LLAMA_1B, map(int, args.llama_dims.split(","))))

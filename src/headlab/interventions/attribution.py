@@ -53,13 +53,13 @@ def estimate(
     clean_q = torch.cat(clean)
     joined = {key: torch.cat(parts) for key, parts in deltas.items()}
     sources = Sources(model, data, set())
-    rows = torch.arange(data.n)
     out = []
     for iv in interventions:
         site = iv.site or Site.z
-        heads = edit_heads(site, range(model.n_heads) if iv.head is None else [iv.head], sources)
         d = joined[(site, iv.layer)]  # type: ignore[index]
-        change = d[site_index(site, rows.to(d.device), sources.position(iv), heads.to(d.device))].flatten(1).sum(1)
+        heads = edit_heads(site, range(model.n_heads) if iv.head is None else [iv.head], sources, d.device)
+        rows = torch.arange(data.n, device=d.device)
+        change = d[site_index(site, rows, sources.position(iv), heads)].flatten(1).sum(1)
         q = torch.full_like(clean_q, float("nan"))
         q[:, col] = clean_q[:, col] + change
         out.append(q)

@@ -68,6 +68,10 @@ class Sources:
         self.kv_head_of = model.sites.kv_head_of
         self.n_heads = model.n_heads
         self.values: dict[tuple[str, str], dict[int, Tensor]] = {}
+        # what would otherwise cross between host and device once per edit (on a GPU each crossing waits
+        # for the queue to drain): the rows on each values' device, each role's first position
+        self._rows_on: dict[tuple[str, torch.device], Tensor] = {}
+        self._earliest: dict[str, int] = {}
         self.rows: dict[str, Tensor] = {Source.counterfactual: torch.arange(data.n), Source.clean: torch.arange(data.n)}
         wanted = {(src, site) for src, site in needed if src not in UNRECORDED}
         if any(src in (Source.mean, Source.reference) for src, _ in wanted) and data.reference is None:
@@ -127,8 +131,19 @@ class Sources:
         return _shared_prefix(self.data.inputs, self.data.counterfactual)
 
     def value(self, source: str, site: str, layer: int) -> tuple[Tensor, Tensor]:
-        """(stored values [rows, ...], row of each prompt [n])."""
-        return self.values[(source, site)][layer], self.rows[source]
+        """(stored values [rows, ...], row of each prompt [n] on the values' device)."""
+        values = self.values[(source, site)][layer]
+        key = (source, values.device)
+        if key not in self._rows_on:
+            self._rows_on[key] = self.rows[source].to(values.device)
+        return values, self._rows_on[key]
+
+    def earliest(self, iv: Intervention) -> int:
+        """The first position, over the prompts, of the role that `iv` names."""
+        token = str(iv.token)
+        if token not in self._earliest:
+            self._earliest[token] = int(self.data.token_positions[token].min())  # type: ignore[index]
+        return self._earliest[token]
 
     def position(self, iv: Intervention) -> Place:
         if iv.token is None:
@@ -186,12 +201,16 @@ def site_index(site: str, rows: Tensor, pos: Position, heads: Tensor | None) -> 
     return (r, p, heads) if site in (Site.z, Site.neurons) else (r, heads, p)
 
 
-def edit_heads(site: str, heads: Sequence[int], sources: Sources) -> Tensor:
-    """k and v live on key/value heads: a query head's edit there touches its (shared) kv head.
-    Neuron indices (site neurons) are taken as they are."""
+def edit_heads(site: str, heads: Sequence[int], sources: Sources, device: torch.device | None = None) -> Tensor:
+    """The heads' index on `device`. k and v live on key/value heads: a query head's edit there touches
+    its (shared) kv head. Neuron indices (site neurons) are taken as they are."""
     if site in KV_SITES:
         heads = sorted({sources.kv_head_of(h) for h in heads})
-    return torch.tensor(list(heads), dtype=torch.long)
+    heads = list(heads)
+    if heads and heads == list(range(heads[0], heads[0] + len(heads))):
+        # made on the device: a copy from the host waits for the GPU's queue to drain, once per edit
+        return torch.arange(heads[0], heads[0] + len(heads), device=device)
+    return torch.tensor(heads, dtype=torch.long, device=device)
 
 
 def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sources, offset: int = 0) -> None:
@@ -208,10 +227,10 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
     # over devices (model.device_map) may sit on another
     pos = pos.to(x.device) if isinstance(pos, Tensor) else pos
     rows = torch.arange(x.shape[0], device=x.device)
-    heads = None if site == Site.mlp else edit_heads(site, edit.heads, sources).to(x.device)
+    heads = None if site == Site.mlp else edit_heads(site, edit.heads, sources, x.device)
     index = site_index(site, rows, pos, heads)
     if edit.source == Source.head:
-        other = edit_heads(site, [edit.other_head], sources).to(x.device)  # type: ignore[list-item]
+        other = edit_heads(site, [edit.other_head], sources, x.device)  # type: ignore[list-item]
         x[index] = x[site_index(site, rows, pos, other)].clone()
     elif edit.source == Source.scale:
         factors = torch.tensor(edit.scale, dtype=x.dtype, device=x.device)[heads]
@@ -267,7 +286,7 @@ def first_edited(iv: Intervention, sources: Sources) -> int:
     (before it the patch writes the clean values back); 0 where it changes every position."""
     pos = sources.position(iv)
     if isinstance(pos, Tensor):
-        return int(pos.min())
+        return sources.earliest(iv)
     if pos is None:
         edits = iv.edits(sources.n_heads)
         return sources.shared_prefix if edits and all(e.source == Source.counterfactual for e in edits) else 0

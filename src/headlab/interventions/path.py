@@ -79,7 +79,7 @@ def run_path(
                 first = min(downstream)
                 with ExitStack() as stack:
                     for l, heads in downstream.items():
-                        index = edit_heads(site, heads, sources)
+                        index = edit_heads(site, heads, sources, recorded[l].device)
                         stack.enter_context(model.hooks(l, **{site: _patched(recorded[l], index)}))
                     h = model.run_blocks(trace.resid_pre[first].repeat(g, 1, 1), first, trace, copies=g, read=read)
             quantities = read_quantities(model, task, h, read, data, chunk_mb)

@@ -131,10 +131,11 @@ def _fused(
         mask = None
     elif mask is not None:
         if mask.dtype == torch.bool:
-            kept, masked = (
-                torch.tensor(x, dtype=query.dtype, device=query.device) for x in (0.0, torch.finfo(query.dtype).min)
+            # filled on the device: a scalar tensor made from Python is a host-to-device copy per layer and
+            # chunk, which on a GPU stalls a sweep's stream of small kernels
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~mask, torch.finfo(query.dtype).min
             )
-            mask = torch.where(mask, kept, masked)
         elif mask.dtype != query.dtype:
             mask = mask.to(query.dtype)
         if mask_per_prompt(mask, query.shape[0]):
