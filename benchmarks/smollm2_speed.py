@@ -23,7 +23,9 @@ sides alike; the min over `--repeats` is kept. The loops cost one full forward p
 it is: they run on `--loop-heads` heads spread over every layer and are scaled to all 270 (plus their fixed
 cached run). Peak memory: each side runs every sweep once more in a child process of its own (this script
 with --side; the loops on 2 heads: a loop's peak is one pass's), peak_rss_mb_<side> = its VmHWM (ru_maxrss would
-carry over the parent's, which holds all three models), weights loaded included; on CUDA also
+carry over the parent's, which holds all three models), weights loaded included; sweep_rss_mb_above_warm_<side>
+= that peak less the RSS after one clean pass (imports, the weights read in from their mapped file, and the
+pass's own buffers are then counted already), what the sweeps themselves add; on CUDA also
 torch.cuda.max_memory_allocated (peak_gpu_mb_<side>). The three children run after the timing, which they
 would otherwise slow unevenly.
 max_abs_diff: the largest difference of any value compared (every loop head of every sweep, against both
@@ -279,10 +281,12 @@ def run_memory_side(args) -> int:
     side = load_side(args.side, args, args.tl_weights)
     loaded = status_kb()
     data = prompts(args.prompts, args.tokens, args.device)
+    side.clean_logits(data)  # the weights' pages are read in (safetensors maps them) by the first pass
+    warm = status_kb()
     for sweep in peer_sweeps(args.side):
         side.run(sweep, data, loop_heads(30, 9, 2))
     # VmHWM, not ru_maxrss: Linux carries the parent's high-water mark over the child's exec into ru_maxrss
-    report = {"loaded_kb": loaded, "peak_kb": status_kb("VmHWM")}
+    report = {"loaded_kb": loaded, "warm_kb": warm, "peak_kb": status_kb("VmHWM")}
     report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     torch.save(report, args.out)
     return 0
@@ -412,6 +416,8 @@ def main() -> int:
     peaks = {name: run["peak_kb"] / 1024 for name, run in memory.items()}
     for name, peak in peaks.items():
         print(f"peak_rss_mb_{name}: {peak:.0f}")
+    for name, run in memory.items():  # what the sweeps add above the model after one clean pass
+        print(f"sweep_rss_mb_above_warm_{name}: {(run['peak_kb'] - run['warm_kb']) / 1024:.0f}")
     below = all(peaks["headlab"] < peaks[p] for p in ("transformerlens", "nnsight"))
     print(f"peak_rss_headlab_below_both: {below} (goal: True)")
     if args.device == "cuda":
