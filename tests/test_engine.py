@@ -95,6 +95,30 @@ def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_walk_gives_back_the_full_trace_block_by_block(family, tiny_hf_dir):
+    """A sweep walks the clean pass layer by layer instead of keeping every block's input: the walk's
+    inputs and z equal the full trace's to the bit, and the sweep's cache holds the first input alone."""
+    model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
+    inputs = {"input_ids": torch.randint(0, 50257, (4, 9), generator=torch.Generator().manual_seed(0))}
+    with torch.inference_mode():
+        full = model.trace(inputs, keep_z=True)
+        light = model.trace(inputs, every_input=False)
+        walked = 0
+        for layer, h in model.walk(light, keep_z=True):
+            assert torch.equal(h, full.resid_pre[layer])
+            assert light.z is not None and torch.equal(light.z[layer], full.z[layer])  # type: ignore[index]
+            walked += 1
+    assert walked == model.n_layers and len(light.resid_pre) == 1 and light.z is None
+    torch.testing.assert_close(light.resid_final, full.resid_final, atol=0, rtol=0)
+    report: dict = {}
+    data = TaskData(inputs=inputs, positions=torch.full((4, 1), 8), answers={})
+    ivs = [Intervention("ablate_head", "zero", l, 0) for l in range(model.n_layers)]
+    execute(model, _LastTokenTask(), data, ivs, report=report)
+    one_input_mb = 2 * full.resid_pre[0].numel() * 4 / 2**20  # the first block's input and the last's output
+    assert report["cache_mb"] == pytest.approx(one_input_mb, abs=1e-3)
+
+
 def test_zero_ablating_one_head_equals_hand_computation():
     """One-layer attention-only toy model, computed by hand from its weights without HeadSites."""
     model = _toy(n_layers=1, d_mlp=0)

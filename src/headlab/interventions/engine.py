@@ -136,7 +136,18 @@ def _run_stacked(
     out: list[Tensor | None] = [None] * len(interventions)
     first_read = int(data.positions.min())
     suffixes = model.runs_suffixes and any(first_edited(iv, sources) for iv in interventions)
-    trace = model.trace(data.inputs, keep_kv=suffixes, keep_z=model.sites.replays)
+    # a suffix run reads every later layer's clean keys and values, so those traces are kept whole; else
+    # the chunks, in layer order, take each layer's clean input from a walk and only two are held at once
+    walking = not suffixes
+    trace = model.trace(
+        data.inputs, keep_kv=suffixes, keep_z=model.sites.replays and not walking, every_input=not walking
+    )
+    clean_inputs = (
+        model.walk(trace, keep_z=model.sites.replays)
+        if walking
+        else ((layer, trace.resid_pre[layer]) for layer in range(model.n_layers))
+    )
+    at_layer, clean_input = -1, trace.resid_final
     chunk_mb = chunk_budget_mb(trace.resid_final.device, chunk_mb, gpu_memory_share)  # after the caches
 
     def suffix_start(ivs: Sequence[Intervention]) -> int:
@@ -162,7 +173,9 @@ def _run_stacked(
         for done, (layer, idx) in enumerate(chunks, 1):
             chunk = [interventions[i] for i in idx]
             start = suffix_start(chunk)
-            h = trace.resid_pre[layer][:, start:].repeat(len(chunk), 1, 1)
+            while at_layer < layer:
+                at_layer, clean_input = next(clean_inputs)
+            h = clean_input[:, start:].repeat(len(chunk), 1, 1)
             read = (data.positions - start).repeat(len(chunk), 1)
             fns = edit_hooks(chunk, sources, n, model.n_heads, offset=start)
             # an MLP or neuron edit on the last layer needs the MLP at every position, not only at the

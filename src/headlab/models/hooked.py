@@ -45,21 +45,22 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclass
 class Trace:
     batch: int
-    resid_pre: list[Tensor]  # [batch, pos, d_model] entering each block
+    resid_pre: list[Tensor]  # [batch, pos, d_model] entering each block (the first block's alone: see walk)
     block_extra: list[tuple[tuple, dict]]  # what else each block was called with (masks, rotary, ...)
     resid_final: Tensor  # leaving the last block
     kv: list[tuple[Tensor, Tensor]] | None = None  # per layer the clean keys and values, when kept
-    z: list[Tensor] | None = None  # per layer the clean z [batch, pos, head, d_head], when kept
+    z: dict[int, Tensor] | None = None  # layer -> the clean z [batch, pos, head, d_head], when kept
     _expanded: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:
-        return self.resid_pre[0].shape[1]
+        return self.resid_final.shape[1]
 
     @property
     def nbytes(self) -> int:
         """The memory its cached activations take (the blocks' extra arguments aside: masks, tables)."""
-        kept = [*self.resid_pre, self.resid_final, *(self.z or []), *(t for kv in self.kv or [] for t in kv)]
+        z = (self.z or {}).values()
+        kept = [*self.resid_pre, self.resid_final, *z, *(t for kv in self.kv or [] for t in kv)]
         return sum(t.numel() * t.element_size() for t in kept)
 
     def extra_for(self, layer: int, copies: int, start: int = 0) -> tuple[tuple, dict]:
@@ -362,21 +363,22 @@ class HookedModel:
             for handle in handles:
                 handle.remove()
 
-    def trace(self, inputs: Inputs, keep_kv: bool = False, keep_z: bool = False) -> Trace:
+    def trace(self, inputs: Inputs, keep_kv: bool = False, keep_z: bool = False, every_input: bool = True) -> Trace:
         """One clean pass keeping each block's input and extra arguments; with `keep_kv`, each layer's
         keys and values too (what run_blocks needs to run a suffix of positions), with `keep_z` each
-        layer's z (what it needs to replay an attention)."""
+        layer's z (what it needs to replay an attention). Without `every_input`, the first block's input
+        alone (walk gives the others back one at a time)."""
         resid_pre: list[Tensor | None] = [None] * self.n_layers
         extra: list[tuple | None] = [None] * self.n_layers
         final: list[Tensor] = []
 
         def pre_hook(layer: int):
             def hook(_module, args, kwargs):
-                if args:
-                    resid_pre[layer], extra[layer] = args[0], (tuple(args[1:]), dict(kwargs))
-                else:
-                    kw = dict(kwargs)
-                    resid_pre[layer], extra[layer] = kw.pop("hidden_states"), ((), kw)
+                kw = dict(kwargs)
+                h = args[0] if args else kw.pop("hidden_states")
+                extra[layer] = (tuple(args[1:]), kw)
+                if every_input or layer == 0:
+                    resid_pre[layer] = h
 
             return hook
 
@@ -394,8 +396,25 @@ class HookedModel:
                 h.remove()
         batch = next(iter(inputs.values())).shape[0]
         kv = [(kept[(Site.k, l)], kept[(Site.v, l)]) for l in range(self.n_layers)] if keep_kv else None
-        z = [kept[(Site.z, l)] for l in range(self.n_layers)] if keep_z else None
-        return Trace(batch, resid_pre, extra, final[-1], kv, z)  # type: ignore[arg-type]
+        z = {l: kept[(Site.z, l)] for l in range(self.n_layers)} if keep_z else None
+        inputs_kept = resid_pre if every_input else resid_pre[:1]
+        return Trace(batch, inputs_kept, extra, final[-1], kv, z)  # type: ignore[arg-type]
+
+    def walk(self, trace: Trace, keep_z: bool = False) -> Iterator[tuple[int, Tensor]]:
+        """(layer, that block's clean input) for every layer in order, from a trace that kept the first
+        block's input alone: the clean pass again, block by block, holding two blocks' inputs at a time
+        instead of every block's (at 30 layers and long prompts those outweigh the weights). With
+        `keep_z`, trace.z holds the layer's clean z while it is yielded, for run_blocks' replay."""
+        h = trace.resid_pre[0]
+        for layer in range(self.n_layers):
+            with self.sites.record(sites=(Site.z,) if keep_z else (), layers=[layer]) as kept:
+                after = self.run_blocks(h, layer, trace, stop=layer + 1)
+            if keep_z:
+                trace.z = {layer: kept[(Site.z, layer)]}
+            yield layer, h
+            h = after
+        if keep_z:
+            trace.z = None
 
     def run_blocks(
         self,
