@@ -98,7 +98,8 @@ def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_walk_gives_back_the_full_trace_block_by_block(family, tiny_hf_dir):
     """A sweep walks the clean pass layer by layer instead of keeping every block's input: the walk's
-    inputs and z equal the full trace's to the bit, and the sweep's cache holds the first input alone."""
+    inputs and z equal the full trace's to the bit, and the sweep's cache holds the first input alone.
+    A sweep on suffixes keeps the inputs and z of the suffixes' positions alone."""
     model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
     inputs = {"input_ids": torch.randint(0, 50257, (4, 9), generator=torch.Generator().manual_seed(0))}
     with torch.inference_mode():
@@ -111,6 +112,12 @@ def test_walk_gives_back_the_full_trace_block_by_block(family, tiny_hf_dir):
             walked += 1
     assert walked == model.n_layers and len(light.resid_pre) == 1 and light.z is None
     torch.testing.assert_close(light.resid_final, full.resid_final, atol=0, rtol=0)
+    # a sweep on suffixes from position 6 keeps each block's input and z from there on alone
+    with torch.inference_mode():
+        tail = model.trace(inputs, keep_z=True, inputs_from=6)
+    for layer in range(model.n_layers):
+        assert torch.equal(tail.resid_pre[layer], full.resid_pre[layer][:, 6:])
+        assert torch.equal(tail.z[layer], full.z[layer][:, 6:])  # type: ignore[index]
     report: dict = {}
     data = TaskData(inputs=inputs, positions=torch.full((4, 1), 8), answers={})
     ivs = [Intervention("ablate_head", "zero", l, 0) for l in range(model.n_layers)]

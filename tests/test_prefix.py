@@ -73,12 +73,14 @@ def toy(pos_emb: str):
 
 
 def suffix_starts(model) -> list[int]:
-    """Spy: the first position of every stacked run_blocks call."""
+    """Spy: the first position of every chunk's run_blocks call (to the last block; the clean walk steps
+    one block at a time)."""
     starts: list[int] = []
     run_blocks = model.run_blocks
 
     def spy(*args, **kwargs):
-        starts.append(kwargs.get("from_position", 0))
+        if kwargs.get("stop") is None:
+            starts.append(kwargs.get("from_position", 0))
         return run_blocks(*args, **kwargs)
 
     model.run_blocks = spy

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -136,23 +136,23 @@ def _run_stacked(
     out: list[Tensor | None] = [None] * len(interventions)
     first_read = int(data.positions.min())
     suffixes = model.runs_suffixes and any(first_edited(iv, sources) for iv in interventions)
-    # a suffix run reads every later layer's clean keys and values, so those traces are kept whole; else
-    # the chunks, in layer order, take each layer's clean input from a walk and only two are held at once
-    walking = not suffixes
-    trace = model.trace(
-        data.inputs, keep_kv=suffixes, keep_z=model.sites.replays and not walking, every_input=not walking
-    )
-    clean_inputs = (
-        model.walk(trace, keep_z=model.sites.replays)
-        if walking
-        else ((layer, trace.resid_pre[layer]) for layer in range(model.n_layers))
-    )
-    at_layer, clean_input = -1, trace.resid_final
-    chunk_mb = chunk_budget_mb(trace.resid_final.device, chunk_mb, gpu_memory_share)  # after the caches
 
     def suffix_start(ivs: Sequence[Intervention]) -> int:
         """Where the run can start: the first position any of `ivs` edits or any metric reads."""
         return min(first_read, *(first_edited(iv, sources) for iv in ivs)) if suffixes else 0
+
+    # Runs on suffixes read every later layer's clean keys and values, kept whole, and each layer's input
+    # (and z) from the earliest start on, kept for every layer. Full runs, in layer order, take each
+    # layer's clean input (and z) from a walk, which holds two layers' at a time.
+    if suffixes:
+        first = suffix_start([iv for iv in interventions if iv.intervention != Kind.none])
+        trace = model.trace(data.inputs, keep_kv=True, keep_z=model.sites.replays, inputs_from=first)
+        clean_inputs: Iterator[tuple[int, Tensor]] = iter(enumerate(trace.resid_pre))
+    else:
+        trace = model.trace(data.inputs, every_input=False)
+        clean_inputs = model.walk(trace, keep_z=model.sites.replays)
+    at_layer, clean_input = -1, trace.resid_final
+    chunk_mb = chunk_budget_mb(trace.resid_final.device, chunk_mb, gpu_memory_share)  # after the caches
 
     by_layer: dict[int, list[int]] = defaultdict(list)
     for i, iv in enumerate(interventions):
@@ -175,7 +175,7 @@ def _run_stacked(
             start = suffix_start(chunk)
             while at_layer < layer:
                 at_layer, clean_input = next(clean_inputs)
-            h = clean_input[:, start:].repeat(len(chunk), 1, 1)
+            h = clean_input[:, start - trace.inputs_from :].repeat(len(chunk), 1, 1)
             read = (data.positions - start).repeat(len(chunk), 1)
             fns = edit_hooks(chunk, sources, n, model.n_heads, offset=start)
             # an MLP or neuron edit on the last layer needs the MLP at every position, not only at the

@@ -50,6 +50,7 @@ class Trace:
     resid_final: Tensor  # leaving the last block
     kv: list[tuple[Tensor, Tensor]] | None = None  # per layer the clean keys and values, when kept
     z: dict[int, Tensor] | None = None  # layer -> the clean z [batch, pos, head, d_head], when kept
+    inputs_from: int = 0  # resid_pre and z hold positions inputs_from.. alone
     _expanded: dict = field(default_factory=dict)
 
     @property
@@ -363,14 +364,24 @@ class HookedModel:
             for handle in handles:
                 handle.remove()
 
-    def trace(self, inputs: Inputs, keep_kv: bool = False, keep_z: bool = False, every_input: bool = True) -> Trace:
+    def trace(
+        self,
+        inputs: Inputs,
+        keep_kv: bool = False,
+        keep_z: bool = False,
+        every_input: bool = True,
+        inputs_from: int = 0,
+    ) -> Trace:
         """One clean pass keeping each block's input and extra arguments; with `keep_kv`, each layer's
         keys and values too (what run_blocks needs to run a suffix of positions), with `keep_z` each
         layer's z (what it needs to replay an attention). Without `every_input`, the first block's input
-        alone (walk gives the others back one at a time)."""
+        alone (walk gives the others back one at a time); with `inputs_from` p, the inputs and z of
+        positions p.. alone (all that runs on suffixes from p on read)."""
         resid_pre: list[Tensor | None] = [None] * self.n_layers
         extra: list[tuple | None] = [None] * self.n_layers
         final: list[Tensor] = []
+        z: dict[int, Tensor] = {}
+        suffix = (lambda t: t[:, inputs_from:].clone()) if inputs_from else (lambda t: t)  # a view holds it all
 
         def pre_hook(layer: int):
             def hook(_module, args, kwargs):
@@ -378,7 +389,14 @@ class HookedModel:
                 h = args[0] if args else kw.pop("hidden_states")
                 extra[layer] = (tuple(args[1:]), kw)
                 if every_input or layer == 0:
-                    resid_pre[layer] = h
+                    resid_pre[layer] = suffix(h)
+
+            return hook
+
+        def z_keeper(layer: int) -> Callable[[Tensor], Tensor]:
+            def hook(t: Tensor) -> Tensor:
+                z[layer] = suffix(t)
+                return t
 
             return hook
 
@@ -388,17 +406,18 @@ class HookedModel:
         handles = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
         handles.append(self.blocks[-1].register_forward_hook(post_hook))
         try:
-            kept_sites = ((Site.k, Site.v) if keep_kv else ()) + ((Site.z,) if keep_z else ())
-            with self.sites.record(sites=kept_sites) as kept:
+            with ExitStack() as stack:
+                kept = stack.enter_context(self.sites.record(sites=(Site.k, Site.v) if keep_kv else ()))
+                for layer in range(self.n_layers) if keep_z else ():
+                    stack.enter_context(self.hooks(layer, z=z_keeper(layer)))
                 self.forward_blocks(inputs)
         finally:
             for h in handles:
                 h.remove()
         batch = next(iter(inputs.values())).shape[0]
         kv = [(kept[(Site.k, l)], kept[(Site.v, l)]) for l in range(self.n_layers)] if keep_kv else None
-        z = {l: kept[(Site.z, l)] for l in range(self.n_layers)} if keep_z else None
         inputs_kept = resid_pre if every_input else resid_pre[:1]
-        return Trace(batch, inputs_kept, extra, final[-1], kv, z)  # type: ignore[arg-type]
+        return Trace(batch, inputs_kept, extra, final[-1], kv, z if keep_z else None, inputs_from)  # type: ignore[arg-type]
 
     def walk(self, trace: Trace, keep_z: bool = False) -> Iterator[tuple[int, Tensor]]:
         """(layer, that block's clean input) for every layer in order, from a trace that kept the first
@@ -444,7 +463,7 @@ class HookedModel:
             with ExitStack() as stack:
                 stack.enter_context(_only_at(mlp, read))
                 if replay and layer == start:
-                    z = trace.z[layer][:, from_position:].repeat(copies, 1, 1, 1)  # type: ignore[index]
+                    z = trace.z[layer][:, from_position - trace.inputs_from :].repeat(copies, 1, 1, 1)  # type: ignore[index]
                     stack.enter_context(self.sites.replayed(layer, z))
                 elif from_position:
                     keys, values = trace.kv[layer]  # type: ignore[index]
