@@ -74,10 +74,20 @@ def test_the_engine_reports_its_clean_caches(tiny_hf_dir):
     ivs = [CLEAN, *(Intervention("ablate_head", "zero", layer, 0) for layer in range(model.n_layers))]
     execute(model, LastRealToken(), data, ivs, chunk_mb=0.05, report=report)
     n, length = data.inputs["input_ids"].shape
-    # every block's input, the last block's output and every layer's z, each [n, length, d_model] floats
-    floats = (2 * model.n_layers + 1) * n * length * model.sites.d_model
-    assert report["cache_mb"] == round(floats * 4 / 2**20, 3)
+    d = model.sites.d_model
+    # the first block's input and the last block's output, each [n, length, d_model] floats: the walk
+    # holds the other blocks' inputs and z one layer at a time
+    assert report["cache_mb"] == round(2 * n * length * d * 4 / 2**20, 3)
     assert report["chunk_mb"] == 0.05 and report["chunks"] == model.n_layers
+    # edits at position 5 on: every layer's keys and values, and its input and z from the first suffix on
+    positioned = [
+        CLEAN,
+        *(Intervention("ablate_head", "zero", layer, 0, position=5) for layer in range(model.n_layers)),
+    ]
+    execute(model, LastRealToken(), data, positioned, chunk_mb=0.05, report=report)
+    start = min(int(data.positions.min()), 5)
+    floats = n * d * (2 * model.n_layers * length + 2 * model.n_layers * (length - start) + length)
+    assert start > 0 and report["cache_mb"] == round(floats * 4 / 2**20, 3)
 
 
 def test_a_gpu_chunk_takes_its_share_of_free_memory(monkeypatch):
