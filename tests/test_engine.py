@@ -118,6 +118,8 @@ def test_walk_gives_back_the_full_trace_block_by_block(family, tiny_hf_dir):
     for layer in range(model.n_layers):
         assert torch.equal(tail.resid_pre[layer], full.resid_pre[layer][:, 6:])
         assert torch.equal(tail.z[layer], full.z[layer][:, 6:])  # type: ignore[index]
+    with pytest.raises(ValueError, match="whole first input"):
+        next(model.walk(tail))
     report: dict = {}
     data = TaskData(inputs=inputs, positions=torch.full((4, 1), 8), answers={})
     ivs = [Intervention("ablate_head", "zero", l, 0) for l in range(model.n_layers)]

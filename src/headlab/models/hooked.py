@@ -424,6 +424,8 @@ class HookedModel:
         block's input alone: the clean pass again, block by block, holding two blocks' inputs at a time
         instead of every block's (at 30 layers and long prompts those outweigh the weights). With
         `keep_z`, trace.z holds the layer's clean z while it is yielded, for run_blocks' replay."""
+        if trace.inputs_from:
+            raise ValueError("a walk runs every position: it needs a trace that kept the whole first input")
         h = trace.resid_pre[0]
         for layer in range(self.n_layers):
             with self.sites.record(sites=(Site.z,) if keep_z else (), layers=[layer]) as kept:
