@@ -380,7 +380,6 @@ class HookedModel:
         resid_pre: list[Tensor | None] = [None] * self.n_layers
         extra: list[tuple | None] = [None] * self.n_layers
         final: list[Tensor] = []
-        z: dict[int, Tensor] = {}
         suffix = (lambda t: t[:, inputs_from:].clone()) if inputs_from else (lambda t: t)  # a view holds it all
 
         def pre_hook(layer: int):
@@ -393,13 +392,6 @@ class HookedModel:
 
             return hook
 
-        def z_keeper(layer: int) -> Callable[[Tensor], Tensor]:
-            def hook(t: Tensor) -> Tensor:
-                z[layer] = suffix(t)
-                return t
-
-            return hook
-
         def post_hook(_module, _args, output):
             final.append(_hidden(output))
 
@@ -408,8 +400,7 @@ class HookedModel:
         try:
             with ExitStack() as stack:
                 kept = stack.enter_context(self.sites.record(sites=(Site.k, Site.v) if keep_kv else ()))
-                for layer in range(self.n_layers) if keep_z else ():
-                    stack.enter_context(self.hooks(layer, z=z_keeper(layer)))
+                kept_z = stack.enter_context(self.sites.record(sites=(Site.z,) if keep_z else (), keep=suffix))
                 self.forward_blocks(inputs)
         finally:
             for h in handles:
@@ -417,7 +408,8 @@ class HookedModel:
         batch = next(iter(inputs.values())).shape[0]
         kv = [(kept[(Site.k, l)], kept[(Site.v, l)]) for l in range(self.n_layers)] if keep_kv else None
         inputs_kept = resid_pre if every_input else resid_pre[:1]
-        return Trace(batch, inputs_kept, extra, final[-1], kv, z if keep_z else None, inputs_from)  # type: ignore[arg-type]
+        z = {l: kept_z[(Site.z, l)] for l in range(self.n_layers)} if keep_z else None
+        return Trace(batch, inputs_kept, extra, final[-1], kv, z, inputs_from)  # type: ignore[arg-type]
 
     def walk(self, trace: Trace, keep_z: bool = False) -> Iterator[tuple[int, Tensor]]:
         """(layer, that block's clean input) for every layer in order, from a trace that kept the first

@@ -358,11 +358,15 @@ class HeadSites:
                 module.__dict__["forward"] = own
 
     @contextmanager
-    def record(self, sites: tuple[str, ...] = (Site.z,), layers: list[int] | None = None) -> Iterator[dict]:
-        """Record activations: yields a dict (site, layer) -> tensor, filled by forward passes inside."""
+    def record(
+        self, sites: tuple[str, ...] = (Site.z,), layers: list[int] | None = None, keep: Hook | None = None
+    ) -> Iterator[dict]:
+        """Record activations: yields a dict (site, layer) -> tensor (or what `keep` makes of it), filled by
+        forward passes inside."""
         store: dict[tuple[str, int], Tensor] = {}
         layers = list(range(self.n_layers)) if layers is None else layers
-        with _stack([self.hooks(layer, **{s: _recorder(store, s, layer) for s in sites}) for layer in layers]):
+        hooks = [self.hooks(layer, **{s: _recorder(store, s, layer, keep) for s in sites}) for layer in layers]
+        with _stack(hooks):
             yield store
 
 
@@ -370,9 +374,9 @@ def _chain(first: Hook, second: Hook) -> Hook:
     return lambda t: second(first(t))
 
 
-def _recorder(store: dict, site: str, layer: int) -> Hook:
+def _recorder(store: dict, site: str, layer: int, keep: Hook | None = None) -> Hook:
     def hook(t: Tensor) -> Tensor:
-        store[(site, layer)] = t
+        store[(site, layer)] = t if keep is None else keep(t)
         return t
 
     return hook
