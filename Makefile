@@ -69,8 +69,9 @@ circuit-bench: $(VENV)/.headlab-bench  # edge attribution (eap, eap_ig, exact) v
 	$(BIN)/python benchmarks/circuit_speed.py
 
 .PHONY: circuit-peers
-circuit-peers: $(STAMP)  # eap / eap_ig vs auto-circuit 1.0.1 in a venv of its own (built on first use, ~3 min), 5-15 min
+circuit-peers: $(STAMP)  # eap / eap_ig vs auto-circuit 1.0.1 (GPT-2 shape, then smollm2) in a venv of its own (built on first use, ~3 min), 8-20 min
 	$(BIN)/python benchmarks/circuit_peers.py
+	$(BIN)/python benchmarks/circuit_peers.py --model smollm2
 
 .PHONY: ioi-crosscheck
 ioi-crosscheck: $(VENV)/.headlab-bench

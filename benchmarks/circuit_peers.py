@@ -6,17 +6,24 @@ torch==2.13.0 first (its CPU wheel is local; an unpinned torch would fetch CUDA 
 torch pinned on the same line. Where that install or `import auto_circuit` fails, the script prints the
 installer's or importer's own error line and exits 2.
 
-Model: a GPT-2-small-shaped GPT2LMHeadModel (12 x 12 heads, d_model 768; random, torch seed 0, as
-circuit_speed.py) saved once with save_pretrained: headlab loads that directory (load_hf), auto-circuit's
-side converts the same file with TransformerLens 2.x (benchmarks/peer_auto_circuit.py, raw weights).
-Prompts: headlab's IOI task (GPT-2's tokenizer, BOS first, BABA templates, names from its full list), the
+Model (`--model`): gpt2-shape, a GPT-2-small-shaped GPT2LMHeadModel (12 x 12 heads, d_model 768; random,
+torch seed 0, as circuit_speed.py) saved once with save_pretrained; or smollm2, smollm2-135m's real weights
+(headlab's float32 copy of the GGUF: 30 layers x 9 query heads on 3 key/value heads). headlab loads the
+directory (load_hf), auto-circuit's side converts the same file with TransformerLens 2.x
+(benchmarks/peer_auto_circuit.py, raw weights; grouped-query attention ungrouped, see below).
+Prompts: headlab's IOI task (the model's tokenizer: GPT-2's with BOS first, or smollm2's, which adds none;
+BABA templates, the names that are one token), the
 `--prompts` prompts of template 0 ("Then, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to"): one
 length, END last, as auto-circuit's "last_seq" output slice reads it; the counterfactual is headlab's
 S2-flipped prompt. Metric: logit(IO) - logit(S) at END, mean over prompts (auto-circuit: answer_function
 "avg_diff", grad_function "logit"). Batches of `--batch` prompts on both sides (headlab: prompts_per_pass).
-Graph: both sides have the same 32,491 edges (input, heads, MLPs -> each head's q/k/v input, MLPs, logits);
-auto-circuit's names map one to one (Resid Start = input, A3.1 = a3.h1, MLP 3 = m3, A3.1.Q = a3.h1<q>,
-Resid End = logits).
+Graph: on GPT-2 both sides have the same 32,491 edges (input, heads, MLPs -> each head's q/k/v input, MLPs,
+logits); auto-circuit's names map one to one (Resid Start = input, A3.1 = a3.h1, MLP 3 = m3, A3.1.Q = a3.h1<q>,
+Resid End = logits). Under grouped-query attention headlab has one key and one value receiver per key/value
+head (a3.kv0<k>), auto-circuit one per query head (A3.0.K, A3.1.K, A3.2.K: the copies of kv head 0 that
+ungrouping makes). Each copy reads the same residual stream, so a kv receiver's gradient is the sum of its
+copies' and so is its edge's score: auto-circuit's copies are summed before comparing (smollm2: its 123,211
+edges onto headlab's 70,651).
 
 Definitions: auto-circuit's score is the gradient of -metric with respect to an edge mask m (the receiver
 reads clean + m * (corrupt - current) of the sender), summed over batches (and IG samples): its EAP
@@ -31,14 +38,16 @@ prompts; peak memory is VmHWM reset just before that call (after malloc_trim), s
 in it; `*_added_mb` is the peak minus the resident set just before the call (the method's own memory).
 
 Printed lines (`name: value`): model, prompts, tokens_per_prompt, batch, ig_steps, torch_threads, peer,
-edges, clean_metric_headlab / clean_metric_auto_circuit (the same weights read two ways), edges_matched, then
+edges, clean_metric_headlab / clean_metric_auto_circuit (the same weights read two ways), edges_matched (and
+kv_group under grouped-query attention), then
 for eap and eap_ig: pearson_r (over all edges), eap_max_abs_diff, seconds (wall) and cpu_seconds (all
 threads of the process: less disturbed by other work on the machine) of both sides and their ratios
 (speedup, cpu_speedup: auto-circuit / headlab), peak_rss_mb and added_mb of both sides, memory_ratio
 (headlab / auto-circuit peak); auto_circuit_setup_seconds; load_average_1min at the start and the end.
 Exits 2 where auto-circuit cannot be installed or imported, printing peer_status with the error line.
 
-    .venv/bin/python benchmarks/circuit_peers.py [--prompts 8] [--batch 4] [--steps 5]   (`make circuit-peers`)
+    .venv/bin/python benchmarks/circuit_peers.py [--model gpt2-shape|smollm2] [--prompts 8] [--batch 4] [--steps 5]
+(`make circuit-peers` runs both models)
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ from peer_auto_circuit import reset_peak, status_kb
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER = HERE.parents[1] / "shared" / "data" / "gpt2-tokenizer"
+MODELS = ("gpt2-shape", "smollm2")
 VENV = HERE.parent / "outputs" / "bench" / "autocircuit-venv"
 TORCH_PIN = "torch==2.13.0"
 # transformer-lens 2.16.1 (the last 2.x) with transformers 4.x (5.x wants huggingface-hub>=1, TL 2.x <1);
@@ -114,12 +124,12 @@ def peer_python() -> tuple[Path | None, str]:
 
 
 # --- shared inputs ---------------------------------------------------------------------------------------
-def ioi_prompts(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def ioi_prompts(n: int, tokenizer_dir: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """n IOI prompts of template 0 (one length, END last): clean, S2-flipped corrupt, IO and S tokens."""
     from transformers import AutoTokenizer
 
     task = IOITask(IOIConfig(templates="baba"))
-    task.use_tokenizer(AutoTokenizer.from_pretrained(str(TOKENIZER)))
+    task.use_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir))
     data = task.build(n * len(task.templates), seed=seed)
     rows = (data.groups == 0).nonzero().flatten()  # type: ignore[union-attr]
     clean, corrupt = data.inputs["input_ids"][rows], data.counterfactual["input_ids"][rows]  # type: ignore[index]
@@ -148,7 +158,7 @@ def task_data(prompts: dict[str, torch.Tensor]) -> TaskData:
 # --- headlab's side --------------------------------------------------------------------------------------
 def worker(args: argparse.Namespace) -> int:
     """`--only METHOD`: headlab's scores on every edge, timed, with the peak memory of the timed call."""
-    hm = load_hf(args.model_dir, name="gpt2-random", need_tokenizer=False)
+    hm = load_hf(args.model_dir, name=args.model, need_tokenizer=False)
     data = task_data(torch.load(args.data))
     task, graph = IOITask(IOIConfig()), EdgeGraph.of(hm)
     kwargs = dict(method=args.only, steps=args.steps, prompts_per_pass=args.batch)
@@ -178,8 +188,9 @@ def common(args: argparse.Namespace, model_dir: Path, data: Path) -> list[str]:
 
 
 # --- edge names ----------------------------------------------------------------------------------------------
-def headlab_name(peer_edge: str) -> str:
-    """auto-circuit's `Resid Start->A0.1.Q` as headlab's `input->a0.h1<q>`."""
+def headlab_name(peer_edge: str, kv_group: int = 1) -> str:
+    """auto-circuit's `Resid Start->A0.1.Q` as headlab's `input->a0.h1<q>`; under grouped-query attention
+    (`kv_group` query heads per key/value head) its `A0.4.K` as `a0.kv1<k>`."""
     src, dest = peer_edge.split("->")
 
     def node(name: str) -> str:
@@ -190,24 +201,33 @@ def headlab_name(peer_edge: str) -> str:
         if name.startswith("MLP "):
             return f"m{name[4:]}"
         parts = name[1:].split(".")  # A3.1 or A3.1.Q
-        head = f"a{parts[0]}.h{parts[1]}"
-        return head if len(parts) == 2 else f"{head}<{parts[2].lower()}>"
+        if len(parts) == 2 or parts[2] == "Q" or kv_group == 1:
+            head = f"a{parts[0]}.h{parts[1]}"
+            return head if len(parts) == 2 else f"{head}<{parts[2].lower()}>"
+        return f"a{parts[0]}.kv{int(parts[1]) // kv_group}<{parts[2].lower()}>"
 
     return f"{node(src)}->{node(dest)}"
 
 
 def aligned(graph: EdgeGraph, ours: torch.Tensor, peer: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(headlab's scores, the peer's) in the peer's edge order, and how many of headlab's edges matched."""
+    """(headlab's scores, the peer's) over the edges of headlab's graph that the peer has (the peer's
+    ungrouped key/value copies summed), and how many those are."""
     index = {f"{s.name}->{r.name}": (i, j) for i, s in enumerate(graph.senders) for j, r in enumerate(graph.receivers)}
-    places = [index[headlab_name(name)] for name in peer["names"]]
-    if any(not bool(graph.real[i, j]) for i, j in places):
-        raise SystemExit("auto-circuit has an edge that headlab's graph does not")
+    theirs: dict[tuple[int, int], float] = {}
+    for name, score in zip(peer["names"], peer["scores"].double().tolist()):
+        place = index.get(headlab_name(name, peer["kv_group"]))
+        if place is None or not bool(graph.real[place]):
+            raise SystemExit(f"auto-circuit has an edge that headlab's graph does not: {name}")
+        theirs[place] = theirs.get(place, 0.0) + score
+    places = sorted(theirs)
     mine = torch.tensor([float(ours[i, j]) for i, j in places], dtype=torch.float64)
-    return mine, peer["scores"].double(), len(set(places))
+    return mine, torch.tensor([theirs[p] for p in places], dtype=torch.float64), len(places)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="gpt2-shape", help="GPT-2's shape (random) or smollm2-135m")
+    parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
     parser.add_argument("--prompts", type=int, default=8, help="IOI prompts (template 0)")
     parser.add_argument("--batch", type=int, default=4, help="prompts per pass, both sides")
     parser.add_argument("--steps", type=int, default=5, help="IG steps (auto-circuit: integrated_grad_samples)")
@@ -230,11 +250,18 @@ def main() -> int:
         print(f"peer_status: {error}")
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data_file = Path(tmp) / "model", Path(tmp) / "prompts.pt"
-        save_gpt2(str(model_dir))
-        prompts = ioi_prompts(args.prompts)
+        data_file = Path(tmp) / "prompts.pt"
+        if args.model == "smollm2":
+            import headlab
+
+            model_dir = Path(headlab.load_model("smollm2-135m", root=args.root).module.name_or_path)
+            tokenizer_dir = str(model_dir)
+        else:
+            model_dir, tokenizer_dir = Path(tmp) / "model", str(TOKENIZER)
+            save_gpt2(str(model_dir))
+        prompts = ioi_prompts(args.prompts, tokenizer_dir)
         torch.save(prompts, data_file)
-        hm = load_hf(str(model_dir), name="gpt2-random", need_tokenizer=False)
+        hm = load_hf(str(model_dir), name=args.model, need_tokenizer=False)
         graph, data = EdgeGraph.of(hm), task_data(prompts)
         with torch.inference_mode():
             logits = hm.forward(data.inputs)[:, -1]
@@ -250,6 +277,8 @@ def main() -> int:
                     __file__,
                     "--only",
                     method,
+                    "--model",
+                    args.model,
                     "--out",
                     str(ours_file),
                     *common(args, model_dir, data_file),
@@ -268,7 +297,11 @@ def main() -> int:
                 "peer_scores": torch.load(peer_file),
             }
 
-    print("model: gpt2-small-shape random (12x12, d_model 768), raw weights on both sides")
+    shapes = {
+        "gpt2-shape": "gpt2-small-shape random (12x12, d_model 768)",
+        "smollm2": "smollm2-135m real weights (30 layers x 9 query heads on 3 kv heads, d_model 576)",
+    }
+    print(f"model: {shapes[args.model]}, raw weights on both sides")
     print(f"prompts: {len(prompts['clean'])} IOI, template 0, S2-flipped counterfactuals")
     print(f"tokens_per_prompt: {prompts['clean'].shape[1]}")
     print(f"batch: {args.batch}")
@@ -283,9 +316,13 @@ def main() -> int:
         peer = row["peer_scores"]
         samples = 1 if method == "eap" else args.steps + 1
         peer = {**peer, "scores": -peer["scores"] / (peer["batches"] * samples)}  # headlab's units
+        peer["kv_group"] = row["peer"]["kv_group"]
         mine, theirs, matched = aligned(graph, row["scores"], peer)
         if method == "eap":
             print(f"edges_matched: {matched} of {graph.n_edges} (auto-circuit: {row['peer']['n_edges']})")
+            if row["peer"]["kv_group"] > 1:
+                group = row["peer"]["kv_group"]
+                print(f"kv_group: {group} (auto-circuit's key/value receivers summed per headlab kv receiver)")
         print(f"{method}_pearson_r: {pearson(mine, theirs):.6f}")
         if method == "eap":
             scale = mine.abs().max().item()

@@ -1,10 +1,15 @@
 """auto-circuit's edge scores on the benchmark's model and prompts; run by circuit_peers.py in auto-circuit's
 own virtual environment (transformer-lens 2.x), so it imports nothing from headlab.
 
-The model: the GPT-2 that circuit_peers.py saved with save_pretrained, converted by TransformerLens's own
-convert_gpt2_weights and loaded with raw weights (no LN folding, centering or value-bias folding), with the
-flags auto-circuit's load_tl_model sets (attention results, split q/k/v inputs, MLP inputs) and its weights
-frozen as load_tl_model freezes them. The graph: patchable_model(factorized=True, separate_qkv=True,
+The model: the directory circuit_peers.py names (a GPT-2 it saved with save_pretrained, or smollm2-135m's
+float32 copy, a Llama), converted by TransformerLens's own convert_gpt2_weights / convert_llama_weights and
+loaded with raw weights (no LN folding, centering or value-bias folding), with the flags auto-circuit's
+load_tl_model sets (attention results, split q/k/v inputs, MLP inputs) and its weights frozen as
+load_tl_model freezes them. A Llama with grouped-query attention is loaded with
+ungroup_grouped_query_attention (each query head gets its own copy of its key/value head's weights: the same
+function), since auto-circuit makes one key and one value receiver per query head. Its config.json is read
+here, not by transformers 4.x's LlamaConfig, which would not see a 5.x file's rope_parameters and would
+fall back to its default rotary base. The graph: patchable_model(factorized=True, separate_qkv=True,
 slice_output="last_seq"). Scores: mask_gradient_prune_scores(grad_function="logit",
 answer_function="avg_diff", RESAMPLE from the corrupt prompts) with mask_val=0 (EAP; auto-circuit documents
 it as equal to its edge_attribution_patching) or integrated_grad_samples=steps (its IG: every edge's mask set
@@ -42,8 +47,29 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def hooked_gpt2(model_dir: str):
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
+def hooked(model_dir: str, n_ctx: int):
+    """The directory's model as auto-circuit's HookedTransformer (raw weights, frozen)."""
+    from transformer_lens import HookedTransformer
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg, state = (gpt2 if raw["model_type"] == "gpt2" else llama)(model_dir, raw, n_ctx)
+    model = HookedTransformer(cfg)
+    model.load_and_process_state_dict(
+        state, fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False
+    )
+    del state
+    model.cfg.use_attn_result = True
+    model.cfg.use_attn_in = True
+    model.cfg.use_split_qkv_input = True
+    model.cfg.use_hook_mlp_in = True
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad = False
+    return model
+
+
+def gpt2(model_dir: str, raw: dict, n_ctx: int):
+    from transformer_lens import HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
     from transformers import GPT2LMHeadModel
 
@@ -62,21 +88,43 @@ def hooked_gpt2(model_dir: str):
         eps=c.layer_norm_epsilon,
         default_prepend_bos=False,
     )
-    state = convert_gpt2_weights(hf, cfg)
-    del hf
-    model = HookedTransformer(cfg)
-    model.load_and_process_state_dict(
-        state, fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False
+    return cfg, convert_gpt2_weights(hf, cfg)
+
+
+def llama(model_dir: str, raw: dict, n_ctx: int):
+    """TransformerLens's own mapping of a Llama config (as the main venv's bench_models.tl_llama_config)."""
+    from transformer_lens import HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    theta = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
+    kept = {k: v for k, v in raw.items() if k not in ("rope_parameters", "dtype", "transformers_version")}
+    hf = LlamaForCausalLM.from_pretrained(model_dir, config=LlamaConfig(**kept, rope_theta=theta)).eval()
+    c = hf.config
+    cfg = HookedTransformerConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        d_head=c.head_dim,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        n_ctx=n_ctx,  # TransformerLens keeps an n_ctx x n_ctx mask per layer
+        eps=c.rms_norm_eps,
+        act_fn=c.hidden_act,
+        n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
+        ungroup_grouped_query_attention=c.num_key_value_heads != c.num_attention_heads,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=c.head_dim,
+        rotary_base=theta,
+        final_rms=True,
+        gated_mlp=True,
+        original_architecture="LlamaForCausalLM",
+        default_prepend_bos=False,
+        dtype=torch.float32,
     )
-    del state
-    model.cfg.use_attn_result = True
-    model.cfg.use_attn_in = True
-    model.cfg.use_split_qkv_input = True
-    model.cfg.use_hook_mlp_in = True
-    model.eval()
-    for param in model.parameters():
-        param.requires_grad = False
-    return model
+    return cfg, convert_llama_weights(hf, cfg)
 
 
 def loader(data: dict, rows: slice, batch: int):
@@ -106,8 +154,8 @@ def main() -> int:
     from auto_circuit.utils.graph_utils import patchable_model
 
     started = time.perf_counter()
-    tl = hooked_gpt2(args.model_dir)
     data = torch.load(args.data)
+    tl = hooked(args.model_dir, n_ctx=data["clean"].shape[1])
     with torch.inference_mode():
         logits = tl(data["clean"])[:, -1]
         n = torch.arange(len(logits))
@@ -141,6 +189,7 @@ def main() -> int:
         "clean_metric": clean_metric,
         "n_edges": len(edges),
         "threads": torch.get_num_threads(),
+        "kv_group": tl.cfg.n_heads // (tl.cfg.n_key_value_heads or tl.cfg.n_heads),
     }
     print(json.dumps(report))
     return 0
