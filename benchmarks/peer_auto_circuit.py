@@ -82,7 +82,7 @@ def gpt2(model_dir: str, raw: dict, n_ctx: int):
         n_heads=c.n_head,
         d_mlp=4 * c.n_embd,
         d_vocab=c.vocab_size,
-        n_ctx=c.n_positions,
+        n_ctx=c.n_positions,  # not the prompt length: GPT-2 learns a position table of this size
         act_fn="gelu_new",
         normalization_type="LN",
         eps=c.layer_norm_epsilon,
