@@ -26,6 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from headlab.models.hf import load_hf
 from headlab.tasks import Task, TaskData, mean_of
+from tl_configs import tl_gpt2_config, tl_llama_config
 
 N_LAYERS, N_HEADS, D_MODEL, VOCAB = 12, 12, 768, 50257
 TOKEN_A, TOKEN_B = 5335, 1757  # the metric: logit[A] - logit[B] at the last position
@@ -91,25 +92,6 @@ def make_data(n: int, seq: int, changed: int, vocab: int = VOCAB) -> TaskData:
     )
 
 
-def tl_gpt2_config(c: GPT2Config, **extra: Any):
-    from transformer_lens import HookedTransformerConfig
-
-    return HookedTransformerConfig(
-        n_layers=c.n_layer,
-        d_model=c.n_embd,
-        d_head=c.n_embd // c.n_head,
-        n_heads=c.n_head,
-        d_mlp=4 * c.n_embd,
-        d_vocab=c.vocab_size,
-        n_ctx=c.n_positions,
-        act_fn="gelu_new",
-        normalization_type="LN",
-        eps=c.layer_norm_epsilon,
-        default_prepend_bos=False,
-        **extra,
-    )
-
-
 def build_hooked_transformer(hf: GPT2LMHeadModel):
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
 
@@ -137,38 +119,6 @@ def save_llama(path: str, config: LlamaConfig, dtype: torch.dtype) -> LlamaForCa
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.save_pretrained(path)
     return model
-
-
-def tl_llama_config(c: LlamaConfig, dtype: torch.dtype, n_ctx: int | None = None, **extra: Any):
-    """TransformerLens's own mapping of a LlamaForCausalLM config (loading_from_pretrained), by hand. `n_ctx`
-    (default: the model's max_position_embeddings) sizes the causal mask TransformerLens keeps per layer
-    (n_ctx x n_ctx): SmolLM2's 8192 would be 2 GB over 30 layers, so the benchmarks pass what they need."""
-    from transformer_lens import HookedTransformerConfig
-
-    rope = getattr(c, "rope_parameters", None) or {}
-    return HookedTransformerConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        d_head=c.head_dim,
-        n_heads=c.num_attention_heads,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=n_ctx or c.max_position_embeddings,
-        eps=c.rms_norm_eps,
-        act_fn=c.hidden_act,
-        n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        rotary_adjacent_pairs=False,
-        rotary_dim=c.head_dim,
-        rotary_base=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-        final_rms=True,
-        gated_mlp=True,
-        original_architecture="LlamaForCausalLM",
-        default_prepend_bos=False,
-        dtype=dtype,
-        **extra,
-    )
 
 
 def build_hooked_llama(hf: LlamaForCausalLM, dtype: torch.dtype):

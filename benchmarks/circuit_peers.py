@@ -315,13 +315,12 @@ def main() -> int:
     for method, row in rows.items():
         peer = row["peer_scores"]
         samples = 1 if method == "eap" else args.steps + 1
-        peer = {**peer, "scores": -peer["scores"] / (peer["batches"] * samples)}  # headlab's units
-        peer["kv_group"] = row["peer"]["kv_group"]
+        group = row["peer"]["kv_group"]
+        peer = {**peer, "scores": -peer["scores"] / (peer["batches"] * samples), "kv_group": group}  # headlab's units
         mine, theirs, matched = aligned(graph, row["scores"], peer)
         if method == "eap":
             print(f"edges_matched: {matched} of {graph.n_edges} (auto-circuit: {row['peer']['n_edges']})")
-            if row["peer"]["kv_group"] > 1:
-                group = row["peer"]["kv_group"]
+            if group > 1:
                 print(f"kv_group: {group} (auto-circuit's key/value receivers summed per headlab kv receiver)")
         print(f"{method}_pearson_r: {pearson(mine, theirs):.6f}")
         if method == "eap":

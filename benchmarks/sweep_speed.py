@@ -84,9 +84,8 @@ from bench_models import (
     save_gpt2,
     save_llama,
     status_kb,
-    tl_gpt2_config,
-    tl_llama_config,
 )
+from tl_configs import tl_gpt2_config, tl_llama_config
 
 N_PROMPTS, SEQ_LEN = 64, 20
 TOLERANCE = 1e-4
