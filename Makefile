@@ -60,6 +60,10 @@ bench: $(VENV)/.headlab-bench  # the GPT-2-shaped random model, then smollm2-135
 scaling: $(VENV)/.headlab-bench  # cost vs prompts, tokens, heads and edges: outputs/bench/scaling.{png,csv}, docs/scaling.png
 	$(BIN)/python benchmarks/scaling.py --device $(DEVICE) $(if $(filter cpu,$(DEVICE)),,--docs '')
 
+.PHONY: long-context
+long-context: $(VENV)/.headlab-bench  # memory of head sweeps on smollm2 at 4 x 2048 tokens, and who fits under a 3 GB limit, ~6 min
+	$(BIN)/python benchmarks/long_context.py
+
 .PHONY: sae-bench
 sae-bench: $(STAMP)  # headlab's SAE fitter vs SAELens's trainer on random-GPT-2 z and smollm2 z over data/devil.txt, ~7 min
 	$(BIN)/python benchmarks/sae_speed.py

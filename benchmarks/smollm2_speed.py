@@ -193,7 +193,9 @@ class TransformerLens:
 
 
 class Nnsight:
-    def __init__(self, path: str, device: str):
+    def __init__(self, path: str, device: str, **trace_kwargs):
+        """`trace_kwargs` go to every trace of the sweeps, e.g. logits_to_keep=1 (transformers' own option:
+        logits at the last position alone)."""
         from nnsight import NNsight
         from transformers import AutoModelForCausalLM
 
@@ -201,6 +203,7 @@ class Nnsight:
         self.model = NNsight(hf.to(device).eval())
         self.n_layers = hf.config.num_hidden_layers
         self.d_head = hf.config.head_dim
+        self.trace_kwargs = trace_kwargs
 
     def o_proj(self, l: int):
         return self.model.model.layers[l].self_attn.o_proj
@@ -227,7 +230,7 @@ class Nnsight:
             values = []
             for l, h in heads:
                 cut = slice(h * self.d_head, (h + 1) * self.d_head)
-                with self.model.trace(clean):
+                with self.model.trace(clean, **self.trace_kwargs):
                     if sweep == "ablation_zero":
                         self.o_proj(l).input[:, :, cut] = 0
                     elif sweep == "ablation_mean":
