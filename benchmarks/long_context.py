@@ -42,7 +42,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 
 from bench_models import LogitDiff, dist_version, load_hooked, reset_peak, status_kb
-from smollm2_speed import Nnsight, TransformerLens, build_tl, prompts, random_smollm2
+from smollm2_speed import Nnsight, TransformerLens, add_model_arguments, build_tl, prompts, random_smollm2
 from tl_configs import tl_llama_config
 
 TOLERANCE = 1e-4
@@ -126,12 +126,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--layer", type=int, default=27, help="the layer whose heads are swept (not the last)")
     parser.add_argument("--limit-gb", type=float, default=3.0, help="RLIMIT_DATA of the second runs (0: none)")
-    parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
-    parser.add_argument("--random-weights", action="store_true", help="smollm2's shape, random weights (no GGUF)")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("--model-path", help=argparse.SUPPRESS)
-    parser.add_argument("--tl-weights", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_model_arguments(parser, SIDES)
     args = parser.parse_args()
     if args.side:
         return run_child(args)

@@ -133,11 +133,12 @@ class Headlab:
         return [CLEAN, *(make(l, h) for l, h in cells)]
 
     def run(self, sweep: str, data, heads=None) -> tuple[float, float, torch.Tensor]:
+        """The clean run and every head (`heads`: those alone, as a warm-up does)."""
         from headlab.interventions.engine import execute
 
         ivs = self.ivs(sweep)
-        if heads is not None and len(heads) == 1:  # a warm-up: the clean run and the last layer's heads
-            ivs = [ivs[0], *ivs[-self.hm.n_heads :]]
+        if heads is not None:
+            ivs = [ivs[0], *(ivs[1 + l * self.hm.n_heads + h] for l, h in heads)]
         start = time.perf_counter()
         values = execute(self.hm, LogitDiff(), data, ivs, chunk_mb=self.chunk_mb)[:, :, 0].double().mean(1)
         return 0.0, time.perf_counter() - start, values.cpu()
@@ -287,7 +288,7 @@ def run_memory_side(args) -> int:
     side.clean_logits(data)  # the weights' pages are read in (safetensors maps them) by the first pass
     warm = status_kb()
     for sweep in peer_sweeps(args.side):
-        side.run(sweep, data, loop_heads(30, 9, 2))
+        side.run(sweep, data, None if args.side == "headlab" else loop_heads(30, 9, 2))
     # VmHWM, not ru_maxrss: Linux carries the parent's high-water mark over the child's exec into ru_maxrss
     report = {"loaded_kb": loaded, "warm_kb": warm, "peak_kb": status_kb("VmHWM")}
     report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
@@ -313,6 +314,17 @@ def memory_result(side: str, child: tuple[subprocess.Popen, Path]) -> dict:
 
 
 # --- the parent -------------------------------------------------------------------------------------------
+def add_model_arguments(parser: argparse.ArgumentParser, sides: tuple[str, ...]) -> None:
+    """Which smollm2 (--root's float32 copy, or --random-weights), and the arguments a parent passes to the
+    child process that measures one side's memory."""
+    parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
+    parser.add_argument("--random-weights", action="store_true", help="smollm2's shape, random weights (no GGUF)")
+    parser.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--tl-weights", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -321,12 +333,7 @@ def main() -> int:
     parser.add_argument("--loop-heads", type=int, help="heads the loops run on (default: 6 of 270 on CPU, all on CUDA)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats; the min per side is kept")
     parser.add_argument("--chunk-mb", type=float, default=32.0)
-    parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
-    parser.add_argument("--random-weights", action="store_true", help="smollm2's shape, random weights (no GGUF)")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("--model-path", help=argparse.SUPPRESS)
-    parser.add_argument("--tl-weights", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_model_arguments(parser, SIDES)
     args = parser.parse_args()
     if cuda_missing(args.device):
         return 2
@@ -357,7 +364,7 @@ def main() -> int:
         sides["transformerlens"] = TransformerLens(tl.to(args.device))
         sides["nnsight"] = Nnsight(args.model_path, args.device)
         warm = replace(data.take(slice(0, 2)), reference=data.take(slice(0, 2)).inputs)
-        for name, side in sides.items():  # warm-up: every code path once (headlab: the last layer's heads)
+        for name, side in sides.items():  # warm-up: every code path once, on one head
             for sweep in peer_sweeps(name):
                 side.run(sweep, warm, heads[-1:])
         seconds: dict[tuple[str, str], float] = {}
@@ -367,7 +374,7 @@ def main() -> int:
             for sweep in SWEEPS:
                 for name, side in sides.items():
                     if sweep in peer_sweeps(name):
-                        fixed, loop, values[name, sweep] = side.run(sweep, data, heads)
+                        fixed, loop, values[name, sweep] = side.run(sweep, data, None if name == "headlab" else heads)
                         total = fixed + loop * (scale if name != "headlab" and sweep != "attribution" else 1)
                         seconds[name, sweep] = min(seconds.get((name, sweep), float("inf")), total)
                         print(f"{name} {sweep}: {total:.1f} s", file=sys.stderr, flush=True)  # progress
