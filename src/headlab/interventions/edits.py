@@ -13,7 +13,6 @@ The engine, path patching and attribution patching all run a batch that stacks g
   copy_bytes        the memory one stacked copy needs at once in a block
   chunk_size        how many copies fit in a memory budget
   edits_pattern     whether interventions edit an attention pattern (the attention then runs eagerly)
-  read_quantities   task quantities of a stacked batch, its logits read out a few copies at a time
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from ..config import MeanOver, option
 from ..errors import UsageError
 from ..models.hooked import HookedModel
 from ..models.sites import Hook, attention_bytes, runs_eagerly
-from ..tasks import Inputs, Task, TaskData
+from ..tasks import Inputs, TaskData
 from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
 from .plan import Edit, Intervention
 from .sinks import hidden_sinks, real_tokens
@@ -346,20 +345,3 @@ def chunk_size(
 def edits_pattern(interventions: Sequence[Intervention], n_heads: int) -> bool:
     """Does any of the interventions edit (or read from another run) an attention pattern?"""
     return any(edit.site == Site.pattern for iv in interventions for edit in iv.edits(n_heads))
-
-
-def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:
-    """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read`: the logits
-    of as many copies as fit in `chunk_mb` at a time (copies x prompts x positions x vocabulary would not
-    fit when a task reads every position, as next-token loss does)."""
-    n, copies = data.n, h.shape[0] // data.n
-    parts: list[Tensor] = []
-    done, step = 0, 1  # one copy first: its logits' size sets how many go together after it
-    while done < copies:
-        rows = slice(done * n, (done + step) * n)
-        logits = model.readout(h[rows], read[rows]).unflatten(0, (-1, n))
-        parts.append(task.per_prompt(logits, data))
-        done += logits.shape[0]
-        step = max(1, int(chunk_mb * 2**20 // (logits[0].numel() * logits.element_size())))
-        del logits  # else the next readout is made while this one is still held: twice the memory
-    return torch.cat(parts)

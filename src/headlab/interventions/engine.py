@@ -1,15 +1,15 @@
 """The sweep executor: exact, batched, and started from cached activations.
 
-One clean pass caches the residual stream entering every block (and each layer's z). All interventions
-on layer l then run together: the cached input of block l is stacked g times (one copy per
-intervention), block l edits each copy's z as its intervention says, blocks l+1.. run on the stacked
-batch, and logits are computed at the positions the metrics read only. Layers before l are never
-recomputed, nor is layer l's attention where nothing inside it is edited: its output is the output
-projection of the clean z, edited (HeadSites.replayed). Where every intervention of a chunk edits
-positions p.. only (a role such as END, an index), positions before p are the clean run's in every
-layer: blocks l.. run on positions p.. alone, attending to the clean keys and values before p
-(HookedModel.run_blocks), on the families that allow it. `naive=True` runs one full forward pass per
-intervention instead: the reference the fast path is tested against.
+One clean pass caches the residual stream entering every block (and each layer's z). All interventions on
+layer l then run together: the cached input of block l is stacked g times (one copy per intervention), block
+l edits each copy's z as its intervention says, blocks l+1.. run on the stacked batch, and logits are
+computed at the positions the metrics read only, for many chunks at once (readout.py). Layers before l are
+never recomputed, nor is layer l's attention where nothing inside it is edited: its output is the output
+projection of the clean z, edited (HeadSites.replayed). Where every intervention of a chunk edits positions
+p.. only (a role such as END, an index), positions before p are the clean run's in every layer: blocks l..
+run on positions p.. alone, attending to the clean keys and values before p (HookedModel.run_blocks), on the
+families that allow it. `naive=True` runs one full forward pass per intervention instead: the reference the
+fast path is tested against.
 
 `execute_joint` applies groups of interventions at several layers together (circuit knockouts): one full
 forward pass per group, with every involved layer's hooks installed at once.
@@ -33,9 +33,10 @@ from ..runtime import chunk_budget_mb
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
-from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_pattern, first_edited, read_quantities
+from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_pattern, first_edited
 from .path import run_path
 from .plan import Intervention
+from .readout import Readouts
 
 log = logging.getLogger("headlab")
 
@@ -169,6 +170,7 @@ def _run_stacked(
         chunks += [(layer, idx[s : s + per_chunk]) for s in range(0, len(idx), per_chunk)]
     report.update(cache_mb=round(trace.nbytes / 2**20, 3), chunk_mb=round(chunk_mb, 3), chunks=len(chunks))
     log.info("sweep: clean caches %.1f MB, %d chunks of at most %.0f MB", trace.nbytes / 2**20, len(chunks), chunk_mb)
+    readouts = Readouts(model, task, data, chunk_mb)
     with progress_bar("sweep", total=len(chunks), enabled=show_progress) as bar:
         for done, (layer, idx) in enumerate(chunks, 1):
             chunk = [interventions[i] for i in idx]
@@ -187,10 +189,11 @@ def _run_stacked(
                 h = model.run_blocks(
                     h, layer, trace, copies=len(chunk), read=only_read, from_position=start, replay=replay
                 )
-            quantities = read_quantities(model, task, h, read, data, chunk_mb)
-            for j, i in enumerate(idx):
-                out[i] = quantities[j]
+            readouts.add(idx, h, read)
             bar.update(done)
+        readouts.flush()
+    for i, quantities in readouts.results.items():
+        out[i] = quantities
     return out  # type: ignore[return-value]
 
 

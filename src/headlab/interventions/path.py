@@ -24,8 +24,9 @@ from ..models.sites import Hook
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import Site, Source
-from .edits import Sources, chunk_size, edit_heads, edit_hooks, edits_pattern, read_quantities
+from .edits import Sources, chunk_size, edit_heads, edit_hooks, edits_pattern
 from .plan import LOGITS, Intervention, receiver_heads
+from .readout import Readouts
 
 
 def run_path(
@@ -51,6 +52,7 @@ def run_path(
         for key, idx in sorted(groups.items(), key=lambda kv: kv[0][0])
         for s in range(0, len(idx), per_chunk)
     ]
+    readouts = Readouts(model, task, data, chunk_mb)
     with progress_bar("path patching", total=len(chunks), enabled=show_progress) as bar:
         for done, ((layer, receivers, site), idx) in enumerate(chunks, 1):
             chunk = [senders[i] for i in idx]
@@ -82,10 +84,11 @@ def run_path(
                         index = edit_heads(site, heads, sources, recorded[l].device)
                         stack.enter_context(model.hooks(l, **{site: _patched(recorded[l], index)}))
                     h = model.run_blocks(trace.resid_pre[first].repeat(g, 1, 1), first, trace, copies=g, read=read)
-            quantities = read_quantities(model, task, h, read, data, chunk_mb)
-            for j, i in enumerate(idx):
-                out[i] = quantities[j]
+            readouts.add(idx, h, read)
             bar.update(done)
+        readouts.flush()
+    for i, quantities in readouts.results.items():
+        out[i] = quantities
     return out  # type: ignore[return-value]
 
 

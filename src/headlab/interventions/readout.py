@@ -1,0 +1,77 @@
+"""Task quantities of a sweep's stacked batches: logits at the read positions only, a bounded number of
+copies at a time.
+
+A readout multiplies by the whole unembedding (vocabulary x d_model: 154 MB for GPT-2 in float32, 113 MB for
+smollm2), which is read from memory however few rows it has. For a chunk of a few copies of a few prompts
+that read costs more than the arithmetic, so `Readouts` keeps each chunk's last hidden states at the read
+positions (d_model numbers a position, where the logits are vocabulary) and reads them out together, as
+many copies at once as `chunk_mb` of logits holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..models.hooked import HookedModel
+from ..tasks import Task, TaskData
+
+
+def copies_per_readout(model: HookedModel, data: TaskData, positions: int, itemsize: int, chunk_mb: float) -> int:
+    """How many copies' logits (prompts x `positions` x vocabulary) fit in `chunk_mb` beside a task's
+    log-softmax of them, of the same size; one at least."""
+    return max(1, int(chunk_mb * 2**20 // (2 * data.n * positions * model.vocab_size * itemsize)))
+
+
+def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:
+    """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read` [copies*n, P]: the
+    logits of as many copies as fit in `chunk_mb` at a time (copies x prompts x positions x vocabulary would not
+    fit when a task reads every position, as next-token loss does)."""
+    n, copies = data.n, h.shape[0] // data.n
+    step = copies_per_readout(model, data, read.shape[1], h.element_size(), chunk_mb)
+    parts: list[Tensor] = []
+    for first in range(0, copies, step):
+        rows = slice(first * n, (first + step) * n)
+        logits = model.readout(h[rows], read[rows]).unflatten(0, (-1, n))
+        parts.append(task.per_prompt(logits, data))
+        del logits  # else the next readout is made while this one is still held: twice the memory
+    return torch.cat(parts)
+
+
+class Readouts:
+    """Collects chunks' hidden states at their read positions (`add`) and reads them out in whole readouts of
+    `chunk_mb` of logits as they fill (the rest at `flush`); `results` maps each intervention's index to its
+    quantities [n, Q]."""
+
+    def __init__(self, model: HookedModel, task: Task, data: TaskData, chunk_mb: float):
+        self.model, self.task, self.data, self.chunk_mb = model, task, data, chunk_mb
+        self.results: dict[int, Tensor] = {}
+        self._indices: list[int] = []
+        self._hidden: list[Tensor] = []
+
+    def add(self, indices: Sequence[int], h: Tensor, read: Tensor) -> None:
+        """Copy j of the stacked batch h [copies*n, pos, d] is intervention indices[j]; `read` [copies*n, P]."""
+        rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
+        self._hidden.append(h[rows, read.to(h.device)])
+        self._indices += indices
+        self._read_out(everything=False)
+
+    def flush(self) -> None:
+        """Read out every copy still held."""
+        self._read_out(everything=True)
+
+    def _read_out(self, everything: bool) -> None:
+        """Whole readouts of what is held (all of it, if `everything`); the rest waits for more copies."""
+        if not self._indices:
+            return
+        hidden = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
+        n, positions = self.data.n, hidden.shape[1]
+        step = copies_per_readout(self.model, self.data, positions, hidden.element_size(), self.chunk_mb)
+        ready = len(self._indices) if everything else len(self._indices) // step * step
+        if ready:
+            read = torch.arange(positions, device=hidden.device).expand(ready * n, -1)
+            quantities = read_quantities(self.model, self.task, hidden[: ready * n], read, self.data, self.chunk_mb)
+            self.results.update(zip(self._indices[:ready], quantities))
+        self._indices, self._hidden = self._indices[ready:], [hidden[ready * n :]]
