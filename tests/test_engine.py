@@ -12,6 +12,7 @@ from conftest import counting_cfg
 from headlab.config import PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
+from headlab.interventions.readout import READOUT_ROWS
 from headlab.models.hf import load_hf
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
 from headlab.tasks import Task, TaskData, mean_of
@@ -95,21 +96,22 @@ def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
 
 
-def test_chunks_are_read_out_together_in_whole_readouts(tiny_hf_dir, monkeypatch):
-    """A readout reads the whole unembedding however few rows it has: the sweep's copies go through it as
-    many at a time as the budget holds (their logits beside a log-softmax of them), across chunks, not one
-    readout or two per chunk; the values equal the naive loop's."""
+@pytest.mark.parametrize("bound", ["budget", "rows"])
+def test_chunks_are_read_out_together_in_whole_readouts(bound, tiny_hf_dir, monkeypatch):
+    """A readout reads the whole unembedding however few rows it has: the sweep's copies go through it
+    READOUT_ROWS rows at a time, or fewer where the budget cannot hold their logits beside a log-softmax of
+    them, across chunks, not one readout or two per chunk; the values equal the naive loop's."""
     model = load_hf(str(tiny_hf_dir("gpt2")), need_tokenizer=False)
     gen = torch.Generator().manual_seed(0)
-    n, seq = 4, 10
+    n, seq = 8, 10
     data = TaskData(
         inputs={"input_ids": torch.randint(0, 50257, (n, seq), generator=gen)},
         positions=torch.full((n, 1), seq - 1),
         answers={},
     )
     ivs = [Intervention("ablate_head", "zero", l, h) for l in range(model.n_layers) for h in range(model.n_heads)]
-    per_readout = 5
-    chunk_mb = per_readout * 2 * n * model.vocab_size * 4 / 2**20
+    per_readout = 5 if bound == "budget" else READOUT_ROWS // n
+    chunk_mb = 5 * 2 * n * model.vocab_size * 4 / 2**20 if bound == "budget" else 32.0
     # a chunk is a layer's heads, which no number of whole readouts makes up
     assert chunk_mb * 2**20 // (n * seq * model.width * 4) >= model.n_heads and model.n_heads % per_readout
     rows: list[int] = []
@@ -117,7 +119,7 @@ def test_chunks_are_read_out_together_in_whole_readouts(tiny_hf_dir, monkeypatch
     monkeypatch.setattr(model, "readout", lambda h, positions: rows.append(h.shape[0]) or readout(h, positions))
     fast = execute(model, _LastTokenTask(), data, ivs, chunk_mb=chunk_mb)
     whole, rest = divmod(len(ivs), per_readout)
-    assert rows == [per_readout * n] * whole + [rest * n]
+    assert rows == [per_readout * n] * whole + [rest * n] * (rest > 0)
     monkeypatch.undo()
     slow = execute(model, _LastTokenTask(), data, ivs, naive=True)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
