@@ -99,8 +99,8 @@ def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
 @pytest.mark.parametrize("bound", ["budget", "rows"])
 def test_chunks_are_read_out_together_in_whole_readouts(bound, tiny_hf_dir, monkeypatch):
     """A readout reads the whole unembedding however few rows it has: the sweep's copies go through it
-    READOUT_ROWS rows at a time, or fewer where the budget cannot hold their logits beside a log-softmax of
-    them, across chunks, not one readout or two per chunk; the values equal the naive loop's."""
+    READOUT_ROWS rows at a time, or fewer where the budget cannot hold their logits, across chunks, not one
+    readout or two per chunk; the values equal the naive loop's."""
     model = load_hf(str(tiny_hf_dir("gpt2")), need_tokenizer=False)
     gen = torch.Generator().manual_seed(0)
     n, seq = 8, 10
@@ -111,7 +111,7 @@ def test_chunks_are_read_out_together_in_whole_readouts(bound, tiny_hf_dir, monk
     )
     ivs = [Intervention("ablate_head", "zero", l, h) for l in range(model.n_layers) for h in range(model.n_heads)]
     per_readout = 5 if bound == "budget" else READOUT_ROWS // n
-    chunk_mb = 5 * 2 * n * model.vocab_size * 4 / 2**20 if bound == "budget" else 32.0
+    chunk_mb = 5 * n * model.vocab_size * 4 / 2**20 if bound == "budget" else 32.0
     # a chunk is a layer's heads, which no number of whole readouts makes up
     assert chunk_mb * 2**20 // (n * seq * model.width * 4) >= model.n_heads and model.n_heads % per_readout
     rows: list[int] = []

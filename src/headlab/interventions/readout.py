@@ -4,8 +4,8 @@ copies at a time.
 A readout multiplies by the whole unembedding (vocabulary x d_model: 154 MB for GPT-2 in float32, 113 MB for
 smollm2), which is read from memory however few rows it has. For a chunk of a few copies of a few prompts
 that read costs more than the arithmetic, so `Readouts` keeps each chunk's last hidden states at the read
-positions (d_model numbers a position, where the logits are vocabulary) and reads them out together, as
-many copies at once as `chunk_mb` of logits holds.
+positions (d_model numbers a position, where the logits are vocabulary) and reads them out together,
+READOUT_ROWS rows at a time where `chunk_mb` holds their logits.
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ from torch import Tensor
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData
 
-
 # Rows (prompts x positions) a readout gathers, where the budget allows: reading the unembedding costs about
-# as much as 50 rows' arithmetic on a CPU (~170 GFLOP/s against ~7 GB/s), a fifth of 256 rows'; more rows
-# would only hold more logits at once.
+# as much as 50 rows' arithmetic on a CPU (~170 GFLOP/s against ~7 GB/s); more rows would mostly hold more
+# logits at once.
 READOUT_ROWS = 64
 
 
 def copies_per_readout(model: HookedModel, data: TaskData, positions: int, itemsize: int, chunk_mb: float) -> int:
     """How many copies go through one readout: READOUT_ROWS rows' worth, as far as their logits (prompts x
-    `positions` x vocabulary) fit in `chunk_mb` beside a task's log-softmax of them; one at least."""
+    `positions` x vocabulary) fit in `chunk_mb`; one at least."""
     rows = data.n * positions
-    fit = int(chunk_mb * 2**20 // (2 * rows * model.vocab_size * itemsize))
+    fit = int(chunk_mb * 2**20 // (rows * model.vocab_size * itemsize))
     return max(1, min(fit, -(-READOUT_ROWS // rows)))
 
 
