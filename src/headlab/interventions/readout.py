@@ -5,7 +5,7 @@ A readout multiplies by the whole unembedding (vocabulary x d_model: 154 MB for 
 smollm2), which is read from memory however few rows it has. For a chunk of a few copies of a few prompts
 that read costs more than the arithmetic, so `Readouts` keeps each chunk's last hidden states at the read
 positions (d_model numbers a position, where the logits are vocabulary) and reads them out together,
-READOUT_ROWS rows at a time where `chunk_mb` holds their logits.
+READOUT_ROWS rows at a time on a CPU, where `chunk_mb` holds their logits (on a GPU, as many as it holds).
 """
 
 from __future__ import annotations
@@ -18,18 +18,19 @@ from torch import Tensor
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData
 
-# Rows (prompts x positions) a readout gathers, where the budget allows: reading the unembedding costs about
-# as much as 50 rows' arithmetic on a CPU (~170 GFLOP/s against ~7 GB/s); more rows would mostly hold more
-# logits at once.
+# Rows (prompts x positions) a readout gathers on a CPU, where the budget allows: reading the unembedding
+# costs about as much as 50 rows' arithmetic there (~170 GFLOP/s against ~7 GB/s); more rows would mostly
+# hold more logits at once. A GPU gathers as many as its budget holds: there each readout's cost is its
+# kernel launches.
 READOUT_ROWS = 64
 
 
-def copies_per_readout(model: HookedModel, data: TaskData, positions: int, itemsize: int, chunk_mb: float) -> int:
-    """How many copies go through one readout: READOUT_ROWS rows' worth, as far as their logits (prompts x
-    `positions` x vocabulary) fit in `chunk_mb`; one at least."""
+def copies_per_readout(model: HookedModel, data: TaskData, positions: int, h: Tensor, chunk_mb: float) -> int:
+    """How many copies go through one readout of hidden states like `h`: READOUT_ROWS rows' worth on a CPU,
+    as far as their logits (prompts x `positions` x vocabulary) fit in `chunk_mb`; one at least."""
     rows = data.n * positions
-    fit = int(chunk_mb * 2**20 // (rows * model.vocab_size * itemsize))
-    return max(1, min(fit, -(-READOUT_ROWS // rows)))
+    fit = int(chunk_mb * 2**20 // (rows * model.vocab_size * h.element_size()))
+    return max(1, fit if h.device.type == "cuda" else min(fit, -(-READOUT_ROWS // rows)))
 
 
 def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:
@@ -37,7 +38,7 @@ def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, dat
     logits of as many copies as fit in `chunk_mb` at a time (copies x prompts x positions x vocabulary would not
     fit when a task reads every position, as next-token loss does)."""
     n, copies = data.n, h.shape[0] // data.n
-    step = copies_per_readout(model, data, read.shape[1], h.element_size(), chunk_mb)
+    step = copies_per_readout(model, data, read.shape[1], h, chunk_mb)
     parts: list[Tensor] = []
     for first in range(0, copies, step):
         rows = slice(first * n, (first + step) * n)
@@ -75,7 +76,7 @@ class Readouts:
             return
         hidden = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
         n, positions = self.data.n, hidden.shape[1]
-        step = copies_per_readout(self.model, self.data, positions, hidden.element_size(), self.chunk_mb)
+        step = copies_per_readout(self.model, self.data, positions, hidden, self.chunk_mb)
         ready = len(self._indices) if everything else len(self._indices) // step * step
         if ready:
             read = torch.arange(positions, device=hidden.device).expand(ready * n, -1)
