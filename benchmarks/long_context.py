@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -48,6 +49,8 @@ from tl_configs import tl_llama_config
 TOLERANCE = 1e-4
 SIDES = ("headlab", "transformerlens", "nnsight", "nnsight_logits_to_keep")
 LOOP_HEADS = (0, 1)
+# what an allocation refused under RLIMIT_DATA prints: torch's allocator, Python, C++, or the C library
+OUT_OF_MEMORY = re.compile(r"can't allocate memory|Cannot allocate memory|MemoryError|bad_alloc|out of memory")
 
 
 def sweep_fn(side: str, args):
@@ -111,9 +114,10 @@ def child(side: str, args, tmp: str, limit_gb: float | None) -> dict:
 
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit)
     if done.returncode != 0 or not out.exists():
-        # a limit can also strike outside torch's allocator (an import, a thread): that too is not fitting
-        if limit_gb:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        # a limit can also strike outside torch's allocator (an import, a thread): that too is not fitting;
+        # any other failure is a failure, not a verdict on memory
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        if limit_gb and OUT_OF_MEMORY.search(done.stderr):
             return {"status": f"out of memory (exit {done.returncode}: {last[:160]})"}
         sys.stderr.write(done.stderr[-6000:])
         raise SystemExit(f"the {side} run failed with exit code {done.returncode}")
@@ -174,7 +178,7 @@ def main() -> int:
     for side, run in limited.items():
         print(f"under_{args.limit_gb:g}_gb_{side}: {run['status']}")
     if limited:
-        out = [side for side, run in limited.items() if run["status"] != "fits"]
+        out = [side for side, run in limited.items() if run["status"].startswith("out of memory")]
         fits = "fits" if limited["headlab"]["status"] == "fits" else "does not fit"
         print(f"under_{args.limit_gb:g}_gb: headlab {fits}; out of memory: {', '.join(out) or 'none'}")
     print(f"load_average_1min: {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
