@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from omegaconf import DictConfig
@@ -17,7 +20,7 @@ from rich.text import Text
 
 from .composition import group_options, launcher_of, typed, validate_overrides
 from .config import GROUPS, Config, config_dir
-from .errors import HeadlabError, UsageError
+from .errors import HeadlabError, Interrupted, UsageError
 from .io import atomic_write_bytes
 
 app = typer.Typer(add_completion=False, help="headlab: experiment runner for attention-head studies.")
@@ -347,22 +350,63 @@ def report(directory: Path = typer.Argument(..., help="A run dir, a sweep dir or
     out.print(f"report: {target}", highlight=False, soft_wrap=True)
 
 
-def main() -> None:
-    from .runtime import tune_allocator
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# typer's exit code for a KeyboardInterrupt it caught itself (returned, not raised, with standalone_mode=False)
+TYPER_INTERRUPT_CODE = 130
 
-    tune_allocator()
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted in the main thread while the command runs; the handlers in place
+    before are put back after, since tests run main() inside their own process."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal refuses other threads
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+
+    def stop(signum: int, frame: object) -> None:
+        # a second signal ends the process at once, for a cleanup that hangs
+        for each in STOP_SIGNALS:
+            signal.signal(each, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
     try:
-        app(standalone_mode=False)
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: installed outside Python, cannot be put back from here
+                signal.signal(signum, handler)
+
+
+def _abort(reason: str, code: int) -> NoReturn:
+    err.print(f"aborted: {reason}", highlight=False, soft_wrap=True)
+    sys.exit(code)
+
+
+def main() -> None:
+    try:
+        with stop_on_signals():
+            from .runtime import tune_allocator
+
+            tune_allocator()
+            code = app(standalone_mode=False)
     except HeadlabError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
-        err.print("aborted")
-        sys.exit(130)
+    except Interrupted as e:
+        _abort(str(e), e.exit_code)
+    except typer.Abort:  # typer's answer to an EOFError (a prompt read past the end of its input)
+        _abort("end of input", 130)
     except Exception as e:  # click's own usage errors carry an exit code
         code = getattr(e, "exit_code", None)
         if code is None:
             raise
         if hasattr(e, "show"):
             e.show()
+        sys.exit(code)
+    if code == TYPER_INTERRUPT_CODE:
+        _abort("interrupted (SIGINT)", code)
+    if isinstance(code, int) and code:
         sys.exit(code)
