@@ -362,15 +362,18 @@ def stop_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # signal.signal refuses other threads
         yield
         return
+    # one ignored on entry stays ignored: a script's `headlab ... &` ignores SIGINT, so that Ctrl-C on the
+    # script spares it
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    previous = {signum: handler for signum, handler in previous.items() if handler != signal.SIG_IGN}
 
     def stop(signum: int, frame: object) -> None:
         # a second signal ends the process at once, for a cleanup that hangs
-        for each in STOP_SIGNALS:
+        for each in previous:
             signal.signal(each, signal.SIG_DFL)
         raise Interrupted(signum)
 
-    for signum in STOP_SIGNALS:
+    for signum in previous:
         signal.signal(signum, stop)
     try:
         yield
