@@ -5,8 +5,6 @@ pre-hook on o_proj."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -17,9 +15,10 @@ import headlab
 from headlab.analysis.head_sets import random_heads
 from headlab.analysis.scores import repeated_tokens
 from headlab.errors import HeadlabError, UsageError
+from headlab.locations import text_path
 from headlab.models.hf import load_hf
 
-ALICE = Path(__file__).resolve().parents[1] / "data" / "alice.txt"
+ALICE = text_path("data/alice.txt")
 T = 7  # tokens per copy
 N = 6  # sequences
 SEED = 3

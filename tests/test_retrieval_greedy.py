@@ -9,8 +9,6 @@ rule written out over a model rerun on the whole sequence at every step (no cach
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,11 +16,12 @@ import headlab
 from headlab.analysis.decoding import greedy_decode
 from headlab.analysis.head_sets import avoided_heads, random_heads, top_heads
 from headlab.analysis.retrieval import greedy_retrieval, needle_layout, retrieval_scores, token_recall
+from headlab.locations import text_path
 from headlab.tasks.needle import copy_role, needle_role
 from headlab.tasks.needle_facts import FACTS, SENTENCE_ENDS
 from test_retrieval import needle_task, planted_copy_model
 
-ALICE = Path(__file__).resolve().parents[1] / "data" / "alice.txt"
+ALICE = text_path("data/alice.txt")
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # rotary and grouped keys; learned positions

@@ -38,7 +38,7 @@ def test_a_pretrained_model_on_a_task_of_its_own_vocabulary_reads_the_shipped_te
         cfg = compose(*overrides)
         return corpus_path(cfg, build_task(cfg.task))
 
-    alice = str(ROOT / "data" / "alice.txt")
+    alice = str(ROOT / "src" / "headlab" / "data" / "alice.txt")  # the file itself, not text_path's answer
     assert path("model=smollm2-135m") == alice  # counting's 26 tokens mean nothing to smollm2
     assert path("model=smollm2-135m", "task=ioi") is None  # its prompts are words: the task's prompts
     assert path("model=toy-attn-1l") is None  # a toy model reads its task

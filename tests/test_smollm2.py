@@ -190,13 +190,14 @@ def test_an_attention_sae_on_its_z_over_real_text_exports_to_saelens(smollm2, tm
     from sae_lens import SAE
     from torch.nn import functional as F
 
-    from headlab.sae.activations import corpus_z, shipped_text, text_corpus
+    from headlab.locations import text_path
+    from headlab.sae.activations import corpus_z, text_corpus
     from headlab.sae.export import save_sae
     from headlab.sae.fit import fit
     from headlab.sae.metrics import ce_recovered
     from headlab.sae.relu_l1 import ReluL1SAE
 
-    corpus = text_corpus(str(shipped_text()), smollm2, 32)
+    corpus = text_corpus(str(text_path("data/alice.txt")), smollm2, 32)
     train, held_out = corpus.rows(torch.arange(8)), corpus.rows(torch.arange(80, 82))
     x = corpus_z(smollm2, 3, train, 8)
     assert x.shape == (8 * 32, 9 * 64)

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..config import config_dir
 from ..errors import HeadlabError
 from ..interventions import Intervention
 from ..interventions.engine import execute_joint
+from ..locations import text_path
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData, mean_of
 from ..vocabulary import Kind, Method
@@ -143,12 +143,8 @@ def ablated_icl_score(model: HookedModel, data: TaskData, groups: list[list[tupl
 
 
 def text_file(path: str) -> Path:
-    """`path`, or where it is relative and not found from the working directory, that path beside
-    headlab's configs/ (the source checkout's data/alice.txt, or the copy the wheel ships)."""
-    file = Path(path).expanduser()
-    if not file.is_absolute() and not file.is_file():
-        shipped = config_dir().parent / file
-        file = shipped if shipped.is_file() else file
+    """`path`, or the text headlab ships under that name (locations.text_path: data/alice.txt)."""
+    file = text_path(path)
     if not file.is_file():
         raise HeadlabError(f"scores.icl_text={path}: no such file (scores.icl_text='' leaves the ICL score out)")
     return file

@@ -7,8 +7,9 @@ A corpus is token ids [n, pos], the number of real tokens per row, and the model
                  repeats (tasks that train nothing give their evaluation prompts, next-token targets);
   text           a file, or a directory of .txt / .jsonl ("text" field) files, tokenised by the model's
                  tokenizer, cut into windows of context_size tokens; targets: the next token.
-                 shipped_text() is the text that ships with headlab (data/alice.txt, ~5,300 tokens of
-                 SmolLM2's tokenizer): a pretrained model's corpus when the user names none.
+                 A relative path not found from the working directory names a text headlab ships
+                 (locations.text_path): data/alice.txt (~5,300 tokens of SmolLM2's tokenizer), a
+                 pretrained model's corpus when the user names none, or data/devil.txt.
 The stream runs the model in batches of sequences (stopping at the layer), keeps z at real tokens,
 flattened over heads ([tokens, n_heads * d_head]), and mixes them in a shuffle buffer before batching:
 activations never need to fit in memory, and one batch never holds a single sequence's tokens only.
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..errors import HeadlabError, UsageError
+from ..locations import text_path
 from ..models.hooked import HookedModel
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -69,20 +71,11 @@ def _next_tokens(ids: Tensor, lengths: Tensor) -> Tensor:
     return targets.masked_fill(torch.arange(ids.shape[1]) >= lengths[:, None] - 1, -100)
 
 
-def shipped_text() -> Path:
-    """data/alice.txt of a source checkout, else the copy packaged inside the wheel."""
-    here = Path(__file__).resolve()
-    for candidate in (here.parents[3] / "data" / "alice.txt", here.parents[1] / "data" / "alice.txt"):
-        if candidate.is_file():
-            return candidate
-    raise HeadlabError("headlab's text data/alice.txt is missing from this install: give sae.corpus=<text file>")
-
-
 def text_corpus(path: str, model: HookedModel, context_size: int) -> Corpus:
     tok = model.tokenizer
     if tok is None:
         raise UsageError(f"sae.corpus={path} is text: model {model.name} needs a tokenizer (model.tokenizer=...)")
-    docs = _read_texts(Path(path))
+    docs = _read_texts(text_path(path))
     sep = [tok.eos_token_id] if tok.eos_token_id is not None else []
     stream: list[int] = []
     for doc in docs:

@@ -29,7 +29,9 @@ from .sinks import STUDY as SINKS
 from .study import Study
 from .sweep import STUDY as SWEEP
 
-CORPUS = Path(__file__).resolve().parents[3] / "data" / "alice.txt"  # the repo's text corpus (data/README.md)
+# headlab's shipped text, by the name configs give it (locations.text_path finds it wherever headlab is
+# installed): an install's own path in the overrides would make each install's probe hashes its own
+CORPUS = "data/alice.txt"
 ROW_COLUMNS = ["layer", "head", "metric", "value", "n", "ci_low", "ci_high"]
 
 

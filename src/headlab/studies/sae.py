@@ -4,7 +4,7 @@ tables (one set of rows per layer, column layer).
 
 Corpus: sae.corpus, else the task's prompts; a pretrained model on a task with a vocabulary of its own
 (the default task=counting on model=smollm2-135m) has no prompts of that task to read, so it reads the
-text that ships with headlab (data/alice.txt, activations.shipped_text).
+text that ships with headlab (data/alice.txt, locations.text_path).
 
 <run>/results.parquet (+ csv)   tidy: the SAE's metrics (intervention "sae", method = architecture), the
                                 training curve (method "fit", column step), per head its polysemanticity
@@ -39,9 +39,10 @@ from .. import results
 from ..config import Config, config_hash, option, run_info, to_plain
 from ..errors import UsageError
 from ..io import atomic_write_bytes, held_exclusively
+from ..locations import text_path
 from ..models.hooked import HookedModel
 from ..sae import build_sae
-from ..sae.activations import Corpus, corpus_z, real_tokens, shipped_text, stream, task_corpus, text_corpus
+from ..sae.activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
 from ..sae.attribution import decoder_head_shares, head_polysemanticity, top_activations
 from ..sae.export import CFG, WEIGHTS, hook_name, load_sae, save_sae
 from ..sae.fit import fit
@@ -83,7 +84,7 @@ def corpus_path(cfg: Config, task: Task) -> str | None:
         return cfg.sae.corpus
     own_vocabulary = not task.needs_tokenizer and task.vocab_size > 0
     if option(cfg.model.kind) == "hf" and own_vocabulary:
-        return str(shipped_text())
+        return str(text_path("data/alice.txt"))
     return None
 
 

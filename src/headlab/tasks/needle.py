@@ -25,7 +25,6 @@ fresh haystacks and needles at the same depths, so every role sits where it sits
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from torch import Tensor
 
 from ..config import NeedleConfig
 from ..errors import UsageError
+from ..locations import text_path
 from .base import PRETRAINED_DEFAULTS, Task, TaskData, mean_of
 from .needle_facts import FactNeedles
 
@@ -333,7 +333,7 @@ def ordinary_token_ids(tokenizer: Any, rows: int) -> Tensor:
 
 def haystack_ids(path: str, tokenizer: Any) -> Tensor:
     """The token ids of a haystack text file (its first MAX_HAYSTACK_CHARS characters)."""
-    where = Path(path).expanduser()
+    where = text_path(path)
     if not where.is_file():
         raise UsageError(
             f"task.haystack={path}: no such file" if not where.exists() else f"task.haystack={path}: not a file"

@@ -1,9 +1,10 @@
 """Next-token cross-entropy over your text: which heads, layers and MLPs a language model's loss needs.
 
 `task.path` is a file (one document per non-empty line) or a directory (one document per `.txt` file,
-in name order). Each document is one sequence, tokenized as the model's tokenizer does by default (its
-BOS included where it adds one) and cut to `task.seq_len` tokens; a document of fewer than 2 tokens
-predicts nothing and is left out. Documents are right-padded to the longest one, with an
+in name order); data/alice.txt and data/devil.txt, not found from the working directory, are the texts
+headlab ships (locations.text_path). Each document is one sequence, tokenized as the model's tokenizer
+does by default (its BOS included where it adds one) and cut to `task.seq_len` tokens; a document of
+fewer than 2 tokens predicts nothing and is left out. Documents are right-padded to the longest one, with an
 `attention_mask`; every real token but the first is predicted from the ones before it.
 
 Per document the quantities are the sum of its token losses and the number of tokens it predicts; the
@@ -22,7 +23,6 @@ of 128 GPT-2 tokens: 1.6 GB), besides the stacked activations that `engine.chunk
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..config import TextConfig
 from ..errors import HeadlabError, UsageError
+from ..locations import text_path
 from .base import PRETRAINED_DEFAULTS, Task, TaskData, right_padded
 
 log = logging.getLogger("headlab")
@@ -63,7 +64,7 @@ class TextTask(Task):
         """The texts under task.path, in order (empty lines and files left out)."""
         if not self.cfg.path:
             raise UsageError("task text needs task.path=<a text file, one document per line, or a directory of .txt>")
-        path = Path(self.cfg.path).expanduser()
+        path = text_path(self.cfg.path)
         if not path.exists():
             raise HeadlabError(f"task text: {path} does not exist")
         files = sorted(p for p in path.glob("*.txt") if p.is_file()) if path.is_dir() else [path]
