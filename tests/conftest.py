@@ -44,6 +44,16 @@ def tiny_configs() -> dict:
 HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")  # one of each q/k/v layout, MHA and GQA: the heavier tests
 
 
+@pytest.fixture(scope="session", autouse=True)
+def headlab_cache(tmp_path_factory):
+    """The per-user cache of this session (HEADLAB_CACHE, inherited by every headlab subprocess): smollm2's
+    float32 copy is made once per session, whatever a home cache holds, and none is written there."""
+    cache = tmp_path_factory.mktemp("headlab-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HEADLAB_CACHE", str(cache))
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory):
     """family -> a directory holding a small random-weight model written with save_pretrained."""

@@ -1,12 +1,12 @@
 """Where headlab's own files are: the texts it ships, found by name from any working directory (a user's
-file of that name first)."""
+file of that name first), and the per-user cache, chosen by $HEADLAB_CACHE, $XDG_CACHE_HOME or home."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import headlab
-from headlab.locations import text_path
+from headlab.locations import cache_dir, text_path
 
 PACKAGE = Path(headlab.__file__).resolve().parent
 
@@ -35,6 +35,19 @@ def test_the_text_task_reads_the_shipped_text_from_elsewhere(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     docs = headlab.load_task("text", path="data/alice.txt").documents()
     assert len(docs) == 44 and docs[0].startswith("Alice")
+
+
+def test_the_cache_is_headlab_cache_else_xdg_else_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HEADLAB_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "headlab"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # invalid in the XDG spec: ignored
+    assert cache_dir() == tmp_path / "home" / ".cache" / "headlab"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "headlab"
+    monkeypatch.setenv("HEADLAB_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
 
 
 def test_the_texts_live_inside_the_package_only():

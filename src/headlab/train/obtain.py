@@ -58,5 +58,4 @@ def obtain_model(cfg: Config, task: Task, show_progress: bool = True) -> HookedM
         directory = checkpoint_dir(cfg)
         train_toy(cfg.model, task, cfg.train, cfg.seed, directory, show_progress)  # returns at once when finished
         return load_hf(str(directory), name=cfg.model.name, dtype=cfg.model.dtype)
-    checkpoints = Path(cfg.output.root) / "checkpoints"
-    return models.load(cfg.model, need_tokenizer=getattr(task, "needs_tokenizer", False), checkpoints=checkpoints)
+    return models.load(cfg.model, need_tokenizer=getattr(task, "needs_tokenizer", False))
