@@ -78,7 +78,7 @@ from headlab.tasks.ioi import IOITask
 from peer_auto_circuit import reset_peak, status_kb
 
 HERE = Path(__file__).resolve().parent
-TOKENIZER = HERE.parents[1] / "shared" / "data" / "gpt2-tokenizer"
+TOKENIZER = HERE.parent / "tests" / "data" / "gpt2-tokenizer"  # the repository's own copy (tests/data/README.md)
 MODELS = ("gpt2-shape", "smollm2")
 VENV = HERE.parent / "outputs" / "bench" / "autocircuit-venv"
 TORCH_PIN = "torch==2.13.0"
@@ -227,7 +227,7 @@ def aligned(graph: EdgeGraph, ours: torch.Tensor, peer: dict) -> tuple[torch.Ten
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="gpt2-shape", help="GPT-2's shape (random) or smollm2-135m")
-    parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
+    parser.add_argument("--root", default="outputs", help="headlab's output root (not smollm2's copy: cache_dir)")
     parser.add_argument("--prompts", type=int, default=8, help="IOI prompts (template 0)")
     parser.add_argument("--batch", type=int, default=4, help="prompts per pass, both sides")
     parser.add_argument("--steps", type=int, default=5, help="IG steps (auto-circuit: integrated_grad_samples)")

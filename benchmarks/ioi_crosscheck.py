@@ -5,7 +5,7 @@ weights and the same prompts, compared prompt by prompt:
   model       a GPT-2-small-shaped GPT2LMHeadModel (12 layers x 12 heads, d_model 768, vocab 50257) with
               random weights (torch seed, `--init-range` as GPT2Config.initializer_range), saved with
               save_pretrained and loaded by headlab from that directory (`load_hf`, the hub-loader path),
-              with the real GPT-2 tokenizer (../shared/data/gpt2-tokenizer);
+              with the real GPT-2 tokenizer (tests/data/gpt2-tokenizer);
   prompts     headlab's IOI task (`IOITask.build`): clean prompts, S2-flipped counterfactuals, ABC
               reference prompts, the template of each prompt and its IO / S1 / S2 / END positions; by
               default 24 prompts from 6 of the 30 templates (4 each, BABA and ABBA), so that each
@@ -70,7 +70,7 @@ from headlab.runtime import tune_allocator
 from headlab.tasks import TaskData
 from headlab.tasks.ioi import IOITask
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpt2-tokenizer"  # tests/data/README.md
 TOLERANCE = 1e-4
 N_LAYERS, N_HEADS = 12, 12
 QUANTITIES = ("logit_diff", "io_prob")  # compared; headlab's third quantity (correct) is logit_diff > 0

@@ -30,7 +30,7 @@ from headlab.studies.context import EVAL_SEED_OFFSET, apply_threads
 from headlab.tasks import Task, TaskData, build_task
 from headlab.train.obtain import obtain_model
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpt2-tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpt2-tokenizer"  # tests/data/README.md
 
 
 def arguments(description: str, prompts: int) -> argparse.Namespace:

@@ -108,7 +108,8 @@ from headlab.sae.metrics import reconstruction_metrics
 from headlab.sae.relu_l1 import ReluL1SAE
 from headlab.sae.topk import TopKSAE
 
-TOKENIZER = "/work/shared/data/gpt2-tokenizer"
+# the repository's own copy (tests/data/README.md), so that the benchmark runs wherever the tests do
+TOKENIZER = str(Path(__file__).resolve().parents[1] / "tests" / "data" / "gpt2-tokenizer")
 N_LAYERS, N_HEADS, D_MODEL = 2, 12, 768
 LAYER = 1
 D_IN = D_MODEL  # z flattened over heads: 12 x 64
@@ -488,7 +489,9 @@ def main() -> int:
     )
     parser.add_argument("--smollm2-layer", type=int, default=5, help="smollm2-135m's layer whose z is fitted")
     parser.add_argument(
-        "--smollm2-text", default="data/devil.txt", help="the real text smollm2's z is taken over (data/README.md)"
+        "--smollm2-text",
+        default="data/devil.txt",
+        help="the real text smollm2's z is taken over (a shipped one: src/headlab/data/README.md)",
     )
     args = parser.parse_args()
     quick = args.quick

@@ -315,9 +315,9 @@ def memory_result(side: str, child: tuple[subprocess.Popen, Path]) -> dict:
 
 # --- the parent -------------------------------------------------------------------------------------------
 def add_model_arguments(parser: argparse.ArgumentParser, sides: tuple[str, ...]) -> None:
-    """Which smollm2 (--root's float32 copy, or --random-weights), and the arguments a parent passes to the
-    child process that measures one side's memory."""
-    parser.add_argument("--root", default="outputs", help="headlab's output root (its smollm2 float32 copy)")
+    """Which smollm2 (the float32 copy in the per-user cache, or --random-weights), and the arguments a
+    parent passes to the child process that measures one side's memory."""
+    parser.add_argument("--root", default="outputs", help="headlab's output root (not smollm2's copy: cache_dir)")
     parser.add_argument("--random-weights", action="store_true", help="smollm2's shape, random weights (no GGUF)")
     parser.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
