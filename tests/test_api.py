@@ -40,7 +40,7 @@ def test_a_fresh_process_sweeps_the_same_table_headlab_run_writes(demo_root, tmp
     assert proc.returncode == 0, proc.stderr
     written = pd.read_parquet(tmp_path / "run" / "results.parquet")
     swept = pd.read_parquet(tmp_path / "api.parquet")
-    assert list(swept.columns) == results.CORE_COLUMNS and len(swept) == (1 + 4) * 4
+    assert list(swept.columns) == results.LEADING and len(swept) == (1 + 4) * 4
     pd.testing.assert_frame_equal(swept, written)
 
 

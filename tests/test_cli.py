@@ -72,7 +72,7 @@ def test_run_trains_sweeps_writes_then_reuses_the_checkpoint(tmp_path):
     run_dir = next(tmp_path.glob("runs/*/*"))
     assert results.is_complete(run_dir) and (run_dir / ".hydra" / "config.yaml").is_file()
     df = pd.read_parquet(run_dir / "results.parquet")
-    assert list(df.columns) == results.CORE_COLUMNS
+    assert list(df.columns) == results.LEADING
     assert len(df) == (1 + 4) * 4  # clean + 4 heads, 4 metrics
     meta = json.loads((run_dir / "meta.json").read_text())
     assert {"load_model", "build_task", "sweep", "tidy"} <= set(meta["seconds"])
@@ -105,7 +105,7 @@ def test_multirun_one_dir_per_job_and_collect(demo_root, tmp_path):
     merged = pd.read_parquet(sweep / "collected.parquet")
     assert set(merged["ablate.method"]) == {"zero", "mean"}
     assert set(merged.loc[merged["intervention"] == "ablate_head", "method"]) == {"zero", "mean"}
-    assert list(merged.columns[:14]) == results.CORE_COLUMNS
+    assert list(merged.columns[:15]) == results.LEADING
 
 
 def test_train_command_writes_the_training_curve(tmp_path):

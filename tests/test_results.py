@@ -36,7 +36,7 @@ def test_bootstrap_interval_contains_mean_and_has_the_normal_width():
 
 def test_schema_order_dtypes_and_parquet_round_trip(tmp_path):
     df, _ = _table(per_prompt=True)
-    assert list(df.columns[:14]) == results.CORE_COLUMNS and df.columns[14] == "prompt_id"
+    assert list(df.columns[:15]) == results.LEADING and df.columns[15] == "prompt_id"
     assert str(df["layer"].dtype) == "Int64" and df["layer"].isna().sum() == 201  # clean rows
     assert len(df) == 2 + 2 * 200
     results.write(df, tmp_path, {"config_hash": "abc"})
@@ -71,3 +71,13 @@ def test_collect_concatenates_and_refuses_conflicting_schemas(tmp_path):
     results.write(df.assign(value=df["value"].astype(str)), tmp_path / "3", {})
     with pytest.raises(HeadlabError, match="schema conflict in column 'value'"):
         results.collect(tmp_path)
+
+
+def test_collect_concatenates_tables_written_before_the_hook_column(tmp_path):
+    df, _ = _table()
+    new = df.assign(hook=pd.array([pd.NA, "blocks.0.attn.hook_z"], dtype="string"))
+    results.write(new, tmp_path / "new", {})
+    results.write(df.drop(columns="hook"), tmp_path / "old", {})  # as headlab wrote it before
+    merged = results.collect(tmp_path)
+    assert list(merged.columns[:15]) == results.LEADING and str(merged["hook"].dtype) == "string"
+    assert merged["hook"].tolist() == [pd.NA, "blocks.0.attn.hook_z", pd.NA, pd.NA]

@@ -20,7 +20,7 @@ from headlab.analysis.scores import (
 )
 from headlab.config import IOIConfig
 from headlab.models.hf import load_hf
-from headlab.results import CORE_COLUMNS
+from headlab.results import LEADING
 from headlab.tasks.ioi import IOITask
 
 NAMES = ["Mary", "John", "Tom", "James", "Alice", "David", "Sarah", "Paul"]
@@ -206,7 +206,7 @@ def test_score_table_is_tidy_and_aggregates_the_per_prompt_scores(gpt2, ioi_data
     model, _ = gpt2
     run = {"experiment": "scores", "model": "tiny-gpt2", "task": "ioi", "seed": 0}
     df = score_table(model, ioi_data, run, n_boot=50, n_seq=5, seq_len=T)
-    assert list(df.columns) == CORE_COLUMNS
+    assert list(df.columns) == LEADING
     assert set(df.metric) == set(SEQ_SCORES + IOI_SCORES)
     assert (df.groupby("metric").size() == 12).all() and (df.method == "score").all()
     assert (df.intervention == "none").all() and df.position.isna().all()

@@ -1,7 +1,31 @@
 """The tidy result table: schema, bootstrap intervals, atomic writes, run metadata, collect.
 
-One row per observation, core columns first and in this order; extra columns may follow. A run dir is
-complete when meta.json exists: it is written last, after results.parquet and results.csv are in place.
+One row per observation, core columns first and in this order, then `hook`; extra columns may follow. A
+run dir is complete when meta.json exists: it is written last, after results.parquet and results.csv are
+in place.
+
+`hook` names the row's site as TransformerLens and SAELens do (vocabulary.hook_name), so that a table
+joins with theirs on (hook, head):
+  blocks.{l}.attn.hook_z        a head's z: ablate_head, keep_head, patch_head and a user's edit at site z,
+                                path_patch (the sender's z; the receivers are in `receivers`, entered at
+                                `site`), ablate_layer and scale_heads (head empty: every head's z), the
+                                uniform sweep's mean_head_logits, SAE rows (an SAE on the layer's z)
+  blocks.{l}.attn.hook_pattern  edits at site pattern, calibrate_sink, and every score read off a
+                                pattern: sinks, previous-token, duplicate-token, induction, attn_end_to_*,
+                                retrieval, attention per token, the atlas's entropy and distance
+  blocks.{l}.attn.hook_q/_k/_v  edits at site q, k or v; copy_score and negative_copy_score (read off v)
+  blocks.{l}.hook_mlp_out       ablate_mlp;  blocks.{l}.mlp.hook_post: ablate_neurons
+  blocks.{l}.attn.hook_result   a head's output norm |z_h W_O^h| (output_norm); circuit nodes of a head
+  edge rows                     the receiver's input (hook_q_input, hook_k_input, hook_v_input,
+                                hook_mlp_in; logits: the last block's hook_resid_post), and `sender_hook`
+                                the sender's output (attn.hook_result, hook_mlp_out; input:
+                                blocks.0.hook_resid_pre)
+ablate_layer is named by hook_z, not hook_attn_out: zeroing every head's z leaves the output projection's
+bias, which zeroing hook_attn_out removes (mean and resample ablation agree at either). Empty (null) where
+no single hook names the row: model-level rows (the clean run, sink_1, faithfulness, training curves,
+knockouts), edits over several layers (ablated or masked groups of heads) or at two hooks (pattern_from
+and values_from with the other heads ablated), scores from weights alone (composition), model=pathnet
+(not a TransformerLens model), reuse rows, and tables written before the column existed.
 """
 
 from __future__ import annotations
@@ -36,6 +60,8 @@ CORE_COLUMNS = [
     "ci_low",
     "ci_high",
 ]
+HOOK = "hook"  # right after the core columns (see above); absent from tables written before it, null there
+LEADING = [*CORE_COLUMNS, HOOK]
 DTYPES = {
     "experiment": "string",
     "model": "string",
@@ -51,6 +77,8 @@ DTYPES = {
     "n": "int64",
     "ci_low": "float64",
     "ci_high": "float64",
+    "hook": "string",
+    "sender_hook": "string",
     "prompt_id": "Int64",
     "other_head": "Int64",
     "site": "string",
@@ -140,12 +168,12 @@ def tidy(
 
 
 def conform(df: pd.DataFrame) -> pd.DataFrame:
-    """Core columns in order and with their dtypes, extra columns after."""
-    for col in CORE_COLUMNS:
+    """Core columns and hook in order and with their dtypes, extra columns after."""
+    for col in LEADING:
         if col not in df:
             df[col] = np.nan if DTYPES[col] == "float64" else pd.NA
-    extra = [c for c in df.columns if c not in CORE_COLUMNS]
-    df = df[CORE_COLUMNS + extra]
+    extra = [c for c in df.columns if c not in LEADING]
+    df = df[LEADING + extra]
     return df.astype({c: t for c, t in DTYPES.items() if c in df.columns})
 
 

@@ -25,15 +25,18 @@ class Name(str, Enum):
 
 
 class Site(Name):
-    """Where an edit lands. Head sites use TransformerLens's names and shapes (models/sites.py)."""
+    """Where an edit lands. Each site is a TransformerLens hook point, named in tables as TransformerLens
+    names it (hook_name); pattern, z, mlp and neurons also have its layout, but q, k and v put the head
+    axis before the positions, where TransformerLens's hook_q, hook_k and hook_v have [batch, pos,
+    head_index, d_head] (models/sites.py)."""
 
-    q = "q"  # [batch, head, pos, d_head]
-    k = "k"  # [batch, kv_head, pos, d_head]
-    v = "v"  # [batch, kv_head, pos, d_head]
-    pattern = "pattern"  # [batch, head, query_pos, key_pos]
-    z = "z"  # [batch, pos, head, d_head], the input of the attention output projection
-    mlp = "mlp"  # the MLP block's output [batch, pos, d_model]
-    neurons = "neurons"  # the MLP's hidden units [batch, pos, d_mlp], the input of its down projection
+    q = "q"  # [batch, head, pos, d_head]: TransformerLens's hook_q transposed (1, 2)
+    k = "k"  # [batch, kv_head, pos, d_head]: its hook_k (grouped-query: n_key_value_heads) transposed
+    v = "v"  # [batch, kv_head, pos, d_head]: its hook_v transposed likewise
+    pattern = "pattern"  # [batch, head, query_pos, key_pos], as hook_pattern
+    z = "z"  # [batch, pos, head, d_head], as hook_z: the input of the attention output projection
+    mlp = "mlp"  # the MLP block's output [batch, pos, d_model], as hook_mlp_out
+    neurons = "neurons"  # the MLP's hidden units [batch, pos, d_mlp], the input of its down projection (mlp.hook_post)
 
 
 # z first: the site an ablation edits unless told otherwise, and the order tables and figures list them in
@@ -103,3 +106,39 @@ SOURCE_OF_METHOD: dict[str, Source] = {
     Method.attribution: Source.counterfactual,
     Method.path: Source.reference,
 }
+
+
+# TransformerLens's hook points (SAELens's `hook_name`s) for the sites above, and for what headlab reads
+# without editing it by that name: a head's output z_h W_O^h (its output norms, an edge's sender), the
+# residual stream as one head's q, k or v input or the MLP reads it, before the norm (an edge's receiver),
+# and the stream entering or leaving a block (the edge graph's input and logits)
+HOOKS: dict[str, str] = {
+    Site.q: "blocks.{layer}.attn.hook_q",
+    Site.k: "blocks.{layer}.attn.hook_k",
+    Site.v: "blocks.{layer}.attn.hook_v",
+    Site.pattern: "blocks.{layer}.attn.hook_pattern",
+    Site.z: "blocks.{layer}.attn.hook_z",
+    Site.mlp: "blocks.{layer}.hook_mlp_out",
+    Site.neurons: "blocks.{layer}.mlp.hook_post",
+    "result": "blocks.{layer}.attn.hook_result",
+    "q_input": "blocks.{layer}.hook_q_input",
+    "k_input": "blocks.{layer}.hook_k_input",
+    "v_input": "blocks.{layer}.hook_v_input",
+    "mlp_in": "blocks.{layer}.hook_mlp_in",
+    "resid_pre": "blocks.{layer}.hook_resid_pre",
+    "resid_post": "blocks.{layer}.hook_resid_post",
+}
+
+
+def hook_name(site: str, layer: int | None) -> str | None:
+    """The `hook` column: TransformerLens's name of `site` (a key of HOOKS) at `layer`, e.g.
+    hook_name("z", 3) == "blocks.3.attn.hook_z"; None where the row has no layer (a model-level row).
+
+    The name, not the layout: q, k and v are TransformerLens's hook_q, hook_k and hook_v with the head and
+    position axes swapped (Site). On a rotary model headlab's q and k are taken after the rotation (and
+    after any q/k norm), which TransformerLens hooks as hook_rot_q and hook_rot_k; the rotation is a fixed
+    linear map per position, so zeroing, patching or resampling q or k, or a mean per position, does there
+    what it does at hook_q / hook_k, while a mean over positions or an edit of one's own need not. Where a
+    model normalises the MLP's output before the residual sum (Gemma 2's post-feedforward norm), headlab's
+    mlp site is before that norm and TransformerLens's hook_mlp_out after it."""
+    return None if layer is None else HOOKS[site].format(layer=int(layer))
