@@ -11,7 +11,7 @@ from ..interventions import Intervention
 from ..interventions.edits import Sources, edit_hooks
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData
-from ..vocabulary import Kind, Method, Site, Source
+from ..vocabulary import Kind, Method, Site, Source, hook_name
 
 MEAN_HEAD_LOGITS = "mean_head_logits"  # the table's intervention name for mean_head_logits' rows
 
@@ -78,5 +78,13 @@ def attention_by_token(model: HookedModel, data: TaskData, tokens: dict[int, str
         per_one = per_token / counts.where(counts > 0, torch.nan)
         for head in range(per_token.shape[0]):
             quantities.append(torch.cat([per_token[head], per_one[head]], dim=-1).numpy())
-            labels.append({"intervention": "none", "method": "attention", "layer": layer, "head": head})
+            labels.append(
+                {
+                    "intervention": "none",
+                    "method": "attention",
+                    "layer": layer,
+                    "head": head,
+                    "hook": hook_name(Site.pattern, layer),
+                }
+            )
     return np.stack(quantities), labels

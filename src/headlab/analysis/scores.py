@@ -20,9 +20,15 @@ from .. import results
 from ..errors import HeadlabError
 from ..models.hooked import HookedModel
 from ..tasks import TaskData, mean_of
+from ..vocabulary import Site, hook_name
 
 SEQ_SCORES = ("prev_token_score", "duplicate_token_score", "induction_score")
 IOI_SCORES = ("attn_end_to_io", "attn_end_to_s1", "attn_end_to_s2", "copy_score", "negative_copy_score")
+# the site each score reads (the table's hook): the copy scores read v at IO, then weights alone
+SCORE_SITES = {name: Site.pattern for name in SEQ_SCORES + IOI_SCORES[:3]} | {
+    "copy_score": Site.v,
+    "negative_copy_score": Site.v,
+}
 TOP_K = 5  # the paper's copy score: is the name among the top-5 logits
 _UNEMBED_ROWS = 2048  # vectors read out at once,
 _VOCAB_COLUMNS = 4096  # against this many tokens at once: [2048, 4096] floats, 32 MB whatever the vocabulary
@@ -228,5 +234,7 @@ def score_table(
     for scores, names in sets:
         quantities = scores.numpy().reshape(len(labels), scores.shape[2], len(names)).astype(np.float64)
         metrics = {name: mean_of(j) for j, name in enumerate(names)}
-        frames.append(results.tidy(run_info, labels, quantities, names, {}, metrics, n_boot=n_boot))
+        table = results.tidy(run_info, labels, quantities, names, {}, metrics, n_boot=n_boot)
+        hooks = [hook_name(SCORE_SITES[m], int(layer)) for m, layer in zip(table["metric"], table["layer"])]
+        frames.append(table.assign(hook=pd.array(hooks, dtype="string")))
     return results.conform(pd.concat(frames or [pd.DataFrame()], ignore_index=True))

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config, option
 from ..errors import UsageError
-from ..vocabulary import HEAD_SITES, SOURCE_OF_METHOD, Kind, Method, Site, Source
+from ..vocabulary import HEAD_SITES, SOURCE_OF_METHOD, Kind, Method, Site, Source, hook_name
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -108,10 +108,20 @@ class Intervention:
             return [Edit(Site.pattern, heads, source, scale=self.scale)]
         raise ValueError(f"unknown intervention '{kind}'")
 
+    @property
+    def hook(self) -> str | None:
+        """TransformerLens's name of the hook its edits land on (the table's `hook`), None where they land
+        on none (the clean run) or on two (a swap with the other heads ablated)."""
+        # the sites and not the heads decide, so any head count lists them; path patching edits the
+        # sender's z, whatever receiver site it is entered by
+        sites = {edit.site for edit in self.edits(1)}
+        return hook_name(sites.pop(), self.layer) if len(sites) == 1 else None
+
     def row(self) -> dict[str, Any]:
         """The table's columns for this intervention (the scale and neuron vectors and a user's edit
-        function are not tabular)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("scale", "neurons", "edit")}
+        function are not tabular), with its hook."""
+        skip = ("scale", "neurons", "edit")
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}, "hook": self.hook}
 
 
 CLEAN = Intervention(Kind.none)

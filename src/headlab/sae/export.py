@@ -17,8 +17,10 @@ from typing import Any
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .. import vocabulary
 from ..errors import HeadlabError
 from ..io import atomic_write_bytes
+from ..vocabulary import Site
 from .base import SparseAutoencoder
 from .registry import ARCHITECTURES
 
@@ -30,7 +32,7 @@ SUPPORTED = {"apply_b_dec_to_input": True, "normalize_activations": "none", "res
 
 
 def hook_name(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_z"
+    return str(vocabulary.hook_name(Site.z, layer))
 
 
 def saelens_config(sae: SparseAutoencoder, metadata: dict[str, Any]) -> dict[str, Any]:

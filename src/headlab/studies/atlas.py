@@ -65,8 +65,8 @@ def run_probe(ctx: RunContext, model: HookedModel, probe: Probe, options: AtlasO
     where = cache_dir(ctx.cfg, probe.name, key)
     cached = results.is_complete(where) and json.loads((where / results.META).read_text()).get("config_hash") == key
     ctx.meta.setdefault("probes", {})[probe.name] = {"dir": str(where), "cached": cached}
-    if cached:
-        return pd.read_parquet(where / results.TABLE), cfg.task.name
+    if cached:  # conformed: a table cached before the hook column has none
+        return results.conform(pd.read_parquet(where / results.TABLE)), cfg.task.name
     inner = RunContext(cfg, where, ctx.show_progress, task=build_task(cfg.task), model=model)
     inner.options = study.options(cfg)
     with ctx.timed(probe.name):

@@ -22,6 +22,7 @@ from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
 from ..tables import head_name
 from ..tasks import build_task, mean_of
+from ..vocabulary import Site, hook_name
 from .atlas_probes import ROW_COLUMNS, AtlasOptions, cache_dir, probe_config, text_overrides
 from .context import RunContext
 
@@ -85,14 +86,20 @@ def attention_probe(
     where = cache_dir(ctx.cfg, "attention", key)
     ctx.meta.setdefault("probes", {})["attention"] = {"dir": str(where), "cached": results.is_complete(where)}
     if results.is_complete(where):
-        table = pd.read_parquet(Path(where) / results.TABLE)
+        table = results.conform(pd.read_parquet(Path(where) / results.TABLE))  # one cached before the hook column
         cards = json.loads((Path(where) / CARDS).read_text())
     else:
         inner = RunContext(cfg, where, task=build_task(cfg.task), model=model)
         data = inner.get_data()
         quantities, cards = cards_of(model, data, text, cfg.seed)
         labels = [
-            {"intervention": "none", "method": "score", "layer": layer, "head": head}
+            {
+                "intervention": "none",
+                "method": "score",
+                "layer": layer,
+                "head": head,
+                "hook": hook_name(Site.pattern, layer),  # entropy and distance of the head's pattern
+            }
             for layer in range(model.n_layers)
             for head in range(model.n_heads)
         ]

@@ -6,8 +6,9 @@ atlas's number is the number that study writes (tests/test_atlas.py checks it), 
 study's own config hash (Study.hash). Scores (the names `--scores` takes) map to probes; one probe may
 serve several scores (the induction study gives the previous-token, duplicate-token and induction scores).
 
-Atlas rows (one per head and score): layer, head, metric (ATLAS_METRICS), value, n, ci_low, ci_high,
-`probe` (which study gave it), and for composition `partner`, the head on the other side.
+Atlas rows (one per head and score): layer, head, hook (the probe table's; none for composition, read off
+the weights), metric (ATLAS_METRICS), value, n, ci_low, ci_high, `probe` (which study gave it), and for
+composition `partner`, the head on the other side.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .sweep import STUDY as SWEEP
 # headlab's shipped text, by the name configs give it (locations.text_path finds it wherever headlab is
 # installed): an install's own path in the overrides would make each install's probe hashes its own
 CORPUS = "data/alice.txt"
-ROW_COLUMNS = ["layer", "head", "metric", "value", "n", "ci_low", "ci_high"]
+ROW_COLUMNS = ["layer", "head", "hook", "metric", "value", "n", "ci_low", "ci_high"]
 
 
 @dataclass(frozen=True)

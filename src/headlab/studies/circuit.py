@@ -20,8 +20,9 @@ from ..config import option, run_info
 from ..edges.attribution import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
-from ..edges.graph import EdgeGraph, write_json
+from ..edges.graph import EdgeGraph, Receiver, Sender, write_json
 from ..edges.record import metric_column
+from ..vocabulary import Site, hook_name
 from .context import RunContext
 from .study import Study
 from .summary import aggregated, console
@@ -115,6 +116,8 @@ def edge_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict, mask: T
                 "layer": None if receiver.kind == "logits" else receiver.layer,
                 "head": receiver.head,
                 "position": None,
+                "hook": receiver_hook(graph, receiver),
+                "sender_hook": sender_hook(sender),
                 "value": float(scores[s, r]),
                 "edge": f"{sender.name}->{receiver.name}",
                 "sender": sender.name,
@@ -127,6 +130,22 @@ def edge_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict, mask: T
     return pd.DataFrame(rows)
 
 
+# TransformerLens's names of the graph's nodes, as EAP-IG's TransformerLens code hooks them: a sender's
+# output as it enters the residual stream, a receiver's input as it reads the stream (before its norm)
+SENDER_SITES = {"input": "resid_pre", "head": "result", "mlp": Site.mlp}
+RECEIVER_SITES = {"q": "q_input", "k": "k_input", "v": "v_input", "mlp": "mlp_in", "logits": "resid_post"}
+
+
+def sender_hook(sender: Sender) -> str | None:
+    return hook_name(SENDER_SITES[sender.kind], max(sender.layer, 0))  # the input: what block 0 reads
+
+
+def receiver_hook(graph: EdgeGraph, receiver: Receiver) -> str | None:
+    # the logits read the stream the last block leaves
+    layer = graph.n_layers - 1 if receiver.kind == "logits" else receiver.layer
+    return hook_name(RECEIVER_SITES[receiver.kind], layer)
+
+
 def node_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict) -> pd.DataFrame:
     rows = [
         {
@@ -136,6 +155,7 @@ def node_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict) -> pd.D
             "layer": None if s.kind == "input" else s.layer,
             "head": s.head,
             "position": None,
+            "hook": sender_hook(s),
             "value": float(scores[i]),
             "node": s.name,
         }

@@ -43,6 +43,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         table[key] = value
     ctx.meta.update({"model_family": model.family, "n_pairs": int(found.scores["q"].isfinite().sum())})
     ctx.meta["weights"] = _processing(model, fold)
+    # no hook: the scores are read off the weights, not off an activation TransformerLens hooks
     return results.conform(table.assign(intervention="none", method="score", n=1))
 
 

@@ -43,6 +43,7 @@ from ..errors import HeadlabError, UsageError
 from ..models.hooked import HookedModel
 from ..tables import head_name
 from ..tasks import mean_of
+from ..vocabulary import Site, hook_name
 from .context import RunContext
 from .study import Study
 from .summary import aggregated, console
@@ -127,7 +128,13 @@ def run(ctx: RunContext) -> pd.DataFrame:
 
 def _score_rows(per_head: np.ndarray, n_heads: int, info: dict, n_boot: int) -> pd.DataFrame:
     labels = [
-        {"intervention": "none", "method": "score", "layer": layer, "head": head}
+        {
+            "intervention": "none",
+            "method": "score",
+            "layer": layer,
+            "head": head,
+            "hook": hook_name(Site.pattern, layer),  # SEQ_SCORES are attention weights
+        }
         for layer, head in (divmod(i, n_heads) for i in range(per_head.shape[0]))
     ]
     metrics = {name: mean_of(j) for j, name in enumerate(SEQ_SCORES)}
@@ -156,7 +163,7 @@ def _icl_sequences(ctx: RunContext, model: HookedModel, file: Path | None, lengt
 
 def _runs(quantities: np.ndarray, names: tuple[str, ...], groups: list[str], info: dict, n_boot: int) -> pd.DataFrame:
     """Rows of the clean run, then of each ablated group, for per-sequence `quantities` [1 + groups, n, Q]."""
-    ablated = {"intervention": "ablate_head", "method": "zero"}
+    ablated = {"intervention": "ablate_head", "method": "zero"}  # no hook: a group's heads may span layers
     labels = [{"intervention": "none", "method": "none"}, *({**ablated, "group": g} for g in groups)]
     metrics = {name: mean_of(j) for j, name in enumerate(names)}
     return results.tidy(info, labels, quantities, names, {}, metrics, n_boot=n_boot)

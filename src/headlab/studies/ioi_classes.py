@@ -27,7 +27,7 @@ from ..errors import UsageError
 from ..interventions import CLEAN, Intervention
 from ..interventions.engine import execute
 from ..tables import score_grids
-from ..vocabulary import Kind, Method
+from ..vocabulary import Kind, Method, Site, hook_name
 from .context import RunContext
 from .study import Study
 from .summary import console
@@ -124,6 +124,7 @@ def _class_rows(found: dict[str, list[str]], effects: dict[str, np.ndarray], inf
                     "method": CLASS_METHOD,
                     "layer": layer,
                     "head": head,
+                    "hook": hook_name(Site.z, layer),  # the value is its path-patching effect, a patch of its z
                     "group": cls,
                     "metric": "path_effect",
                     "value": value,

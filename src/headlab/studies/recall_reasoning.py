@@ -173,7 +173,7 @@ def measure(
 
 def _drop_rows(per_component: pd.DataFrame, info: dict, n: int) -> pd.DataFrame:
     rows = []
-    keep = ["intervention", "method", "layer", "head", "group", "component"]
+    keep = ["intervention", "method", "layer", "head", "hook", "group", "component"]
     for _, r in per_component.iterrows():
         base = {k: r[k] for k in keep if k in r and not pd.isna(r[k])}
         for kind in ("recall", "reasoning"):

@@ -27,6 +27,7 @@ from ..errors import HeadlabError, UsageError
 from ..tables import head_name
 from ..tasks import mean_of, nanmean_of
 from ..tasks.needle import NeedleTask
+from ..vocabulary import Site, hook_name
 from .context import RunContext
 from .study import Study
 from .summary import head_table
@@ -117,7 +118,13 @@ def _answers(model, answers) -> list[str]:
 def _score_rows(scores: np.ndarray, counted: np.ndarray, n_heads: int, info: dict, n_boot: int) -> pd.DataFrame:
     """retrieval_score per head: per-prompt scores [heads, n], prompts that do not count left out as NaN."""
     labels = [
-        {"intervention": "none", "method": "score", "layer": layer, "head": head}
+        {
+            "intervention": "none",
+            "method": "score",
+            "layer": layer,
+            "head": head,
+            "hook": hook_name(Site.pattern, layer),  # the score counts the key each head attends to most
+        }
         for layer, head in (divmod(i, n_heads) for i in range(scores.shape[0]))
     ]
     quantities = np.where(counted[None, :], scores, np.nan)[..., None].astype(np.float64)
@@ -128,7 +135,7 @@ def _score_rows(scores: np.ndarray, counted: np.ndarray, n_heads: int, info: dic
 
 def _mask_rows(quantities: np.ndarray, groups: list[str], task, answers: dict, info: dict, n_boot: int) -> pd.DataFrame:
     """The clean run and each masked group: the task's metrics, and the recall drop paired over prompts."""
-    masked = {"intervention": "mask_heads", "method": "zero", "site": "q"}
+    masked = {"intervention": "mask_heads", "method": "zero", "site": "q"}  # no hook: a group's heads may span layers
     labels = [{"intervention": "none", "method": "none"}, *({**masked, "group": g} for g in groups)]
     metrics = results.tidy(info, labels, quantities, task.quantities, answers, task.aggregates, n_boot=n_boot)
     column = task.quantities.index("needle_recall")

@@ -244,7 +244,13 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
     heads = head_polysemanticity(shares, frequency, sc.dominance, classes)
     metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in heads) / n_heads
     metrics["multi_feature_head_fraction"] = sum(h["multi_feature"] for h in heads) / n_heads
-    info = {**run_info(cfg), "intervention": "sae", "method": option(sc.architecture), "layer": layer}
+    info = {
+        **run_info(cfg),
+        "intervention": "sae",
+        "method": option(sc.architecture),
+        "layer": layer,
+        "hook": hook_name(layer),  # the SAE's input, by the name SAELens attaches it at
+    }
     tokens = int(x.shape[0])
     rows = [{**info, "metric": k, "value": v, "n": tokens} for k, v in metrics.items()]
     rows += [

@@ -15,6 +15,7 @@ from ..models.hooked import HookedModel
 from ..sae.activations import Corpus
 from ..sae.attribution import direct_feature_attribution
 from ..sae.contexts import text_classes, token_type
+from ..sae.export import hook_name
 from ..tasks import Task
 from .summary import aggregated, console
 
@@ -116,8 +117,7 @@ def _layer_summary(df: pd.DataFrame, layer: int, max_rows: int) -> None:
         return
     arch = top["method"].iloc[0]
     table = Table(
-        title=f"{df['model'].iloc[0]}: {arch} SAE on blocks.{layer}.attn.hook_z "
-        f"({int(top['n'].iloc[0])} held-out tokens)"
+        title=f"{df['model'].iloc[0]}: {arch} SAE on {hook_name(layer)} ({int(top['n'].iloc[0])} held-out tokens)"
     )
     table.add_column("metric")
     table.add_column("value", justify="right")

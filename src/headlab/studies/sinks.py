@@ -26,6 +26,7 @@ from ..config import run_info
 from ..errors import UsageError
 from ..tables import head_name
 from ..tasks import mean_of
+from ..vocabulary import Site, hook_name
 from .context import RunContext
 from .study import Study
 from .summary import head_table
@@ -49,7 +50,13 @@ def run(ctx: RunContext) -> pd.DataFrame:
     with ctx.timed("sinks"):
         scores = sink_scores(model, data, cfg.scores.epsilon, cfg.scores.alpha, fixed=cfg.scores.hidden_threshold)
     labels = [
-        {"intervention": "none", "method": "score", "layer": layer, "head": head}
+        {
+            "intervention": "none",
+            "method": "score",
+            "layer": layer,
+            "head": head,
+            "hook": hook_name(Site.pattern, layer),  # every sink score is read off the head's pattern
+        }
         for layer in range(model.n_layers)
         for head in range(model.n_heads)
     ]

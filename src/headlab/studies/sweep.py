@@ -26,6 +26,7 @@ from ..interventions import plan
 from ..interventions.engine import execute
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData, mean_of, nanmean_of, nanmean_ratio_of
+from ..vocabulary import Site, hook_name
 from .context import RunContext
 from .study import Study
 from .summary import head_table
@@ -68,7 +69,10 @@ def run(ctx: RunContext) -> pd.DataFrame:
     if uniform:  # the second uniform aggregation: the heads' mean logits
         ensemble = [mean_head_logits(model, task, data, layer) for layer in range(model.n_layers)]
         quantities = torch.cat([quantities, torch.stack(ensemble).to(quantities.device)])
-        rows += [{"intervention": MEAN_HEAD_LOGITS, "method": "zero", "layer": l} for l in range(model.n_layers)]
+        rows += [
+            {"intervention": MEAN_HEAD_LOGITS, "method": "zero", "layer": l, "hook": hook_name(Site.z, l)}
+            for l in range(model.n_layers)
+        ]
     with ctx.timed("tidy"):
         info = run_info(cfg)
         df = results.tidy(
@@ -121,9 +125,12 @@ def norm_table(cfg: Config, model: HookedModel, data: TaskData, info: dict) -> p
     per_prompt = [head_output_norms_per_prompt(model, data, at) for at in where.values()]
     quantities, labels = [], []
     for layer in per_prompt[0]:
+        result = hook_name("result", layer)  # |z_h W_O^h|: the norm of the head's slice of hook_result
         for head in range(model.n_heads):
             quantities.append(torch.stack([p[layer][:, head] for p in per_prompt], dim=-1).cpu().numpy())
-            labels.append({"intervention": "none", "method": "output_norm", "layer": layer, "head": head})
+            labels.append(
+                {"intervention": "none", "method": "output_norm", "layer": layer, "head": head, "hook": result}
+            )
     metrics = {name: mean_of(j) for j, name in enumerate(where)}
     return results.tidy(info, labels, np.stack(quantities), list(metrics), {}, metrics, n_boot=cfg.output.n_boot)
 
