@@ -157,9 +157,10 @@ def sweep(
     `n_boot=200`, `per_prompt=True`, `head_scores=True`, `device="cuda"`.
 
     The table has one row per (intervention, metric): columns experiment, model, task, seed,
-    intervention, method, layer, head, position, metric, value, n, ci_low, ci_high (+ extras such as
-    site, token, prompt_id); the row with intervention "none" is the clean baseline. It equals the
-    table `headlab run` writes for the same config and seed."""
+    intervention, method, layer, head, position, metric, value, n, ci_low, ci_high, hook (the site's
+    TransformerLens hook name, e.g. blocks.0.attn.hook_z; results.py) (+ extras such as site, token,
+    prompt_id); the row with intervention "none" is the clean baseline. It equals the table `headlab
+    run` writes for the same config and seed."""
     patching = (
         {"patch": patch or "none"}
         if patch is None or isinstance(patch, str)

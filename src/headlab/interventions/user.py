@@ -11,7 +11,10 @@ is None), prompts first and heads second, at its position (or `token`, or every 
   pattern      [prompts, heads, keys] at one query position, [prompts, heads, queries, keys] at every one
 It returns a tensor of that shape, or None where it edited its argument in place (a copy: nothing else
 sees the edit). k and v live on key/value heads: under grouped-query attention an edit there reaches
-every query head that shares the named head's kv head.
+every query head that shares the named head's kv head. These are not TransformerLens's hook layouts
+(its hook_z and hook_q are [batch, pos, head_index, d_head]): here the heads come second at every site,
+so a TransformerLens hook function copied over would index the wrong axis. The table names the site by
+its TransformerLens hook all the same (`hook`, e.g. blocks.3.attn.hook_z).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ The sweep engine needs three things from a model, and nothing about its family:
 
 Besides the head sites (sites.py), every layer with an MLP has two more: "mlp", the MLP's output
 [batch, pos, d_model], and "neurons", its hidden units [batch, pos, d_mlp] (the input of the down
-projection, reached by a forward pre-hook on that module).
+projection, reached by a forward pre-hook on that module). Both have TransformerLens's layout and names
+(hook_mlp_out, mlp.hook_post); where a model normalises the MLP's output before the residual sum
+(Gemma 2), "mlp" is before that norm and hook_mlp_out after it.
 """
 
 from __future__ import annotations

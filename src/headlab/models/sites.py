@@ -7,11 +7,19 @@ rounding). Where nothing needs the pattern (no pattern hook, no prefix, no softc
 needs_pattern) it is torch's scaled_dot_product_attention, which never makes the [head, query, key]
 scores; elsewhere eager attention, which makes the scores and the pattern.
 
-Hook signatures (TransformerLens naming and shapes):
-  q:        [batch, head, pos, d_head]       -> same         (query heads)
-  k, v:     [batch, kv_head, pos, d_head]    -> same         (before grouped-query sharing)
-  pattern:  [batch, head, query_pos, key_pos] -> same
-  z:        [batch, pos, head, d_head]       -> same         (input of the output projection)
+Hook signatures. The sites are TransformerLens's hook points and tables name them so
+(vocabulary.hook_name: blocks.{l}.attn.hook_q, ...), but only pattern and z have TransformerLens's
+layout: q, k and v come as transformers' attention interface hands them over, head before position,
+where TransformerLens's hook_q, hook_k and hook_v are [batch, pos, head_index, d_head]. A
+TransformerLens hook function copied over indexes the wrong axis of q, k and v
+(`t.transpose(1, 2)` turns one layout into the other).
+  q:        [batch, head, pos, d_head]        -> same   (query heads; hook_q is [batch, pos, head, d_head])
+  k, v:     [batch, kv_head, pos, d_head]     -> same   (before grouped-query sharing; hook_k, hook_v
+                                                         are [batch, pos, kv_head, d_head])
+  pattern:  [batch, head, query_pos, key_pos] -> same   (as hook_pattern)
+  z:        [batch, pos, head, d_head]        -> same   (as hook_z: the input of the output projection)
+On a rotary model q and k are taken after the rotation, where TransformerLens has hook_rot_q and
+hook_rot_k.
 
 A layer whose q, k, v and pattern are not edited, whose input is the clean one, need not compute its
 attention at all: `replayed` gives its output as the output projection of the clean z, after the z hook.
