@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 
 import headlab
 from conftest import GPT2_TOKENIZER
@@ -165,3 +166,35 @@ def test_a_transformerlens_style_table_joins_on_hook_and_head(gpt2):
         joined = rows.merge(theirs, on=["hook", "head"], how="inner")
         assert len(joined) == 12 and (joined["theirs"] == 10 * joined["layer"] + joined["head"]).all()
     assert table.merge(theirs, on=["hook", "head"])["intervention"].eq("ablate_head").all()
+
+
+def test_every_name_is_a_transformerlens_hook_and_only_q_k_v_are_laid_out_otherwise(tiny_hf_dir):
+    """Where TransformerLens is installed (SAELens brings it), its own HookedTransformer holds every name
+    hook_name gives, and its tensors there have headlab's layout but for q, k and v (head and position
+    swapped), grouped-query k and v on kv heads in both."""
+    tl = pytest.importorskip("transformer_lens")
+    cfg = tl.HookedTransformerConfig(
+        n_layers=2,
+        d_model=16,
+        n_ctx=8,
+        d_head=4,
+        n_heads=4,
+        n_key_value_heads=2,
+        d_mlp=32,
+        act_fn="gelu",
+        d_vocab=10,
+        use_attn_result=True,
+        use_split_qkv_input=True,
+        use_hook_mlp_in=True,
+    )
+    theirs = tl.HookedTransformer(cfg)
+    assert all(hook_name(site, 1) in theirs.hook_dict for site in HOOKS)
+    _, cache = theirs.run_with_cache(torch.randint(0, 10, (3, 5)))
+    ours = headlab.load_model(str(tiny_hf_dir("llama")))  # 4 heads on 2 kv heads as well
+    ids = {"input_ids": torch.randint(0, 100, (3, 5))}
+    for site in (Site.q, Site.k, Site.v, Site.pattern, Site.z):
+        mine = ours.record(ids, site)[1]
+        if site in (Site.q, Site.k, Site.v):
+            mine = mine.transpose(1, 2)
+        batch_pos_heads = 4 if site == Site.pattern else 3  # the pattern's last two axes are positions
+        assert mine.shape[:batch_pos_heads] == cache[hook_name(site, 1)].shape[:batch_pos_heads], site
