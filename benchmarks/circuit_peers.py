@@ -68,13 +68,12 @@ import torch
 
 from bench_models import save_gpt2
 from circuit_speed import pearson
-from headlab.config import IOIConfig
 from headlab.edges.attribution import scores
 from headlab.edges.graph import EdgeGraph
 from headlab.models.hf import load_hf
 from headlab.runtime import tune_allocator
 from headlab.tasks import TaskData
-from headlab.tasks.ioi import IOITask
+from headlab.tasks.ioi import IOIConfig, IOITask
 from peer_auto_circuit import reset_peak, status_kb
 
 HERE = Path(__file__).resolve().parent

@@ -62,13 +62,13 @@ from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from bench_models import build_hooked_transformer  # the same raw-weight TL GPT-2 as the speed benchmark
-from headlab.config import IOIConfig, PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
+from headlab.interventions.options import PatchConfig
 from headlab.models.hf import load_hf
 from headlab.runtime import tune_allocator
 from headlab.tasks import TaskData
-from headlab.tasks.ioi import IOITask
+from headlab.tasks.ioi import IOIConfig, IOITask
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "data" / "gpt2-tokenizer"  # tests/data/README.md
 TOLERANCE = 1e-4

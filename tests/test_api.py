@@ -80,7 +80,7 @@ def test_the_api_raises_the_cli_errors(toy):
         headlab.sweep(model, task, no_such_option=1)
     with pytest.raises(
         headlab.UsageError,
-        match=r"^option 'steps' is ambiguous; write one of: circuit__steps, train__steps, sae__steps",
+        match=r"^option 'steps' is ambiguous; write one of: study__steps, train__steps, sae__steps",
     ):
         headlab.sweep(model, task, steps=10)
     with pytest.raises(headlab.HeadlabError, match=r"cannot load local directory"):

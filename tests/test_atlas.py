@@ -228,4 +228,4 @@ def test_the_study_yaml_holds_the_options_defaults():
     from headlab.composition import compose
     from headlab.studies.atlas_probes import AtlasOptions
 
-    assert dict(compose(["study=atlas"]).study.options) == dataclasses.asdict(AtlasOptions())
+    assert dataclasses.asdict(compose(["study=atlas"]).study) == dataclasses.asdict(AtlasOptions())

@@ -375,8 +375,8 @@ def test_circuit_metric_equals_the_reference_on_a_partial_circuit(case):
 
 
 def test_eap_ig_with_one_step_is_eap(case):
-    # alpha = k / steps for k = 1..steps: one step is the clean point alone
-    one = scores(case.model, case.task, case.data, case.graph, "eap_ig", steps=1)
+    # alpha = k / steps for k = 1..steps (the paper's convention): one step is the clean point alone
+    one = scores(case.model, case.task, case.data, case.graph, "eap_ig", steps=1, ig_steps_from=1)
     real = case.graph.real
     assert torch.isnan(one[~real]).all()
     assert float((one[real] - case.eap[real]).abs().max()) <= case.tol(float(case.eap[real].abs().max()))
@@ -384,8 +384,8 @@ def test_eap_ig_with_one_step_is_eap(case):
 
 @WITH_LLAMA64
 def test_eap_ig_equals_a_sum_by_hand_in_both_conventions_which_differ(case):
-    # the reference sums the gradient over alpha = k/3 with autograd on its own forward pass: k = 1..3 (the paper,
-    # headlab's default) and k = 0..2 (hannamw/EAP-IG's code, MIB)
+    # the reference sums the gradient over alpha = k/3 with autograd on its own forward pass: k = 1..3 (the paper)
+    # and k = 0..2 (hannamw/EAP-IG's code, MIB: headlab's default)
     real = case.graph.real
     got = {}
     for steps_from in (0, 1):

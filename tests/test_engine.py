@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import counting_cfg
-from headlab.config import PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
+from headlab.interventions.options import PatchConfig
 from headlab.interventions.readout import READOUT_ROWS
 from headlab.models.hf import load_hf
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy

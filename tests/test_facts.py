@@ -186,9 +186,8 @@ def test_question_pairs_in_the_papers_style_are_well_formed(gpt2_tokenizer):
 
 def test_question_style_task_pairs_the_ith_recall_with_the_ith_reasoning_prompt(tiny_hf_dir, gpt2_tokenizer):
     from conftest import GPT2_TOKENIZER
-    from headlab.config import RecallReasoningConfig
     from headlab.models.hf import load_hf
-    from headlab.tasks.recall_reasoning import RecallReasoningTask
+    from headlab.tasks.recall_reasoning import RecallReasoningConfig, RecallReasoningTask
 
     model = load_hf(str(tiny_hf_dir("gpt2")), tokenizer=str(GPT2_TOKENIZER))
     task = RecallReasoningTask(RecallReasoningConfig(source="facts", facts_style="questions"))

@@ -13,12 +13,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from headlab.config import IOIConfig, PatchConfig
 from headlab.errors import HeadlabError
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
+from headlab.interventions.options import PatchConfig
 from headlab.models.hf import load_hf
-from headlab.tasks.ioi import ABBA_TEMPLATES, BABA_TEMPLATES, IOITask
+from headlab.tasks.ioi import ABBA_TEMPLATES, BABA_TEMPLATES, IOIConfig, IOITask
 
 LD = 0  # logit_diff, the first IOI quantity
 

@@ -104,6 +104,6 @@ def test_figures_draw_the_classes_and_the_circuit_diagram(tiny_gpt2, tmp_path):
 
 
 def test_a_task_without_abc_prompts_or_a_bad_tau_is_refused_in_one_line(tmp_path):
-    bad = run_headlab("run", "study=ioi_classes", "study.options.tau=2", f"output.root={tmp_path}", cwd=tmp_path)
+    bad = run_headlab("run", "study=ioi_classes", "study.tau=2", f"output.root={tmp_path}", cwd=tmp_path)
     assert bad.returncode == 2 and "tau" in error_line(bad) and len(error_line(bad)) < 200
     assert not list(tmp_path.rglob("results.parquet"))

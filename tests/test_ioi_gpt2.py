@@ -11,11 +11,10 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from headlab.config import IOIConfig
 from headlab.interventions import CLEAN, Intervention
 from headlab.interventions.engine import execute
 from headlab.models.hf import load_hf
-from headlab.tasks.ioi import IOITask
+from headlab.tasks.ioi import IOIConfig, IOITask
 
 GPT2_DIR = os.environ.get("HEADLAB_GPT2_DIR")
 pytestmark = pytest.mark.skipif(not GPT2_DIR, reason="HEADLAB_GPT2_DIR (a local GPT-2 small directory) is not set")

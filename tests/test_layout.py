@@ -56,8 +56,15 @@ def _graph() -> dict[str, set[str]]:
             graph[name].update(subs)
             if (others or not names) and target in MODULES:
                 graph[name].add(target)
-    # the study registry imports its built-in studies by name (importlib), which no import statement shows
-    graph["headlab.studies.registry"].update(f"headlab.studies.{n}" for n in registry.BUILTIN)
+    # the study and task registries import the modules of their package by name (importlib) and use those
+    # that hold a study or a task, which no import statement shows
+    for room, marker in (("studies", "STUDY = Study("), ("tasks", "(Task):")):
+        registry_module = f"headlab.{room}.registry"
+        graph[registry_module].update(
+            n
+            for n in MODULES
+            if n.startswith(f"headlab.{room}.") and n != registry_module and marker in MODULES[n].read_text()
+        )
     return graph
 
 
@@ -100,7 +107,7 @@ def test_the_walker_sees_function_level_imports_and_finds_a_planted_cycle():
     graph = _graph()
     assert "headlab.studies.execute_run" not in graph["headlab.cli"]  # a name, not a module
     assert "headlab.studies" in graph["headlab.cli"]  # `from .studies import execute_run`, inside a function
-    assert all(f"headlab.studies.{n}" in MODULES for n in registry.BUILTIN)  # every built-in study is a module
+    assert all(s.run.__module__ in MODULES for s in registry.builtin())  # every built-in study is a module
     assert "headlab.api" in graph["headlab"]
     planted = {k: set(v) for k, v in graph.items()}
     planted["headlab.errors"].add("headlab.api")  # api -> config -> errors -> api

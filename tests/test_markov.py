@@ -281,7 +281,7 @@ def test_run_writes_every_method_and_pruning(tmp_path):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["task=markov"], "task=markov runs on model=pathnet"),
+        (["task=markov", "model=toy-attn-1l"], "task=markov runs on model=pathnet"),
         (["model=pathnet", "task=counting"], "model=pathnet runs task=markov only"),
         (
             ["experiment=markov_paths", "model.heads=[[same_token,banana],[uniform]]"],

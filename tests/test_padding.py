@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from headlab.config import PatchConfig
 from headlab.interventions import plan
 from headlab.interventions.engine import execute
+from headlab.interventions.options import PatchConfig
 from headlab.tasks import from_records
 from test_prompts import PAIR, _load
 

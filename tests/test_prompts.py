@@ -14,13 +14,13 @@ import torch
 from omegaconf import OmegaConf
 
 import headlab
-from headlab.config import IOIConfig, PatchConfig
 from headlab.errors import HeadlabError, UsageError
 from headlab.interventions import plan
 from headlab.interventions.engine import execute
+from headlab.interventions.options import PatchConfig
 from headlab.models.hf import load_hf
 from headlab.tasks import from_file, from_records
-from headlab.tasks.ioi import IOITask
+from headlab.tasks.ioi import IOIConfig, IOITask
 
 METRICS = {"logit_diff", "answer_prob", "accuracy", "patching_score"}
 

@@ -56,9 +56,11 @@ def recall_reasoning_runs(quick: bool) -> list[list[str]]:
 
 def attn_sae_runs(quick: bool) -> list[list[str]]:
     base = ["experiment=attn_sae"]
+    relu = ["sae.l1_warmup_steps=300", "sae.resample_every=750"]  # relu_l1's own options, as before 0.2
     if quick:
-        return [[*base, "sae.layer=1", "sae.steps=200", "train.steps=200", "train.target=null"]]
-    return [[*base, f"sae={arch}", f"sae.layer={layer}"] for layer in range(4) for arch in ("relu_l1", "topk")]
+        return [[*base, "sae.layer=1", *relu, "sae.steps=200", "train.steps=200", "train.target=null"]]
+    own = {"relu_l1": relu, "topk": ["sae.k=8"]}
+    return [[*base, f"sae={arch}", f"sae.layer={layer}", *own[arch]] for layer in range(4) for arch in own]
 
 
 def ioi_runs(quick: bool) -> list[list[str]]:
@@ -86,7 +88,10 @@ def ioi_trained_runs(quick: bool) -> list[list[str]]:
         else []
     )
     gpt2 = os.environ.get("HEADLAB_GPT2_DIR")
-    out = [["experiment=ioi_trained", *fast], ["experiment=ioi_trained", "circuit=eap_ig", *fast]]
+    out = [
+        ["experiment=ioi_trained", "study.head_scores=true", *fast],
+        ["experiment=ioi_trained", "circuit=eap_ig", *fast],
+    ]
     return out + ([["experiment=ioi_circuit", f"model.path={gpt2}", *fast]] if gpt2 else [])
 
 

@@ -18,9 +18,8 @@ import headlab
 from conftest import error_line, run_headlab
 from headlab.analysis.head_sets import random_heads, top_heads
 from headlab.analysis.retrieval import masked_quantities, needle_layout, retrieval_hits, retrieval_scores
-from headlab.config import NeedleConfig
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy, save_toy
-from headlab.tasks.needle import ASK, BOS, KEY, SPECIAL, NeedleTask, copy_role, needle_role
+from headlab.tasks.needle import ASK, BOS, KEY, SPECIAL, NeedleConfig, NeedleTask, copy_role, needle_role
 
 NEEDLE_CFG = dict(n_prompts=24, n_reference=24, haystack_len=6, needle_len=3, n_symbols=12)
 N_CTX = 16  # haystack 6 + twice the needle 3 + [BOS] [KEY] [ASK] [KEY]

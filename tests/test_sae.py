@@ -4,6 +4,7 @@ hand computations of the metrics and attributions."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -17,7 +18,6 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from conftest import counting_cfg, run_headlab
-from headlab.config import SaeConfig
 from headlab.errors import HeadlabError
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
 from headlab.sae.activations import Corpus, corpus_z, stream, task_corpus
@@ -30,8 +30,8 @@ from headlab.sae.attribution import (
 from headlab.sae.export import load_sae, save_sae
 from headlab.sae.fit import STATE, fit, resample
 from headlab.sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
-from headlab.sae.relu_l1 import ReluL1SAE
-from headlab.sae.topk import TopKEncode, TopKSAE
+from headlab.sae.relu_l1 import ReluL1Config, ReluL1SAE
+from headlab.sae.topk import TopKConfig, TopKEncode, TopKSAE
 
 VOCAB, T, H, DH = 11, 10, 4, 8
 D_IN = H * DH
@@ -122,8 +122,11 @@ def _make(arch: str, d_in=D_IN, d_sae=4 * D_IN, seed=0, **kw):
     return ReluL1SAE(d_in, d_sae, seed, **kw) if arch == "relu_l1" else TopKSAE(d_in, d_sae, seed, k=kw.get("k", 6))
 
 
-def _sae_cfg(**kw):
-    return OmegaConf.structured(SaeConfig(**kw))
+def _sae_cfg(architecture: str = "relu_l1", **kw):
+    """An architecture's options (relu_l1's have l1_coeff and resample_every, topk's k); the other's left out."""
+    schema = TopKConfig if architecture == "topk" else ReluL1Config
+    known = {f.name for f in dataclasses.fields(schema)}
+    return OmegaConf.structured(schema(**{k: v for k, v in kw.items() if k in known}))
 
 
 # a synthetic sparse dataset: every token is a centre plus 2 of 8 known unit directions, positive weights

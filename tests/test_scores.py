@@ -18,10 +18,9 @@ from headlab.analysis.scores import (
     repeated_tokens,
     score_table,
 )
-from headlab.config import IOIConfig
 from headlab.models.hf import load_hf
 from headlab.results import LEADING
-from headlab.tasks.ioi import IOITask
+from headlab.tasks.ioi import IOIConfig, IOITask
 
 NAMES = ["Mary", "John", "Tom", "James", "Alice", "David", "Sarah", "Paul"]
 T = 6  # half length of the repeated sequences

@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 import headlab
 from conftest import counting_cfg, error_line, run_headlab
 from headlab.analysis.sinks import SINK_QUANTITIES, exact_length, most_often, sink_1, sink_quantities, sink_scores
-from headlab.config import PatchConfig
 from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.edits import calibrated
 from headlab.interventions.engine import execute
+from headlab.interventions.options import PatchConfig
 from headlab.interventions.sinks import hidden_sinks, real_tokens
 from headlab.models.hf import load_hf
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
@@ -339,7 +339,7 @@ def test_the_sinks_study_takes_sequences_of_seq_len_tokens_exactly(trained_count
     direct = sink_scores(model, data).quantities.mean(1).double()
     rows = table[table["metric"] == "gu_first_token_attention"]
     torch.testing.assert_close(torch.tensor(rows["value"].to_numpy()), direct[:, COLUMNS["gu_first_token_attention"]])
-    with pytest.raises(headlab.HeadlabError, match="scores.seq_len=999"):
+    with pytest.raises(headlab.HeadlabError, match="study.seq_len=999"):
         headlab.scores(model, task, kind="sinks", n_prompts=8, n_boot=0, seq_len=999)
 
 

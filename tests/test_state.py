@@ -36,13 +36,11 @@ def test_a_save_cut_before_its_state_json_resumes_whole_from_the_previous_state(
     assert sorted(p.name for p in where.glob("*.safetensors")) == ["extra.2.safetensors", "model.2.safetensors"]
 
 
-def test_a_field_added_later_at_its_neutral_value_keeps_earlier_checkpoints_and_runs():
+def test_a_training_option_names_its_own_checkpoint():
     from headlab.api import compose_config
-    from headlab.config import config_hash
     from headlab.train.obtain import checkpoint_dir
 
     cfg = compose_config([])
-    # the demo model's directory as every version before train.loss_positions and task.facts_style named it
-    assert checkpoint_dir(cfg).name == "toy-attn-1l-counting-seed0-f13a6c3686bb"
     decision = compose_config(["train.loss_positions=decision"])
-    assert checkpoint_dir(decision) != checkpoint_dir(cfg) and config_hash(decision) != config_hash(cfg)
+    assert checkpoint_dir(decision) != checkpoint_dir(cfg)
+    assert checkpoint_dir(compose_config(["study=circuit"])) == checkpoint_dir(cfg)  # the study trains nothing else

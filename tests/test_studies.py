@@ -4,40 +4,33 @@ before studies had names, pinned), `headlab list study`, and a study added from 
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import shutil
+import subprocess
 import sys
-import types
-from dataclasses import dataclass
 
 import pandas as pd
 import pytest
 
 import headlab
 from conftest import ROOT, error_line, run_headlab
-from headlab import results
+from headlab import config, results
 from headlab.composition import compose, group_options
-from headlab.config import config_hash, run_info
-from headlab.studies import Study, registry
+from headlab.config import run_info
+from headlab.studies import registry
 from headlab.studies.runner import already_done
-from headlab.studies.summary import console
 from headlab.train.obtain import checkpoint_dir
 
-# Computed with the code of main before studies had names (commit 2af2301); they must never move, or
-# every finished run dir and trained checkpoint of a user is silently redone.
-LEGACY_DEFAULT_RUN = "09d4a5ecae80"
-LEGACY_SINKS_RUN = "50b70dad69a2"
-DEMO_CHECKPOINT = "toy-attn-1l-counting-seed0-f13a6c3686bb"
-TOY_2L_CHECKPOINT = "toy-attn-2l-counting-seed0-cafaf04af620"
 
-
-def test_hashes_of_runs_and_checkpoints_from_before_studies_had_names_hold():
-    assert config_hash(compose([])) == LEGACY_DEFAULT_RUN
-    assert config_hash(compose(["scores=sinks"])) == LEGACY_SINKS_RUN
-    assert config_hash(compose(["study=sinks"])) == LEGACY_SINKS_RUN  # the long form is the same config
-    assert checkpoint_dir(compose([])).name == DEMO_CHECKPOINT
-    assert checkpoint_dir(compose(["model=toy-attn-2l", "train.steps=300"])).name == TOY_2L_CHECKPOINT
-    assert checkpoint_dir(compose(["study=circuit", "scores=none"])).name == DEMO_CHECKPOINT
+def test_the_cache_key_is_the_study_its_options_model_task_and_version(monkeypatch):
+    sweep = registry.get("sweep")
+    key, checkpoint = sweep.hash(compose([])), checkpoint_dir(compose([]))
+    assert sweep.hash(compose(["study=sweep"])) == key  # the long form is the same config
+    assert registry.get("sinks").hash(compose(["scores=sinks"])) == registry.get("sinks").hash(compose(["study=sinks"]))
+    monkeypatch.setattr(config, "CACHE_VERSION", config.CACHE_VERSION + 1)  # a meaning changed: all is redone once
+    assert sweep.hash(compose([])) != key and checkpoint_dir(compose([])) != checkpoint
 
 
 def _finished(run_dir, stored_hash):
@@ -47,21 +40,12 @@ def _finished(run_dir, stored_hash):
     results.write(table, run_dir, {"config_hash": stored_hash})
 
 
-def test_a_run_dir_written_with_the_legacy_hash_is_still_skipped(tmp_path):
-    _finished(tmp_path / "old", LEGACY_DEFAULT_RUN)
-    assert already_done(compose([]), tmp_path / "old")
-    assert not already_done(compose(["ablate.method=mean"]), tmp_path / "old")
-    # the legacy hash knows no study: a study the short forms do not choose is not taken for the sweep
-    assert not already_done(compose(["study=train"]), tmp_path / "old")
-    result = headlab.run(f"hydra.run.dir={tmp_path / 'old'}")
-    assert result.skipped and result.run_dir == tmp_path / "old"
-
-
 def test_a_study_hash_covers_what_it_reads_only(tmp_path):
     sinks, sweep = registry.get("sinks"), registry.get("sweep")
     plain, mean = compose(["scores=sinks"]), compose(["scores=sinks", "ablate.method=mean"])
     assert sinks.hash(plain) == sinks.hash(mean)
-    assert sinks.hash(plain) != sinks.hash(compose(["scores=sinks", "scores.epsilon=0.5"]))
+    assert sinks.hash(plain) != sinks.hash(compose(["scores=sinks", "study.epsilon=0.5"]))
+    assert sinks.hash(plain) == sinks.hash(compose(["scores=sinks", "scores.epsilon=0.3"]))  # 0.1's spelling
     assert sweep.hash(compose([])) != sweep.hash(compose(["ablate.method=mean"]))
     assert sweep.hash(compose([])) == sweep.hash(compose(["sae.layer=1"]))  # the sweep fits no SAE
     _finished(tmp_path / "s", sinks.hash(plain))
@@ -92,7 +76,8 @@ def test_the_study_a_config_names(overrides, study):
 
 
 def test_study_circuit_alone_runs_eap_ig():
-    assert compose(["study=circuit"]).circuit.method.value == "eap_ig"
+    cfg = compose(["study=circuit"])
+    assert cfg.study.method.value == "eap_ig" and cfg.study.ig_steps_from == 0  # MIB's convention
 
 
 @pytest.mark.parametrize(
@@ -104,7 +89,7 @@ def test_study_circuit_alone_runs_eap_ig():
         (["study=composition", "scores=sinks"], ("study=composition", "scores=sinks")),
         (["ablate=circuits", "task=markov"], ("ablate=circuits", "task=markov")),
         # a sweep: refused at the door, before Hydra starts any job, where only one job disagrees
-        (["-m", "seed=0,1", "scores=none,sinks", "circuit=eap"], ("circuit=eap", "scores=sinks")),
+        (["-m", "seed=0,1", "study=sweep,sinks", "circuit=eap"], ("circuit=eap", "study=sweep,sinks")),
     ],
 )
 def test_disagreeing_study_names_are_refused_in_one_line_with_exit_2(args, named, tmp_path):
@@ -153,14 +138,29 @@ def test_list_study_names_each_study_with_its_line(tmp_path):
 # ---------------------------------------------------------------- the README's "Adding a study", kept true
 
 
+# The README's "Adding a study": a module (its options, its run and its Study record, registered) and a
+# YAML; no file of headlab's is edited.
+TALLY_MODULE = """
+from dataclasses import dataclass
+
+import pandas as pd
+
+from headlab import results
+from headlab.config import run_info
+from headlab.config_rules import COUNT, setting
+from headlab.studies import Study, StudyOptions, register
+from headlab.studies.summary import console
+
+
 @dataclass
-class TallyOptions:
-    copies: int = 2
+class TallyOptions(StudyOptions):
+    name: str = "tally"
+    copies: int = setting(2, COUNT)
     label: str = "tally"
 
 
 def tally(ctx):
-    """One row per copy: the task's prompt count, from the config alone (no model)."""
+    \"\"\"One row per copy: the task's prompt count, from the config alone (no model).\"\"\"
     opts = ctx.options
     rows = [
         {**run_info(ctx.cfg), "intervention": "none", "method": opts.label, "metric": f"copy{i}", "value": 1.0 * i}
@@ -170,43 +170,36 @@ def tally(ctx):
     return results.conform(pd.DataFrame(rows).assign(n=ctx.cfg.task.n_prompts))
 
 
-def tally_summary(table, max_rows):
+def summary(table, max_rows):
     console.print(f"tally of {len(table)} rows: {', '.join(table['metric'][:max_rows])}", highlight=False)
 
 
-@pytest.fixture(params=["BUILTIN", "register"])
-def tally_study(request, tmp_path, monkeypatch):
-    """The tally study added as the README says: its module's name in registry.BUILTIN (the module put
-    where headlab.studies.tally would be), or from outside the package with register()."""
-    configs = tmp_path / "configs"
+STUDY = register(Study("tally", "counts to copies", tally, summary, schema=TallyOptions))
+"""
+TALLY_YAML = "# Counts to copies.\ndefaults: [base_tally]\ncopies: 2\n"
+
+
+@pytest.fixture
+def tally_study(tmp_path, monkeypatch):
+    """The tally study added as the README says, in two files outside headlab: its module (on the path,
+    named by HEADLAB_PLUGINS for a `headlab` process) and its YAML (in a config dir of the user's)."""
+    configs, plugins = tmp_path / "configs", tmp_path / "plugins"
     shutil.copytree(ROOT / "configs", configs)
-    (configs / "study" / "tally.yaml").write_text(
-        "# @package _global_\nstudy:\n  name: tally\n  options:\n    copies: 2\n    label: tally\n"
-    )
+    (configs / "study" / "tally.yaml").write_text(TALLY_YAML)
+    plugins.mkdir()
+    (plugins / "tally_study.py").write_text(TALLY_MODULE)
     monkeypatch.setenv("HEADLAB_CONFIG_DIR", str(configs))
     monkeypatch.setattr(registry, "REGISTERED", {})
+    monkeypatch.syspath_prepend(str(plugins))
+    sys.modules.pop("tally_study", None)
     group_options.cache_clear()
-    study = Study(
-        name="tally",
-        description="counts to copies",
-        run=tally,
-        summary=tally_summary,
-        reads=("task",),
-        schema=TallyOptions,
-    )  # fmt: skip
-    if request.param == "register":
-        registry.register(study)
-    else:
-        module = types.ModuleType("headlab.studies.tally")
-        module.STUDY = study  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "headlab.studies.tally", module)
-        monkeypatch.setattr(registry, "BUILTIN", (*registry.BUILTIN, "tally"))
-    yield study
+    yield importlib.import_module("tally_study").STUDY
+    sys.modules.pop("tally_study", None)
     group_options.cache_clear()
 
 
 def test_a_study_added_outside_the_package_runs_through_the_cli(tally_study, tmp_path):
-    proc = run_headlab("run", "study=tally", "study.options.copies=3", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
+    proc = run_headlab("run", "study=tally", "study.copies=3", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "tally of 3 rows: copy0, copy1, copy2" in proc.stdout
     table = pd.read_parquet(tmp_path / "r" / "results.parquet")
@@ -215,15 +208,23 @@ def test_a_study_added_outside_the_package_runs_through_the_cli(tally_study, tmp
     assert (
         meta["study"] == "tally"
         and meta["copies"] == 3
-        and meta["config_hash"] == tally_study.hash(compose(["study=tally", "study.options.copies=3"]))
+        and meta["config_hash"] == tally_study.hash(compose(["study=tally", "study.copies=3"]))
     )
-    again = run_headlab("run", "study=tally", "study.options.copies=3", "ablate.method=mean",
+    again = run_headlab("run", "study=tally", "study.copies=3", "ablate.method=mean",
                         f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)  # fmt: skip
     assert again.returncode == 0 and "skipped" in again.stdout  # it reads the task only
-    bad = run_headlab("run", "study=tally", "study.options.copies=many", f"output.root={tmp_path}", cwd=tmp_path)
-    assert bad.returncode == 2 and "study=tally" in error_line(bad) and "copies" in error_line(bad)
+    bad = run_headlab("run", "study=tally", "study.copies=many", f"output.root={tmp_path}", cwd=tmp_path)
+    assert bad.returncode == 2 and "study.copies" in error_line(bad)
+    low = run_headlab("run", "study=tally", "study.copies=0", f"output.root={tmp_path}", cwd=tmp_path)
+    assert low.returncode == 2 and "study.copies=0: expected an integer >= 1" in error_line(low)
     listed = run_headlab("list", "study", cwd=tmp_path)
     assert "counts to copies" in listed.stdout
+    env = {**os.environ, "HEADLAB_PLUGINS": "tally_study", "PYTHONPATH": str(tmp_path / "plugins")}
+    own = subprocess.run(
+        [sys.executable, "-m", "headlab", "run", "study=tally", f"hydra.run.dir={tmp_path / 'p'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert own.returncode == 0 and "tally of 2 rows" in own.stdout, own.stderr[-2000:]
 
 
 def test_a_study_added_outside_the_package_runs_through_the_api(tally_study, toy):
@@ -253,14 +254,3 @@ def test_each_study_prints_its_own_summary(capsys):
     registry.get("sweep").summary(pd.DataFrame(sweep), 1)
     shown = " ".join(capsys.readouterr().out.split())  # titles wrap at the table's width
     assert "1 of 2 interventions, largest change in acc" in shown and "0.200" in shown and "0.850" not in shown
-
-
-def test_options_added_later_keep_old_hashes_at_their_neutral_value():
-    # circuit.ig_steps_from=1 and scores.fold_norms=false are what headlab computed before they existed
-    for base, added, other in (
-        (["circuit=eap_ig"], "circuit.ig_steps_from=1", "circuit.ig_steps_from=0"),
-        (["scores=composition"], "scores.fold_norms=false", "scores.fold_norms=true"),
-    ):
-        before = config_hash(compose(base))
-        assert config_hash(compose([*base, added])) == before
-        assert config_hash(compose([*base, other])) != before

@@ -13,7 +13,9 @@ section (`train__steps=300`). Bad input raises the same one-line HeadlabError th
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,19 +26,27 @@ from omegaconf import OmegaConf
 
 from .composition import compose as compose_config
 from .composition import compose_checked, group_options, option_overrides
-from .config import Config, ModelConfig, ModelKind
+from .config import Config
 from .errors import UsageError
 from .interventions import CLEAN, Intervention
+
+# Every room's options reach Hydra through config.OPTION_SOURCES as its module is imported: here, where
+# every command enters, so that any config composes (the studies', tasks' and models' come in above).
+from .interventions import options as intervention_options  # noqa: F401, E402
 from .interventions.user import checked
 from .io import atomic_write_bytes
+from .models import pathnet  # noqa: F401, E402
 from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
+from .models.loading import ModelConfig, ModelKind
+from .sae import registry as sae_registry  # noqa: F401, E402
 from .studies.context import RunContext, apply_threads
 from .studies.registry import get as get_study
 from .studies.registry import named_study, resolve
 from .studies.runner import execute_run, run_in_memory
 from .task_models import choose_model
 from .tasks import Task, TaskData, build_task
+from .train import options as train_options  # noqa: F401, E402
 from .train.obtain import is_trained_here, obtain_model
 
 log = logging.getLogger("headlab")
@@ -51,6 +61,18 @@ class RunResult:
     run_dir: Path
     skipped: bool
     config: Config
+
+
+def load_plugins() -> list[str]:
+    """Import the modules named in $HEADLAB_PLUGINS (comma-separated): a user's own tasks, studies and SAE
+    architectures, which register themselves as they are imported; `headlab` does this as it starts."""
+    names = [n.strip() for n in os.environ.get("HEADLAB_PLUGINS", "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise UsageError(f"HEADLAB_PLUGINS: cannot import {name} ({e})") from None
+    return names
 
 
 def compose(*overrides: str) -> Config:
@@ -230,7 +252,7 @@ def circuit(
     """Circuit discovery on `task`'s clean and counterfactual prompts; its tidy table, nothing written.
 
     method: eap | eap_ig | eap_ig_activations | exact; level: edges | nodes. Other options: circuit
-    config keys (config.py's CircuitConfig), e.g. `steps=10`, `selection="greedy"`, `target=0.9`,
+    options (studies/circuit.py's CircuitOptions), e.g. `steps=10`, `selection="greedy"`, `target=0.9`,
     `faithfulness=False`, `exact_check=500`.
 
     Edge rows (intervention "edge") hold each edge's score, the change in the task's smooth metric
@@ -239,7 +261,7 @@ def circuit(
     intervention "circuit" hold the faithfulness curve (fraction, n_edges, ranking), cpr, cmd and
     target_edges. Node rows (level="nodes", intervention "node") hold each node's score. It equals the
     table `headlab run task=... circuit=<method>` writes for the same config and seed."""
-    return study(model, task, "circuit", n_prompts, seed, show_progress, circuit=method, level=level, **options)
+    return study(model, task, "circuit", n_prompts, seed, show_progress, method=method, level=level, **options)
 
 
 def scores(
@@ -262,8 +284,9 @@ def scores(
     retrieval (task needle: each head's retrieval score of Wu et al. 2024, then needle recall with the `top_k`
     best heads masked against `n_random` draws of as many other heads) | induction (repeated random tokens: each
     head's induction, duplicate- and previous-token score, the repeat loss per copy, and that loss with the
-    `top_k` best induction heads zero-ablated against `n_random` draws). Options: the scores config's keys
-    (config.py's ScoresConfig), e.g. `epsilon=0.5`, `seq_len=64`, `channels=8`, `fold_norms=True`, `top_k=2`."""
+    `top_k` best induction heads zero-ablated against `n_random` draws). Options: the study's own
+    (studies/sinks.py's SinksOptions, composition.py's CompositionOptions, ...), e.g. `epsilon=0.5`,
+    `seq_len=64`, `channels=8`, `fold_norms=False`, `top_k=2`."""
     return study(model, task, kind, n_prompts, seed, show_progress, **options)
 
 
@@ -300,9 +323,9 @@ def study(
     """Run study `name` (`headlab list study`) on `model` and `task` and return its tidy table, the one
     `headlab run study=<name>` writes for the same config and seed; nothing written here.
 
-    Options are config keys, a bare name looked up first in the sections that hold the study's options
-    (Study.sections: ablate and patch for the sweep, circuit for circuit, scores for sinks, ...), then
-    in `study.options` for a study with a schema of its own, then everywhere: e.g.
+    Options are config keys, a bare name looked up first in the study's own options (`study.<option>`,
+    its options dataclass), then in the sections it reads (Study.sections: ablate and patch for the
+    sweep), then everywhere: e.g.
     `headlab.study(m, t, "circuit", method="eap", steps=10)`, `headlab.study(m, t, "sinks", epsilon=0.5)`.
     A study that cannot run this task or model (the sweep on task=markov) is refused in one line."""
     return _run_study(model, task, name, _study_overrides(name, task, seed, options), n_prompts, show_progress)
@@ -310,7 +333,7 @@ def study(
 
 def _study_overrides(name: str, task: Task, seed: int, options: dict[str, Any]) -> list[str]:
     """The overrides of `headlab run study=<name>` on this task and seed: a bare option is looked up first
-    in the study's sections, then in its own study.options, then everywhere."""
+    in the study's own options (`study.<option>`), then in its sections, then everywhere."""
     chosen = get_study(name)
     own = {k: v for k, v in options.items() if k in chosen.option_names()}
     rest = {k: v for k, v in options.items() if k not in own}
@@ -318,7 +341,7 @@ def _study_overrides(name: str, task: Task, seed: int, options: dict[str, Any]) 
         f"study={name}",
         f"task={task.name}",
         f"seed={seed}",
-        *option_overrides({f"study__options__{k}": v for k, v in own.items()}),
+        *option_overrides({f"study__{k}": v for k, v in own.items()}),
         *option_overrides(rest, prefer=(*chosen.sections, "engine", "output")),
     ]
 

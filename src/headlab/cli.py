@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .composition import group_options, launcher_of, typed, validate_overrides
+from .composition import expand_short_forms, group_options, launcher_of, typed, validate_overrides
 from .config import GROUPS, Config, config_dir
 from .errors import HeadlabError, Interrupted, UsageError
 from .io import atomic_write_bytes
@@ -88,9 +88,11 @@ def _job(command: str, cfg: DictConfig) -> str:
     """One job of a multirun, wherever the launcher runs it; returns its status (done | skipped)."""
     from hydra.core.hydra_config import HydraConfig
 
+    from .api import load_plugins
     from .studies import execute_run
     from .studies.registry import named_study
 
+    load_plugins()  # a launcher's job may run in a process of its own
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
@@ -111,6 +113,7 @@ def _sweep(overrides: list[str], task_function: Callable, command: str) -> None:
     from .studies.registry import named_study, study_for
     from .sweeps import check_cluster
 
+    overrides = expand_short_forms(overrides)  # Hydra composes each job: the short forms spelled as studies
     raw, cfg = validate_overrides(overrides, lambda job, chosen: study_for(command, job, named_study(chosen)))
     check_cluster(*launcher_of(raw))
     _hydra_run(_with_task_model(overrides, cfg), task_function)
@@ -213,7 +216,7 @@ def atlas(
 ) -> None:
     """Every head of a model on one page: `headlab atlas model=smollm2-135m [--scores induction,copy]` writes
     the table of every score and atlas.html (`headlab run study=atlas` is the same)."""
-    chosen = [f"++study.options.scores=[{scores}]"] if scores else []
+    chosen = [f"++study.scores=[{scores}]"] if scores else []
     _single("run", ["study=atlas", *ctx.args, *chosen])
 
 
@@ -391,9 +394,11 @@ def _abort(reason: str, code: int) -> NoReturn:
 def main() -> None:
     try:
         with stop_on_signals():
+            from .api import load_plugins
             from .runtime import tune_allocator
 
             tune_allocator()
+            load_plugins()
             code = app(standalone_mode=False)
     except HeadlabError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)

@@ -1,6 +1,7 @@
 """Composing a run's config: Hydra's composition of configs/ plus overrides, validation at the door
-(one line for an unknown option, key, type or value out of range), the typed result, and Python keyword
-options as overrides. The schemas themselves live in config.py, the ranges in config_rules.py.
+(one line for an unknown option, key, type or value out of range), the typed result, the short forms that
+name a study, and Python keyword options as overrides. Each group's options live beside the code that
+reads them (config.OPTION_SOURCES lists them), each rule with its field (config_rules.setting).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .config import GROUPS, SCHEMAS, TASK_SCHEMAS, Config, EngineConfig, OutputConfig, TaskConfig, config_dir
+from .config import GROUPS, OPTION_SOURCES, Config, EngineConfig, OutputConfig, config_dir
 from .config_rules import check_device, clipped, validate
 from .errors import UsageError
 
@@ -22,12 +24,78 @@ def is_schema_option(name: str) -> bool:
     return name.startswith("base_")
 
 
+STORED: dict[tuple[str, str], Any] = {}  # what schemas() has handed to Hydra's ConfigStore
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """Every group's options dataclasses by name, from each room's source, each stored in Hydra's
+    ConfigStore as `<group>/base_<name>` (a task or study registered since is stored on the next call)."""
+    found: dict[str, dict[str, Any]] = {}
+    for source in OPTION_SOURCES:
+        for group, name, schema in source():
+            found.setdefault(group, {})[name] = schema
+            if STORED.get((group, name)) != schema:  # an instance (a study's named options) compares by value
+                ConfigStore.instance().store(group=group, name=f"base_{name}", node=schema)
+                STORED[(group, name)] = schema
+    return found
+
+
+# The short forms that name a study, in one table: `scores=<study>` is `study=<study>`, `circuit=<method>`
+# is `study=circuit study.method=<method>`, and the options they held are the study's (`scores.top_k` is
+# `study.top_k`). An option that only one study runs (registry.implied: ablate=circuits, model=pathnet,
+# task=markov) brings its study along where the user names none.
+SHORT_FORMS: dict[str, tuple[str | None, str | None]] = {"scores": (None, None), "circuit": ("circuit", "method")}
+OLD_PREFIXES = ("scores.", "circuit.", "study.options.")  # options of the short forms, and of 0.1's study.options
+SWEEP_OPTIONS = ("attention_by_token", "head_scores", "sequence_scores")  # top-level in 0.1: the sweep's now
+IMPLIED = {"ablate=circuits": "recall_reasoning", "model=pathnet": "pathnet", "task=markov": "pathnet"}
+
+
+def expand_short_forms(overrides: Sequence[str]) -> list[str]:
+    """The overrides with each short form spelled as its study (SHORT_FORMS); two that name different
+    studies are refused in one line."""
+    out: list[str] = []
+    named: list[tuple[str, str]] = []  # (as the user typed it, the study it names)
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        bare = key.lstrip("+~")
+        if sep and bare in SHORT_FORMS:
+            study, field = SHORT_FORMS[bare]
+            named.append((override, study or value))
+            out += [f"study={study}", f"study.{field}={value}"] if study else [f"study={value}"]
+            continue
+        if bare in SWEEP_OPTIONS:
+            out.append(f"{key.replace(bare, f'study.{bare}')}{sep}{value}")
+            continue
+        old = next((p for p in OLD_PREFIXES if bare.startswith(p)), None)
+        if old is not None:
+            out.append(f"{key[: len(key) - len(bare)]}study.{bare[len(old) :]}{sep}{value}")
+            continue
+        if bare == "study" and sep:
+            named.append((override, value))
+        elif override in IMPLIED:
+            named.append((override, IMPLIED[override]))
+        out.append(override)
+    explicit = [study for typed, study in named if typed.lstrip("+").startswith("study=")]
+    for typed, study in named:
+        if explicit and study != explicit[-1]:
+            raise UsageError(
+                f"study={explicit[-1]} cannot run with {typed}, which belongs to study={study}: choose one"
+            )
+    if len({study for _, study in named}) > 1:
+        (a, first), (b, second) = named[0], next(n for n in named if n[1] != named[0][1])
+        raise UsageError(f"{a} runs study={first} but {b} runs study={second}: choose one study")
+    if named and not any(o.lstrip("+").startswith("study=") for o in out):
+        out.append(f"study={named[0][1]}")
+    return out
+
+
 @cache
 def group_options(group: str) -> tuple[str, ...]:
     """The options of a config group (the YAML files of configs/<group>/), schemas left out."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    schemas()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         names = GlobalHydra.instance().config_loader().get_group_options(group)
     return tuple(sorted(n for n in names if not is_schema_option(n)))
@@ -38,6 +106,7 @@ def compose_raw(overrides: Sequence[str] = (), hydra_config: bool = False) -> Di
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    schemas()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
 
@@ -67,6 +136,7 @@ def compose_checked(
 ) -> tuple[DictConfig, Config]:
     """(the composed config as Hydra gives it, the typed and validated one): one composition, every
     check of the door, the group options named before anything is composed."""
+    overrides = expand_short_forms(overrides)
     check_overrides(overrides)
     try:
         raw = compose_raw(overrides, hydra_config)
@@ -128,7 +198,7 @@ def validate_overrides(
     each swept option in it, each composed and validated (and given to check_job with its overrides:
     the caller's own check, e.g. that the job names one study); returns the first job's (raw with
     Hydra's config, typed). Jobs that a cluster runs elsewhere have their device checked there."""
-    choices = check_overrides(overrides)
+    choices = check_overrides(expand_short_forms(overrides))
     base = [c[0] for c in choices]
     raw, cfg = compose_checked(base, hydra_config=True, device=False)
     here = not runs_elsewhere(raw)
@@ -158,7 +228,7 @@ def runs_elsewhere(raw: DictConfig) -> bool:
 
 
 # Sections searched for a bare option name (`n_boot` -> output.n_boot), in this order.
-SECTIONS = ("", "output", "engine", "ablate", "patch", "circuit", "task", "model", "train", "sae")
+SECTIONS = ("", "output", "engine", "study", "ablate", "patch", "task", "model", "train", "sae")
 
 
 def option_overrides(options: dict[str, Any], prefer: Sequence[str] = ()) -> list[str]:
@@ -167,9 +237,10 @@ def option_overrides(options: dict[str, Any], prefer: Sequence[str] = ()) -> lis
     A bare name is looked up in the `prefer` sections first, then in every section; a name found in
     more than one section must be spelled with its section."""
     fields_of = {"": {f.name for f in dataclasses.fields(Config)}}
-    for section, schema in {**SCHEMAS, "task": TaskConfig, "engine": EngineConfig, "output": OutputConfig}.items():
+    for section, schema in {"engine": EngineConfig, "output": OutputConfig}.items():
         fields_of[section] = {f.name for f in dataclasses.fields(schema)}
-    fields_of["task"] |= {f.name for schema in TASK_SCHEMAS.values() for f in dataclasses.fields(schema)}
+    for group, named in schemas().items():
+        fields_of[group] = {f.name for schema in named.values() for f in dataclasses.fields(schema)}
     out = []
     for key, value in options.items():
         path = key.replace("__", ".")

@@ -1,6 +1,8 @@
 """What each config option accepts beyond its type: ranges, the words a string option knows, and the
-few rules that tie two options together. One table, checked by `validate` once where a run's config is
-composed, so a bad value stops the run in one line before anything is trained, loaded or written.
+few rules that tie two options together. A rule sits with its field (`setting(default, rule)`, in the
+options dataclass of whatever module reads it; options read together say so in the class's JOINT), and
+`validate` checks them all once where a run's config is composed, so a bad value stops the run in one
+line before anything is trained, loaded or written.
 
 OmegaConf already refuses a value of the wrong type (and an enum's unknown member) at composition; the
 rules here are what a type cannot say.
@@ -12,32 +14,10 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .config import (
-    AblateConfig,
-    CircuitConfig,
-    Config,
-    CountingConfig,
-    EngineConfig,
-    IOIConfig,
-    MarkovConfig,
-    ModelConfig,
-    NeedleConfig,
-    OutputConfig,
-    PatchConfig,
-    PathNetConfig,
-    PromptsConfig,
-    RecallReasoningConfig,
-    SaeConfig,
-    ScoresConfig,
-    TaskConfig,
-    TextConfig,
-    TrainConfig,
-)
 from .errors import UsageError
-from .vocabulary import HEAD_SITES
 
 MAX_LINE = 200  # an error line the user reads at a glance
 MAX_VALUE = 40  # characters of a bad value quoted back
@@ -140,143 +120,22 @@ POSITION = Matches(r"all|-?\d+|[A-Za-z_][A-Za-z0-9_]*", "all, an index or a role
 RECEIVER = Matches(r"logits|\d+\.\d+", "logits or a head layer.head")
 RUN_NAME = Matches(r"[A-Za-z0-9_.+=-][A-Za-z0-9_.,+=@-]*", "a name of letters, digits and _.,+=@- (a dir name)")
 
-# (schema, field) -> rule; a subclass's entry overrides its base's (PromptsConfig's n_prompts: 0 is every row)
-RULES: dict[tuple[type, str], Rule] = {
-    (ModelConfig, "dtype"): OneOf(DTYPES),
-    (ModelConfig, "device_map"): OneOf(("auto", "balanced", "balanced_low_0", "sequential")),
-    (ModelConfig, "n_layers"): COUNT,
-    (ModelConfig, "n_heads"): COUNT,
-    (ModelConfig, "d_model"): COUNT,
-    (ModelConfig, "d_head"): COUNT,
-    (ModelConfig, "d_mlp"): NATURAL,  # 0: attention only
-    (ModelConfig, "n_ctx"): COUNT,
-    (PathNetConfig, "width"): COUNT,
-    (PathNetConfig, "heads"): Each(OneOf(HEAD_KINDS)),
-    (PathNetConfig, "beta"): POSITIVE,
-    (PathNetConfig, "random_strength"): NON_NEGATIVE,
-    (PathNetConfig, "variances"): Each(POSITIVE),
-    (PathNetConfig, "temperature"): POSITIVE,
-    (PathNetConfig, "theory_tol"): POSITIVE,
-    (PathNetConfig, "theory_steps"): COUNT,
-    (PathNetConfig, "samples"): NATURAL,
-    (PathNetConfig, "warmup"): NATURAL,
-    (PathNetConfig, "trajectory"): POSITIVE,
-    (PathNetConfig, "max_leapfrog"): COUNT,
-    (PathNetConfig, "sample_dtype"): OneOf(("float32", "float64")),
-    (PathNetConfig, "alignment_top"): COUNT,
-    (TaskConfig, "n_prompts"): COUNT,
-    (TaskConfig, "n_reference"): COUNT,
-    (CountingConfig, "min_len"): COUNT,
-    (CountingConfig, "max_len"): COUNT,
-    (CountingConfig, "p_noise"): SHARE,
-    (IOIConfig, "templates"): OneOf(("baba", "abba", "both")),
-    (IOIConfig, "min_names"): COUNT,
-    (IOIConfig, "held_out_every"): at_least(2),
-    (IOIConfig, "train_names"): OneOf(("names", "vocab")),
-    (IOIConfig, "eval_names"): OneOf(("all", "held_out", "train")),
-    (RecallReasoningConfig, "n_prompts"): at_least(2),  # half recall, half reasoning
-    (RecallReasoningConfig, "source"): OneOf(("synthetic", "facts")),
-    (RecallReasoningConfig, "n_entities"): COUNT,
-    (RecallReasoningConfig, "n_relations"): COUNT,
-    (RecallReasoningConfig, "n_values"): COUNT,
-    (RecallReasoningConfig, "recall_fraction"): SHARE,
-    (RecallReasoningConfig, "one_hop_fraction"): SHARE,
-    (RecallReasoningConfig, "one_hop_steps"): NATURAL,
-    (RecallReasoningConfig, "facts_style"): OneOf(("statements", "questions")),
-    (MarkovConfig, "n_train"): COUNT,
-    (MarkovConfig, "n_steps"): COUNT,
-    (MarkovConfig, "n_features"): COUNT,
-    (MarkovConfig, "p_stay_plus"): SHARE,
-    (MarkovConfig, "p_stay_minus"): SHARE,
-    (MarkovConfig, "noise_label"): NON_NEGATIVE,
-    (MarkovConfig, "noise_common"): NON_NEGATIVE,
-    (MarkovConfig, "noise_orthogonal"): NON_NEGATIVE,
-    (PromptsConfig, "n_prompts"): NATURAL,  # 0: every row of the file
-    (PromptsConfig, "format"): OneOf(PROMPT_FORMATS),
-    (PromptsConfig, "multi_token"): OneOf(MULTI_TOKEN),
-    (PromptsConfig, "peer"): OneOf(PEER_CHOICES),
-    (TextConfig, "n_prompts"): NATURAL,  # 0: every document
-    (TextConfig, "seq_len"): at_least(2),  # a next token to predict after the first
-    (NeedleConfig, "haystack_len"): COUNT,
-    (NeedleConfig, "needle_len"): COUNT,
-    (NeedleConfig, "n_symbols"): COUNT,
-    (NeedleConfig, "needles"): OneOf(NEEDLES),
-    (AblateConfig, "sink_threshold"): SHARE,
-    (AblateConfig, "calibration"): SHARE,  # above 1 the other keys could be left with negative attention
-    (AblateConfig, "sink_alpha"): POSITIVE,
-    (PatchConfig, "sites"): Each(OneOf(tuple(str(s) for s in HEAD_SITES))),
-    (PatchConfig, "positions"): Each(POSITION),
-    (PatchConfig, "receivers"): Each(RECEIVER),
-    (PatchConfig, "receiver_site"): OneOf(("q", "k", "v")),
-    (TrainConfig, "steps"): COUNT,
-    (TrainConfig, "batch_size"): COUNT,
-    (TrainConfig, "lr"): POSITIVE,
-    (TrainConfig, "min_lr_frac"): SHARE,
-    (TrainConfig, "warmup_steps"): NATURAL,
-    (TrainConfig, "weight_decay"): NON_NEGATIVE,
-    (TrainConfig, "beta1"): BETA,
-    (TrainConfig, "beta2"): BETA,
-    (TrainConfig, "grad_clip"): NON_NEGATIVE,  # 0: no clipping
-    (TrainConfig, "eval_every"): COUNT,
-    (TrainConfig, "eval_prompts"): COUNT,
-    (TrainConfig, "checkpoint_every"): COUNT,
-    (TrainConfig, "embedding_std"): POSITIVE,
-    (SaeConfig, "layer"): NATURAL,
-    (SaeConfig, "layers"): Each(NATURAL),
-    (SaeConfig, "expansion"): COUNT,
-    (SaeConfig, "l1_coeff"): NON_NEGATIVE,
-    (SaeConfig, "l1_warmup_steps"): NATURAL,
-    (SaeConfig, "k"): COUNT,
-    (SaeConfig, "steps"): COUNT,
-    (SaeConfig, "batch_size"): COUNT,
-    (SaeConfig, "lr"): POSITIVE,
-    (SaeConfig, "warmup_steps"): NATURAL,
-    (SaeConfig, "beta1"): BETA,
-    (SaeConfig, "beta2"): BETA,
-    (SaeConfig, "context_size"): at_least(2),
-    (SaeConfig, "model_batch"): COUNT,
-    (SaeConfig, "buffer_tokens"): COUNT,
-    (SaeConfig, "resample_every"): NATURAL,  # 0: never
-    (SaeConfig, "dead_window"): COUNT,
-    (SaeConfig, "checkpoint_every"): COUNT,
-    (SaeConfig, "eval_sequences"): COUNT,
-    (SaeConfig, "top_contexts"): COUNT,
-    (SaeConfig, "context_window"): NATURAL,
-    (SaeConfig, "dominance"): SHARE,
-    (CircuitConfig, "steps"): COUNT,
-    (CircuitConfig, "ig_steps_from"): Range(0, 1, integer=True),  # 0 or 1 (attribution.IG_STEPS_FROM)
-    (CircuitConfig, "target"): SHARE,
-    (CircuitConfig, "fractions"): Each(Range(0, 1, low_open=True)),
-    (CircuitConfig, "exact_check"): NATURAL,
-    (CircuitConfig, "prompts_per_pass"): COUNT,
-    (ScoresConfig, "epsilon"): SHARE,
-    (ScoresConfig, "alpha"): POSITIVE,
-    (ScoresConfig, "hidden_threshold"): SHARE,
-    (ScoresConfig, "seq_len"): NATURAL,  # 0: prompts as the task gives them
-    (ScoresConfig, "channels"): NATURAL,  # 0: no channels
-    (ScoresConfig, "top_k"): COUNT,
-    (ScoresConfig, "n_random"): NATURAL,
-    (ScoresConfig, "min_recall"): Range(high=1),  # negative: every prompt counts
-    (ScoresConfig, "decoding"): OneOf(DECODINGS),
-    (ScoresConfig, "random_outside"): NATURAL,  # 0: the top_k
-    (ScoresConfig, "repeat_len"): at_least(2),  # a repeated token whose next token the earlier copy shows
-    (ScoresConfig, "n_sequences"): COUNT,
-    (ScoresConfig, "icl_len"): at_least(500),  # the 500th token's loss is the score's late term
-    (EngineConfig, "chunk_mb"): POSITIVE,
-    (EngineConfig, "gpu_memory_share"): Range(0, 1, low_open=True),
-    (OutputConfig, "n_boot"): NATURAL,  # 0: no bootstrap interval
-    (OutputConfig, "print_rows"): NATURAL,
-    (Config, "name"): RUN_NAME,
-    (Config, "seed"): NATURAL,  # numpy's generators take no negative seed
-    (Config, "threads"): NATURAL,  # 0: torch's default
-}
+NO_DEFAULT: Any = object()
 
-# Options read together: (schema, the option named in the error, the check, what it needs)
-Joint = tuple[type, str, Callable[[Any], bool], str]
-JOINT: tuple[Joint, ...] = (
-    (CountingConfig, "max_len", lambda c: c.max_len >= c.min_len, "at least task.min_len"),
-    (NeedleConfig, "n_symbols", lambda c: c.n_symbols >= c.needle_len, "at least task.needle_len"),
-)
+
+def setting(default: Any = NO_DEFAULT, rule: Rule | None = None, *, factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field whose rule (range, words) sits beside it, for the door to check; `factory` for a
+    mutable default."""
+    metadata = {"rule": rule} if rule is not None else {}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    if default is NO_DEFAULT:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# Options read together: a class's JOINT holds (the option named in the error, the check, what it needs)
+Joint = tuple[str, Callable[[Any], bool], str]
 
 
 def flat(value: Any) -> list[Any]:
@@ -289,11 +148,19 @@ def flat(value: Any) -> list[Any]:
 
 
 def rule_for(schema: type, name: str) -> Rule | None:
-    """The rule of option `name` of `schema`, the most specific class's first."""
+    """The rule of option `name` of `schema`, the most specific class's first: a subclass that gives a
+    field another default keeps its base's rule unless it sets one of its own."""
     for klass in schema.__mro__:
-        if (klass, name) in RULES:
-            return RULES[(klass, name)]
+        found = vars(klass).get("__dataclass_fields__", {}).get(name)
+        if found is not None and "rule" in found.metadata:
+            return found.metadata["rule"]
     return None
+
+
+def rules_of(schema: type) -> dict[str, Rule]:
+    """Every field of `schema` that has a rule, with it."""
+    found = {f.name: rule_for(schema, f.name) for f in dataclasses.fields(schema)}
+    return {name: rule for name, rule in found.items() if rule is not None}
 
 
 def shown(value: Any) -> str:
@@ -312,7 +179,7 @@ def refusal(key: str, value: Any, expected: str) -> UsageError:
     return UsageError(clipped(f"invalid configuration: {key}={shown(value)}: expected {expected}"))
 
 
-def sections(cfg: Config) -> list[tuple[str, Any]]:
+def sections(cfg: Any) -> list[tuple[str, Any]]:
     """(prefix, dataclass instance) of the config and of every section in it (model, task, ...)."""
     found: list[tuple[str, Any]] = [("", cfg)]
     for f in dataclasses.fields(cfg):
@@ -322,7 +189,7 @@ def sections(cfg: Config) -> list[tuple[str, Any]]:
     return found
 
 
-def validate(cfg: Config, device: bool = True) -> None:
+def validate(cfg: Any, device: bool = True) -> None:
     """Refuse, in one line, the first option outside what it accepts; `device`: also whether torch can use
     cfg.device here (not where the jobs of a cluster sweep run elsewhere)."""
     for prefix, section in sections(cfg):
@@ -334,8 +201,8 @@ def validate(cfg: Config, device: bool = True) -> None:
                 continue
             if not rule.accepts(value):
                 raise refusal(prefix + f.name, value, rule.describe())
-        for klass, name, holds, needs in JOINT:
-            if isinstance(section, klass) and not holds(section):
+        for name, holds, needs in getattr(schema, "JOINT", ()):
+            if not holds(section):
                 raise refusal(prefix + name, getattr(section, name), needs)
     if device:
         check_device(cfg.device)

@@ -16,8 +16,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .composition import compose
-from .config import Config, ModelConfig, option
+from .config import Config, option
 from .errors import HeadlabError, UsageError
+from .models.loading import ModelConfig
 from .tasks import build_task
 
 HUB_TIMEOUT_S = 2.0  # a probe, not a download: offline machines must not wait on the hub's retries

@@ -33,6 +33,6 @@ def random_heads(
 
 
 def avoided_heads(scores: Tensor, n_heads: int, top_k: int, outside: int) -> list[tuple[int, int]]:
-    """The heads random draws stay out of: the top `outside` by score, or the top_k when outside is 0
-    (what headlab always did)."""
-    return top_heads(scores, n_heads, max(top_k, outside))
+    """The heads random draws stay out of: the top `outside` by score (Wu et al.'s code: 100), as many
+    as leave top_k others to draw from on a smaller model, and never fewer than the top_k themselves."""
+    return top_heads(scores, n_heads, max(top_k, min(outside, scores.numel() - top_k)))

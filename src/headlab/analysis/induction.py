@@ -146,5 +146,5 @@ def text_file(path: str) -> Path:
     """`path`, or the text headlab ships under that name (locations.text_path: data/alice.txt)."""
     file = text_path(path)
     if not file.is_file():
-        raise HeadlabError(f"scores.icl_text={path}: no such file (scores.icl_text='' leaves the ICL score out)")
+        raise HeadlabError(f"study.icl_text={path}: no such file (study.icl_text='' leaves the ICL score out)")
     return file

@@ -1,6 +1,6 @@
 """Retrieval heads (Wu et al. 2024, arXiv 2404.15574): the heads that copy a needle out of the context.
 
-Retrieval score, two ways (scores.decoding):
+Retrieval score, two ways (study.decoding):
   greedy          Wu et al.'s (their retrieval_head_detection.py): the answer is decoded greedily
                   (analysis/decoding.py) and, at every step, a head has a copy-paste event when its
                   most-attended key (top-1 attention) is a needle position holding the token just

@@ -51,7 +51,7 @@ class Interpolation:
 IG_STEPS_FROM = (0, 1)  # the first k of the sum: 0 (the authors' code, MIB) or 1 (the paper)
 
 
-def runs_of(method: str, graph: EdgeGraph, steps: int, steps_from: int = 1) -> list[Interpolation]:
+def runs_of(method: str, graph: EdgeGraph, steps: int, steps_from: int = 0) -> list[Interpolation]:
     if method == "eap":
         return [Interpolation()]
     if steps_from not in IG_STEPS_FROM:
@@ -79,7 +79,7 @@ def scores(
     steps: int = 5,
     prompts_per_pass: int = 16,
     show_progress: bool = False,
-    ig_steps_from: int = 1,
+    ig_steps_from: int = 0,
 ) -> Tensor:
     """[senders, receivers] float64: each edge's score (NaN where there is no edge). `ig_steps_from`: the
     first k of eap_ig*'s sum over alpha = k/steps (0: hannamw/EAP-IG's code and MIB, 1: the paper)."""

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import MeanOver, option
+from ..config import option
 from ..errors import UsageError
 from ..models.hooked import HookedModel
 from ..models.sites import Hook, attention_bytes, runs_eagerly
 from ..tasks import Inputs, TaskData
 from ..vocabulary import KV_SITES, MLP_SITES, Site, Source
+from .options import MeanOver
 from .plan import Edit, Intervention
 from .sinks import hidden_sinks, real_tokens
 from .user import edited

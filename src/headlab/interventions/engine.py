@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ..config import MeanOver, option
+from ..config import option
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..runtime import chunk_budget_mb
@@ -34,6 +34,7 @@ from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
 from .attribution import estimate
 from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_pattern, first_edited
+from .options import MeanOver
 from .path import run_path
 from .plan import Intervention
 from .readout import Readouts

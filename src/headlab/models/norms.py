@@ -1,7 +1,7 @@
 """What the norm in front of an attention does to the residual stream it reads, from the module itself: the
 per-coordinate scale it multiplies by and whether it first subtracts the mean over d_model (a LayerNorm, not an
 RMSNorm). This is what folding the norm into the weights that read its output needs, as TransformerLens's
-fold_ln does (analysis/head_composition.py, `scores.fold_norms`).
+fold_ln does (analysis/head_composition.py, `study.fold_norms`).
 """
 
 from __future__ import annotations
@@ -33,5 +33,5 @@ def norm_factors(module: nn.Module | None) -> NormFactors:
         # Gemma's RMSNorms (Gemma, Gemma2, Gemma3) store the scale less one and multiply by 1 + weight
         return NormFactors(1 + weight if name.startswith("Gemma") else weight, False)
     raise UsageError(
-        f"scores.fold_norms: headlab does not know how a {name} scales its input; set scores.fold_norms=false"
+        f"study.fold_norms: headlab does not know how a {name} scales its input; set study.fold_norms=false"
     )

@@ -22,15 +22,52 @@ Head templates (D = features + positions, q = (v+ - v-) / n_features):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..config_rules import HEAD_KINDS
+from ..config import option_source
+from ..config_rules import COUNT, HEAD_KINDS, NATURAL, NON_NEGATIVE, POSITIVE, Each, OneOf, setting
 from ..errors import UsageError
+from .loading import ModelConfig, ModelKind
+
+
+@dataclass
+class PathNetConfig(ModelConfig):
+    """The attention network of Tiberi et al. (models/pathnet.py), learned by Bayes and by gradient descent."""
+
+    name: str = "pathnet"
+    kind: ModelKind = ModelKind.pathnet
+    width: int = setting(100, COUNT)  # N, every layer's and the readout's
+    heads: list[list[str]] = setting(
+        factory=lambda: [["same_token", "random"], ["uniform", "random"]], rule=Each(OneOf(HEAD_KINDS))
+    )
+    beta: float = setting(10.0, POSITIVE)  # inverse softmax temperature of every head template
+    head_seed: int = 7  # random heads' templates
+    random_strength: float = setting(1.0, NON_NEGATIVE)
+    # prior variances: input, each layer, readout (default all 1)
+    variances: list[float] | None = setting(None, Each(POSITIVE))
+    temperature: float = setting(0.01, POSITIVE)  # the likelihood's variance
+    # named path subsets ("h1-h2", head index per layer) whose GP-limit predictor is reported too
+    reference_paths: dict[str, list[str]] = field(default_factory=dict)
+    theory_tol: float = setting(1e-7, POSITIVE)  # stop when every |dS/dU| is below
+    theory_steps: int = setting(5_000, COUNT)  # L-BFGS iterations at most
+    samples: int = setting(100, NATURAL)  # HMC draws kept (0: no sampling)
+    collapse_input: bool = True  # integrate V0 out exactly (f is linear in it) and sample the rest
+    warmup: int = setting(100, NATURAL)  # HMC draws that tune the step size, discarded
+    # HMC trajectory length; pi/2 turns a prior-dominated direction a quarter period
+    trajectory: float = setting(1.5, POSITIVE)
+    max_leapfrog: int = setting(512, COUNT)
+    # all-weights sampling (collapse_input=false); collapsed runs in float64
+    sample_dtype: str = setting("float32", OneOf(("float32", "float64")))
+    alignment_top: int = setting(30, COUNT)  # principal components of the kernel compared with the labels
+
 
 BOS_SCORE = 1.5  # between a same-state (2) and a different-state (0) previous token
+
+
+option_source(lambda: [("model", "pathnet", PathNetConfig)])
 
 
 def head_template(kind: str, n_features: int, n_tokens: int, gen: torch.Generator, random_strength: float) -> Tensor:

@@ -8,15 +8,58 @@ The encoder sees x - b_dec (SAELens: apply_b_dec_to_input). Inputs are hook_z fl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from omegaconf import MISSING
 from torch import Tensor, nn
+
+from ..config_rules import BETA, COUNT, NATURAL, POSITIVE, SHARE, Each, at_least, setting
+
+
+@dataclass
+class SaeConfig:
+    """`headlab sae`: an SAE on one layer's per-head outputs z, concatenated over heads (hook_z)."""
+
+    architecture: str = MISSING  # set by each architecture's options (registry.py)
+    layer: int = setting(0, NATURAL)
+    # one SAE per listed layer, in one run (None: sae.layer alone)
+    layers: list[int] | None = setting(None, Each(NATURAL))
+    # experiment=attn_sae_smollm2 sizes them for smollm2 over data/alice.txt on 2 CPU cores
+    expansion: int = setting(16, COUNT)  # latents per input dimension: d_sae = expansion * n_heads * d_head
+    # fit on z scaled to a mean squared norm of d_in (SAELens's normalize_activations=
+    # "expected_average_only_in"), so l1_coeff means the same on every model; the saved SAE takes raw z
+    normalize: bool = False
+    steps: int = setting(2000, COUNT)
+    batch_size: int = setting(1024, COUNT)  # tokens per step
+    lr: float = setting(1e-3, POSITIVE)
+    warmup_steps: int = setting(100, NATURAL)
+    beta1: float = setting(0.9, BETA)
+    beta2: float = setting(0.999, BETA)
+    # corpus: null = the task's prompts (task.n_prompts per pass, redrawn each pass); else a text file or
+    # a directory of .txt / .jsonl ("text" field) files, cut into windows of context_size tokens
+    corpus: str | None = None
+    context_size: int = setting(64, at_least(2))
+    model_batch: int = setting(64, COUNT)  # sequences per forward pass of the model
+    buffer_tokens: int = setting(65_536, COUNT)  # shuffle buffer: activations mix across sequences before batching
+    dead_window: int = setting(100_000, COUNT)  # tokens: a latent that did not fire on the last this many is dead
+    checkpoint_every: int = setting(500, COUNT)
+    eval_sequences: int = setting(256, COUNT)  # held-out sequences for the metrics, attribution and contexts
+    top_contexts: int = setting(10, COUNT)  # top-activating contexts kept per feature
+    context_window: int = setting(12, NATURAL)  # tokens shown before the activating one
+    dominance: float = setting(0.5, SHARE)  # a head dominates a feature that has this share of its decoder norm
 
 
 class SparseAutoencoder(nn.Module):
     architecture: ClassVar[str]  # headlab's name (sae=<name>)
     saelens_architecture: ClassVar[str]  # the architecture SAELens loads it as
+    options: ClassVar[type] = SaeConfig  # its options (`sae.<option>`), a subclass adding its own
+
+    @classmethod
+    def build(cls, d_in: int, options: SaeConfig, seed: int = 0) -> SparseAutoencoder:
+        """A fresh SAE on d_in inputs (d_sae = options.expansion * d_in) from its options."""
+        return cls(d_in, options.expansion * d_in, seed)
 
     def __init__(self, d_in: int, d_sae: int, seed: int = 0):
         super().__init__()

@@ -54,6 +54,7 @@ def fit(
     if has_state(directory / STATE):
         step, tokens, elapsed, curve, last_fired = _load_state(directory / STATE, sae, opt)
     log_every = max(1, sc.steps // LOG_POINTS)
+    resample_every = getattr(sc, "resample_every", 0)  # an option of the architectures that resample (relu_l1)
     source = batches(step)
     started = time.perf_counter() - elapsed
     with progress_bar(label, total=sc.steps, completed=step, enabled=show_progress) as bar:
@@ -79,13 +80,7 @@ def fit(
                 if tokens >= sc.dead_window
                 else torch.zeros_like(fires, dtype=torch.bool)
             )
-            if (
-                sae.architecture == "relu_l1"
-                and sc.resample_every > 0
-                and step % sc.resample_every == 0
-                and step <= sc.steps - sc.resample_every
-                and dead.any()
-            ):
+            if resample_every > 0 and step % resample_every == 0 and step <= sc.steps - resample_every and dead.any():
                 resample(sae, opt, x, dead)
                 last_fired[dead] = tokens  # a fresh latent gets a full window to prove itself
             if step % log_every == 0 or step == sc.steps:

@@ -8,15 +8,32 @@ SAELens loads it as architecture "standard".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from .base import SparseAutoencoder
+from ..config_rules import NATURAL, NON_NEGATIVE, setting
+from .base import SaeConfig, SparseAutoencoder
+
+
+@dataclass
+class ReluL1Config(SaeConfig):
+    architecture: str = "relu_l1"
+    l1_coeff: float = setting(1.0, NON_NEGATIVE)  # weight of sum |f| against the squared error (summed over dimensions)
+    l1_warmup_steps: int = setting(0, NATURAL)  # the L1 weight ramps up linearly over these steps
+    resample_every: int = setting(500, NATURAL)  # re-initialise dead latents every N steps (0: never), not near the end
 
 
 class ReluL1SAE(SparseAutoencoder):
     architecture = "relu_l1"
     saelens_architecture = "standard"
+    options = ReluL1Config
+
+    @classmethod
+    def build(cls, d_in: int, options: SaeConfig, seed: int = 0) -> SparseAutoencoder:
+        assert isinstance(options, ReluL1Config)
+        return cls(d_in, options.expansion * d_in, seed, options.l1_coeff, options.l1_warmup_steps)
 
     def __init__(self, d_in: int, d_sae: int, seed: int = 0, l1_coeff: float = 1.0, l1_warmup_steps: int = 0):
         super().__init__(d_in, d_sae, seed)

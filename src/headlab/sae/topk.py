@@ -16,13 +16,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from .base import SparseAutoencoder
+from ..config_rules import COUNT, setting
+from .base import SaeConfig, SparseAutoencoder
 
 
 @contextmanager
@@ -186,9 +188,22 @@ class TopKSquaredError(torch.autograd.Function):
         return grad_values, None, grad_w, grad_b_dec, grad_x, None
 
 
+@dataclass
+class TopKConfig(SaeConfig):
+    architecture: str = "topk"
+    k: int = setting(8, COUNT)  # latents active per token
+
+
 class TopKSAE(SparseAutoencoder):
     architecture = "topk"
     saelens_architecture = "topk"
+    options = TopKConfig
+
+    @classmethod
+    def build(cls, d_in: int, options: SaeConfig, seed: int = 0) -> SparseAutoencoder:
+        assert isinstance(options, TopKConfig)
+        return cls(d_in, options.expansion * d_in, seed, k=options.k)
+
     fit_loss_grad_tangent = True  # TopKSquaredError(tangent=True)
 
     def __init__(self, d_in: int, d_sae: int, seed: int = 0, k: int = 8):

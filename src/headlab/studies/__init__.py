@@ -13,3 +13,4 @@ from .registry import study_for as study_for
 from .runner import already_done as already_done
 from .runner import execute_run as execute_run
 from .study import Study as Study
+from .study import StudyOptions as StudyOptions

@@ -155,6 +155,6 @@ STUDY = Study(
     description="every head on one page: its scores from each study, labels by stated rules, atlas.html",
     run=run,
     summary=summary,
-    reads=("model", "task", "train"),
+    reads=("train",),
     schema=AtlasOptions,
 )

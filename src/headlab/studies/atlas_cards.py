@@ -17,7 +17,7 @@ import torch
 from .. import results
 from ..analysis.attention_stats import ATTENTION_QUANTITIES, attention_profile, example_patterns, logit_lens_top
 from ..analysis.scores import repeated_tokens
-from ..config import config_hash, run_info, to_plain
+from ..config import cache_key, run_info, to_plain
 from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
 from ..tables import head_name
@@ -82,7 +82,7 @@ def attention_probe(
     text = model.tokenizer is not None
     cfg = probe_config(ctx.cfg, text_overrides(options, 0) if text else [])
     plain = to_plain(cfg)
-    key = config_hash({k: plain[k] for k in ("model", "train", "task", "seed")}, None)
+    key = cache_key({k: plain[k] for k in ("model", "train", "task", "seed")})
     where = cache_dir(ctx.cfg, "attention", key)
     ctx.meta.setdefault("probes", {})["attention"] = {"dir": str(where), "cached": results.is_complete(where)}
     if results.is_complete(where):

@@ -22,12 +22,13 @@ import pandas as pd
 
 from ..composition import compose
 from ..config import Config
+from ..config_rules import COUNT, NATURAL, at_least, setting
 from ..tables import head_name
 from .composition import STUDY as COMPOSITION
 from .induction import STUDY as INDUCTION
 from .retrieval import STUDY as RETRIEVAL
 from .sinks import STUDY as SINKS
-from .study import Study
+from .study import Study, StudyOptions
 from .sweep import STUDY as SWEEP
 
 # headlab's shipped text, by the name configs give it (locations.text_path finds it wherever headlab is
@@ -36,21 +37,23 @@ CORPUS = "data/alice.txt"
 ROW_COLUMNS = ["layer", "head", "hook", "metric", "value", "n", "ci_low", "ci_high"]
 
 
-@dataclass(frozen=True)
-class AtlasOptions:
-    """`study.options` of study=atlas (`headlab atlas --scores ...` sets `scores`): which scores, and the
-    probe sizes. The defaults fit smollm2-135m's atlas in 10 minutes on 2 CPU cores (README)."""
+@dataclass
+class AtlasOptions(StudyOptions):
+    """study=atlas's options (`headlab atlas --scores ...` sets `scores`): which scores, and the probe
+    sizes. The defaults fit smollm2-135m's atlas in 10 minutes on 2 CPU cores (README)."""
 
+    name: str = "atlas"
     scores: list[str] = field(default_factory=list)  # empty: every score (SCORES)
-    repeat_sequences: int = 25  # induction: sequences of repeat_len random tokens, repeated once
-    repeat_len: int = 50
-    ioi_prompts: int = 16  # IOI ablation of every head: the expensive probe
-    copy_prompts: int = 64  # IOI prompts of the copy scores (one forward pass each)
-    text_docs: int = 3  # next-token loss ablation of every head: documents of data/alice.txt
-    text_len: int = 64  # tokens per document (ablation, sinks and attention statistics)
-    needle_prompts: int = 20  # retrieval: needle prompts over a data/alice.txt haystack
-    top_k: int = 5  # induction and retrieval: their best heads ablated (masked) together, against one random draw
-    partners: int = 3  # composition partners per head, mode and direction on its card
+    repeat_sequences: int = setting(25, COUNT)  # induction: sequences of repeat_len random tokens, repeated once
+    repeat_len: int = setting(50, at_least(2))
+    ioi_prompts: int = setting(16, COUNT)  # IOI ablation of every head: the expensive probe
+    copy_prompts: int = setting(64, COUNT)  # IOI prompts of the copy scores (one forward pass each)
+    text_docs: int = setting(3, COUNT)  # next-token loss ablation of every head: documents of data/alice.txt
+    text_len: int = setting(64, at_least(2))  # tokens per document (ablation, sinks and attention statistics)
+    needle_prompts: int = setting(20, COUNT)  # retrieval: needle prompts over a data/alice.txt haystack
+    # induction and retrieval: their best heads ablated (masked) together, against one random draw
+    top_k: int = setting(5, COUNT)
+    partners: int = setting(3, NATURAL)  # composition partners per head, mode and direction on its card
 
 
 @dataclass(frozen=True)
@@ -163,12 +166,12 @@ PROBES = (
         INDUCTION,
         ("prev_token", "duplicate_token", "induction"),
         lambda o: [
-            "scores=induction",
-            "scores.icl_text=''",  # the ICL score's ablations on 512-token text: no atlas score reads them
-            f"scores.n_sequences={o.repeat_sequences}",
-            f"scores.repeat_len={o.repeat_len}",
-            f"scores.top_k={o.top_k}",
-            "scores.n_random=1",
+            "study=induction",
+            "study.icl_text=''",  # the ICL score's ablations on 512-token text: no atlas score reads them
+            f"study.n_sequences={o.repeat_sequences}",
+            f"study.repeat_len={o.repeat_len}",
+            f"study.top_k={o.top_k}",
+            "study.n_random=1",
         ],
         False,
         score_rows({n: n for n in ("prev_token_score", "duplicate_token_score", "induction_score")}),
@@ -181,8 +184,8 @@ PROBES = (
             "task=ioi",
             f"task.n_prompts={o.copy_prompts}",
             "ablate=none",
-            "head_scores=true",
-            "sequence_scores=false",  # the induction probe gives them
+            "study.head_scores=true",
+            "study.sequence_scores=false",  # the induction probe gives them
         ],
         True,
         score_rows({"copy_score": "copy_score", "negative_copy_score": "negative_copy_score"}),
@@ -191,7 +194,7 @@ PROBES = (
         "sinks",
         SINKS,
         ("sink",),
-        lambda o: [*text_overrides(o, 0), "scores=sinks", f"scores.seq_len={o.text_len}"],
+        lambda o: [*text_overrides(o, 0), "study=sinks", f"study.seq_len={o.text_len}"],
         True,
         score_rows({"gu_first_token_attention": "gu_first_token_attention"}),
     ),
@@ -203,9 +206,9 @@ PROBES = (
             "task=needle",
             f"task.haystack={CORPUS}",
             f"task.n_prompts={o.needle_prompts}",
-            "scores=retrieval",
-            f"scores.top_k={o.top_k}",
-            "scores.n_random=1",
+            "study=retrieval",
+            f"study.top_k={o.top_k}",
+            "study.n_random=1",
         ],
         True,
         score_rows({"retrieval_score": "retrieval_score"}),
@@ -214,7 +217,7 @@ PROBES = (
         "composition",
         COMPOSITION,
         ("composition",),
-        lambda o: ["scores=composition", "scores.channels=0"],  # the scores alone: no SVD of each pair
+        lambda o: ["study=composition", "study.channels=0"],  # the scores alone: no SVD of each pair
         False,
         composition_rows,
     ),

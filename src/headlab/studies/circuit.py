@@ -1,13 +1,15 @@
 """study=circuit (or circuit=<method>): circuit discovery on the task's clean and counterfactual prompts (edges/).
 
 Scores every edge (or node) of the model's graph, then, for edges, the faithfulness curve, CPR, CMD and
-the smallest circuit reaching circuit.target; writes <run>/circuit.json (EAP-IG's graph layout, the
+the smallest circuit reaching study.target; writes <run>/circuit.json (EAP-IG's graph layout, the
 reported circuit marked in_graph) beside the table, and the circuit's figure.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 import pandas as pd
@@ -17,6 +19,7 @@ from torch import Tensor
 
 from .. import results
 from ..config import option, run_info
+from ..config_rules import COUNT, NATURAL, SHARE, Each, Range, setting
 from ..edges.attribution import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
@@ -24,15 +27,57 @@ from ..edges.graph import EdgeGraph, Receiver, Sender, write_json
 from ..edges.record import metric_column
 from ..vocabulary import Site, hook_name
 from .context import RunContext
-from .study import Study
+from .study import Study, StudyOptions
 from .summary import aggregated, console
 
 CIRCUIT_FILE = "circuit.json"
 MIN_GAP = 0.01  # a clean-corrupted gap in the metric below which faithfulness is noise
 
 
+class CircuitMethod(str, Enum):
+    eap = "eap"  # edge attribution patching: one clean and one corrupted forward, one backward
+    eap_ig = "eap_ig"  # EAP with integrated gradients over interpolated input embeddings
+    eap_ig_activations = "eap_ig_activations"  # ... over each node's interpolated output in turn
+    exact = "exact"  # every edge patched alone: exact, and the method for small graphs
+
+
+class CircuitLevel(str, Enum):
+    edges = "edges"
+    nodes = "nodes"
+
+
+class CircuitSelection(str, Enum):
+    top_n = "top_n"  # the n edges of highest score, pruned of dangling edges
+    greedy = "greedy"  # grown from the logits up (EAP-IG's apply_greedy)
+
+
+@dataclass
+class CircuitOptions(StudyOptions):
+    """`study=circuit` (`circuit=<method>`): circuits on edges (or nodes) from the task's counterfactual prompts."""
+
+    name: str = "circuit"
+
+    method: CircuitMethod = CircuitMethod.eap_ig  # MIB's best-ranked edge method (2504.13151)
+    level: CircuitLevel = CircuitLevel.edges
+    steps: int = setting(5, COUNT)  # eap_ig*: interpolation steps (Hanna et al. use 5)
+    # eap_ig*: the sum runs over alpha = k/steps for k = ig_steps_from .. ig_steps_from + steps - 1: 0 (the
+    # corrupted endpoint in, the clean one out) is hannamw/EAP-IG's code and MIB's; 1 is the EAP-IG paper's k = 1..steps
+    ig_steps_from: int = setting(0, Range(0, 1, integer=True))  # 0 or 1 (attribution.IG_STEPS_FROM)
+    selection: CircuitSelection = CircuitSelection.top_n
+    faithfulness: bool = True  # the faithfulness curve, CPR, CMD and the smallest circuit reaching target
+    target: float = setting(0.8, SHARE)  # share of the clean-corrupted gap the reported circuit recovers
+    fractions: list[float] = setting(
+        factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0],
+        rule=Each(Range(0, 1, low_open=True)),
+    )
+    # also patch this many edges exactly (the top half by |score|, the rest at random)
+    exact_check: int = setting(0, NATURAL)
+    # prompts per gradient pass: bounds the memory of the activation differences
+    prompts_per_pass: int = setting(16, COUNT)
+
+
 def run(ctx: RunContext) -> pd.DataFrame:
-    cfg, c = ctx.cfg, ctx.cfg.circuit
+    cfg, c = ctx.cfg, ctx.options
     metric_column(ctx.get_task())  # a task without a smooth metric is refused before any model is trained
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
     graph = EdgeGraph.of(model)
@@ -77,7 +122,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
 
 
 def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str) -> Tensor:
-    c = ctx.cfg.circuit
+    c = ctx.options
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
     if method == "exact":
         return exact_scores(model, task, data, graph, chunk_mb=ctx.cfg.engine.chunk_mb, show_progress=ctx.show_progress)
@@ -89,7 +134,7 @@ def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str) -> Tensor:
 def exact_check(ctx: RunContext, graph: EdgeGraph, scores: Tensor, info: dict) -> pd.DataFrame:
     """Exact scores of a sample of edges (the top half by |score|, the rest drawn at random), and the
     Pearson r between the method's scores and the exact ones on it (meta.json: exact_check_pearson)."""
-    k = min(ctx.cfg.circuit.exact_check, graph.n_edges)
+    k = min(ctx.options.exact_check, graph.n_edges)
     ranked = graph.ranking(torch.nan_to_num(scores)).tolist()
     top = ranked[: k // 2]
     rest = random.Random(ctx.cfg.seed).sample(ranked[k // 2 :], k - len(top))
@@ -226,7 +271,7 @@ STUDY = Study(
     description="edge (or node) circuits from counterfactual prompts: EAP, EAP-IG, exact; faithfulness",
     run=run,
     summary=summary,
-    reads=("model", "task", "train", "circuit", "engine"),
-    sections=("circuit",),
+    reads=("train", "engine"),
+    schema=CircuitOptions,
     figures="circuit",
 )

@@ -3,12 +3,14 @@ from the weights (analysis/head_composition.py), and each pair's low-rank channe
 
 Rows (intervention "none", method "score", n 1: weights, no prompts, so no interval): layer / head are
 the reader, writer_layer / writer_head the writer; metric q_composition, k_composition, v_composition;
-and, per pair, `scores.channels` rows q_channel, k_channel, v_channel with `channel` 1, 2, ...: the
+and, per pair, `study.channels` rows q_channel, k_channel, v_channel with `channel` 1, 2, ...: the
 product's singular values over the norms of its two factors (their squares sum to the score's square;
-`scores.channels=0`: none).
+`study.channels=0`: none).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -16,23 +18,35 @@ import torch
 from .. import results
 from ..analysis.head_composition import MODES, centres_writes, composition
 from ..config import run_info
+from ..config_rules import NATURAL, setting
 from ..errors import UsageError
 from ..models.hooked import HookedModel
 from ..tables import head_name
 from .context import RunContext
-from .study import Study
+from .study import Study, StudyOptions
 from .summary import head_table
 
 TOP_PAIRS = 5  # named in meta.json per mode
 
 
+@dataclass
+class CompositionOptions(StudyOptions):
+    name: str = "composition"
+    # singular values (low-rank channels) kept per writer/reader pair (Merullo et al. 2024); 0: none (no SVDs)
+    channels: int = setting(4, NATURAL)
+    # on TransformerLens's default weights (from_pretrained's fold_ln and center_writing_weights), on which
+    # Elhage et al.'s scores are usually read; false: the raw weights
+    fold_norms: bool = True
+
+
 def run(ctx: RunContext) -> pd.DataFrame:
     model = ctx.get_model(runs_task=False)  # weights only: any model, whatever the task
     if model.n_layers < 2:
-        raise UsageError(f"scores=composition: {model.name} has one layer; composition needs heads in two")
-    fold = bool(ctx.cfg.scores.fold_norms)
+        raise UsageError(f"study=composition: {model.name} has one layer; composition needs heads in two")
+    opts: CompositionOptions = ctx.options
+    fold = bool(opts.fold_norms)
     with ctx.timed("composition"):
-        found = composition(model, ctx.cfg.scores.channels, fold)
+        found = composition(model, opts.channels, fold)
     frames = []
     for mode in MODES:
         frames.append(_rows(found.scores[mode], f"{mode}_composition"))
@@ -89,7 +103,7 @@ STUDY = Study(
     description="Q-, K- and V-composition of head pairs from the weights, and their low-rank channels",
     run=run,
     summary=head_table,
-    reads=("model", "task", "train", "scores"),
-    sections=("scores",),
+    reads=("train",),
     figures="scores",
+    schema=CompositionOptions,
 )

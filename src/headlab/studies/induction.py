@@ -1,15 +1,15 @@
-"""`headlab run scores=induction`: induction heads (Olsson et al. 2022) on `scores.n_sequences` sequences
-of `scores.repeat_len` distinct random ordinary tokens repeated once, BOS first (analysis/scores.py's
+"""`headlab run scores=induction`: induction heads (Olsson et al. 2022) on `study.n_sequences` sequences
+of `study.repeat_len` distinct random ordinary tokens repeated once, BOS first (analysis/scores.py's
 repeated_tokens, drawn with the run's seed), and their in-context learning score on real text
-(`scores.icl_text` cut into sequences of `scores.icl_len` tokens); no task prompts are read.
+(`study.icl_text` cut into sequences of `study.icl_len` tokens); no task prompts are read.
 
 Rows:
   per head      intervention "none", method "score", metrics prev_token_score, duplicate_token_score and
                 induction_score (analysis/scores.py's induction_scores), 95% bootstrap interval over sequences
   ablation      the clean run (intervention "none", method "none"), then intervention "ablate_head", method
-                "zero", group "top{k}" (the `scores.top_k` heads of highest induction score zero-ablated
-                together) and "random{k}_{draw}" (`scores.n_random` seeded draws of k heads outside the top
-                max(k, `scores.random_outside`)): metrics first_copy_loss, second_copy_loss,
+                "zero", group "top{k}" (the `study.top_k` heads of highest induction score zero-ablated
+                together) and "random{k}_{draw}" (`study.n_random` seeded draws of k heads outside the top
+                max(k, `study.random_outside`)): metrics first_copy_loss, second_copy_loss,
                 repeat_loss_drop (analysis/induction.py) and second_copy_loss_increase (ablated minus
                 clean, paired over sequences); and on the text sequences, the same runs' loss_50th_token,
                 loss_500th_token and icl_score (analysis/induction.py; left out, with a note, for a model
@@ -18,6 +18,7 @@ Rows:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,30 +40,45 @@ from ..analysis.induction import (
 )
 from ..analysis.scores import SEQ_SCORES, induction_scores, ordinary_ids, repeated_tokens
 from ..config import option, run_info
+from ..config_rules import COUNT, at_least, setting
 from ..errors import HeadlabError, UsageError
 from ..models.hooked import HookedModel
 from ..tables import head_name
 from ..tasks import mean_of
 from ..vocabulary import Site, hook_name
 from .context import RunContext
+from .retrieval import HeadSetOptions
 from .study import Study
 from .summary import aggregated, console
 
 TOP_HEADS = 10  # named in meta.json
 
 
+@dataclass
+class InductionOptions(HeadSetOptions):
+    name: str = "induction"
+    # n_sequences sequences of repeat_len distinct random tokens, each repeated once after itself
+    # (TransformerLens's and Olsson et al.'s repeated random tokens: 50 tokens)
+    repeat_len: int = setting(50, at_least(2))
+    n_sequences: int = setting(50, COUNT)  # smollm2-135m: ~5 min on 2 cores with the ablations
+    # Olsson et al.'s in-context learning score (loss of the 500th token minus that of the 50th) on this text
+    # cut into consecutive sequences of icl_len tokens (default: the text headlab ships); "" leaves it out
+    icl_text: str = "alice.txt"
+    icl_len: int = setting(512, at_least(500))  # Olsson et al.'s context length; at least 500 (the 500th token)
+
+
 def run(ctx: RunContext) -> pd.DataFrame:
-    cfg, sc = ctx.cfg, ctx.cfg.scores
+    cfg, sc = ctx.cfg, ctx.options
     if option(cfg.model.kind) == "toy" and 1 + 2 * sc.repeat_len > cfg.model.n_ctx:  # before it is trained
         raise UsageError(
-            f"scores.repeat_len={sc.repeat_len}: BOS and two copies exceed the model's {cfg.model.n_ctx} positions"
+            f"study.repeat_len={sc.repeat_len}: BOS and two copies exceed the model's {cfg.model.n_ctx} positions"
         )
     icl_file = text_file(sc.icl_text) if sc.icl_text else None  # a missing file stops the run before any work
     model = ctx.get_model(runs_task=False)  # its own random-token sequences: any model, whatever the task
     text = _icl_sequences(ctx, model, icl_file, sc.icl_len)
     n_total = model.n_layers * model.n_heads
     if not 1 <= sc.top_k <= n_total:
-        raise UsageError(f"scores.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
+        raise UsageError(f"study.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
     # a toy model's own small vocabulary holds fewer distinct tokens than repeat_len (as score_table does)
     seq_len = max(2, min(sc.repeat_len, len(ordinary_ids(model))))
     if seq_len < sc.repeat_len:
@@ -154,10 +170,10 @@ def _icl_sequences(ctx: RunContext, model: HookedModel, file: Path | None, lengt
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise HeadlabError(f"scores.icl_text: cannot read {file} as UTF-8 text ({type(e).__name__})") from None
+        raise HeadlabError(f"study.icl_text: cannot read {file} as UTF-8 text ({type(e).__name__})") from None
     ids = text_sequences(model.tokenizer, text, length)
     if ids.shape[0] == 0:
-        raise HeadlabError(f"scores.icl_text: {file.name} holds fewer than {length} tokens (lower scores.icl_len)")
+        raise HeadlabError(f"study.icl_text: {file.name} holds fewer than {length} tokens (lower study.icl_len)")
     return ids
 
 
@@ -240,7 +256,7 @@ STUDY = Study(
     description="induction heads (Olsson et al. 2022): repeated-token scores, ICL score on text, top heads ablated",
     run=run,
     summary=summary,
-    reads=("model", "task", "train", "scores"),  # a toy model is trained on the task
-    sections=("scores",),
+    reads=("train",),  # a toy model is trained on the task
     figures="scores",
+    schema=InductionOptions,
 )

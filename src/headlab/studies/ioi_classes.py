@@ -23,26 +23,27 @@ from .. import results
 from ..analysis.ioi_classes import CLASS_METHOD, CLASSES, CLASSES_OF_ROUND, ROUNDS, TAU, classify, receivers_of, rules
 from ..analysis.scores import has_ioi_roles, score_table
 from ..config import run_info
+from ..config_rules import Range, setting
 from ..errors import UsageError
 from ..interventions import CLEAN, Intervention
 from ..interventions.engine import execute
 from ..tables import score_grids
 from ..vocabulary import Kind, Method, Site, hook_name
 from .context import RunContext
-from .study import Study
+from .study import Study, StudyOptions
 from .summary import console
 
 
 @dataclass
-class IOIClassesOptions:
-    tau: float = TAU  # a class holds the heads whose path effect is at least this share of the clean logit diff
+class IOIClassesOptions(StudyOptions):
+    name: str = "ioi_classes"
+    # a class holds the heads whose path effect is at least this share of the clean logit difference
+    tau: float = setting(TAU, Range(0, 1, low_open=True, high_open=True))
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
     cfg = ctx.cfg
-    opts = STUDY.options(cfg)
-    if not 0 < opts.tau < 1:
-        raise UsageError(f"study.options.tau={opts.tau}: expected a share in (0, 1)")
+    opts: IOIClassesOptions = ctx.options
     task, model, data = ctx.get_task(), ctx.get_model(), ctx.get_data()
     if not has_ioi_roles(data) or data.reference is None:
         raise UsageError(f"study=ioi_classes needs IOI prompts with ABC references (task=ioi), not task={task.name}")

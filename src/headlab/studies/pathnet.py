@@ -23,11 +23,11 @@ from torch import Tensor
 
 from .. import results
 from ..analysis import paths as theory
-from ..config import Config, MarkovConfig, PathNetConfig, option, run_info
+from ..config import Config, option, run_info
 from ..errors import UsageError
-from ..models.pathnet import PathNet
+from ..models.pathnet import PathNet, PathNetConfig
 from ..progress import progress_bar
-from ..tasks.markov import MarkovTask
+from ..tasks.markov import MarkovConfig, MarkovTask
 from ..train.bayes import HMCStats, gradient_descent, hmc
 from .context import RunContext
 from .study import Study

@@ -1,17 +1,21 @@
 """Every study by name (`study=<name>`), and which one a config asks for.
 
-A study is a module holding a `STUDY = Study(...)` record (study.py) and a configs/study/<name>.yaml; the
-module's name goes into BUILTIN below. A study from outside the package (a plugin, a test) enters with
-register(). The short forms `scores=<kind>`, `circuit=<method>`, `ablate=circuits`, `model=pathnet` and
-`task=markov` name a study too; a config whose names disagree is refused in one line.
+A study is a module of this package holding a `STUDY = Study(...)` record (study.py), its options
+dataclass beside it, and a configs/study/<name>.yaml: found by its module alone. A study from outside the
+package (a plugin, a test) enters with register(). The short forms `scores=<kind>`, `circuit=<method>`,
+`ablate=circuits`, `model=pathnet` and `task=markov` name a study too (the door's SHORT_FORMS); a config
+whose study disagrees with them is refused in one line.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Sequence
+from functools import cache
+from typing import Any
 
-from ..config import Config, option
+from ..config import Config, option, option_source
 from ..errors import UsageError
 from .study import Study
 
@@ -20,30 +24,26 @@ COMMANDS = ("run", "train", "sae")  # `headlab train` and `headlab sae` run the 
 REGISTERED: dict[str, Study] = {}  # studies from outside the package, by register()
 
 
-# the built-in studies' modules, in the order `headlab list study` shows them: adding one is adding its name
-BUILTIN = (
-    "sweep",
-    "circuit",
-    "recall_reasoning",
-    "sinks",
-    "composition",
-    "retrieval",
-    "induction",
-    "ioi_classes",
-    "atlas",
-    "pathnet",
-    "train",
-    "sae",
-)
-
-
+@cache
 def builtin() -> tuple[Study, ...]:
-    # imported on first use: `headlab list` and config composition need no torch model code
-    return tuple(importlib.import_module(f"{__package__}.{name}").STUDY for name in BUILTIN)
+    """The studies of this package's modules, by name; imported on first use."""
+    package = importlib.import_module(__package__)
+    found = []
+    for module in pkgutil.iter_modules(package.__path__):
+        study = getattr(importlib.import_module(f"{__package__}.{module.name}"), "STUDY", None)
+        if isinstance(study, Study):
+            found.append(study)
+    return tuple(sorted(found, key=lambda s: s.name))
 
 
 def studies() -> dict[str, Study]:
     return {**{s.name: s for s in builtin()}, **REGISTERED}
+
+
+@option_source
+def study_options() -> list[tuple[str, str, Any]]:
+    """Each study's options with its name filled in (several studies share the plain StudyOptions)."""
+    return [("study", name, study.schema(name=name)) for name, study in studies().items()]
 
 
 def register(study: Study) -> Study:
@@ -67,13 +67,10 @@ def named_study(overrides: Sequence[str]) -> str | None:
     return named[-1] if named else None
 
 
-def short_forms(cfg: Config) -> list[tuple[str, str]]:
-    """(the option as a user types it, the study it names) for each short form the config sets."""
+def implied(cfg: Config) -> list[tuple[str, str]]:
+    """(the option as a user types it, the study it belongs to) for each option of the config that only
+    one study runs: those studies' options are composed with `study=<name>`, which the door adds."""
     found = []
-    if option(cfg.scores.kind) != "none":
-        found.append((f"scores={option(cfg.scores.kind)}", option(cfg.scores.kind)))
-    if option(cfg.circuit.method) != "none":
-        found.append((f"circuit={option(cfg.circuit.method)}", "circuit"))
     if option(cfg.ablate.sweep) == "circuits":
         found.append(("ablate=circuits", "recall_reasoning"))
     if option(cfg.model.kind) == "pathnet":
@@ -84,24 +81,14 @@ def short_forms(cfg: Config) -> list[tuple[str, str]]:
 
 
 def resolve(cfg: Config, named: str | None = None) -> Study:
-    """The study of a `headlab run` config: the one `study=` names (`named`, or any but the default in the
-    config), else the one its short forms name, else the sweep; cfg.study.name is set to it."""
-    if named is None and cfg.study.name != DEFAULT:
-        named = cfg.study.name
-    forms = short_forms(cfg)
-    if named is not None:
-        for form, wanted in forms:
-            if wanted != named:
-                raise UsageError(f"study={named} cannot run with {form}, which belongs to study={wanted}: choose one")
-    else:
-        for form, wanted in forms[1:]:
-            if wanted != forms[0][1]:
-                raise UsageError(
-                    f"{forms[0][0]} runs study={forms[0][1]} but {form} runs study={wanted}: choose one study"
-                )
-    study = get(named or (forms[0][1] if forms else DEFAULT))
-    study.options(cfg)  # bad options are refused before any work
-    cfg.study.name = study.name
+    """The study of a `headlab run` config: the one its `study` options are (`named`, where the caller
+    names one, must be it); refused where an option of the config belongs to another study."""
+    name = cfg.study.name if named is None else named
+    for form, wanted in implied(cfg):
+        if wanted != name:
+            raise UsageError(f"study={name} cannot run with {form}, which belongs to study={wanted}: choose one")
+    study = get(name)
+    study.options(cfg)  # the options composed are this study's
     return study
 
 
@@ -114,14 +101,3 @@ def study_for(command: str, cfg: Config, named: str | None = None) -> Study:
     study = get(command)
     cfg.study.name = study.name
     return study
-
-
-def legacy_hash_holds(command: str, cfg: Config) -> bool:
-    """Whether a run dir from before studies had names may hold this run: its whole-config hash (which
-    knows no study) meant the same study only where the short forms (or the command) chose it."""
-    if cfg.study.options:
-        return False
-    if command != "run":
-        return cfg.study.name == command
-    forms = short_forms(cfg)
-    return cfg.study.name == (forms[0][1] if forms else DEFAULT)

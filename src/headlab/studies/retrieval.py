@@ -2,19 +2,21 @@
 
 Rows:
   per head      intervention "none", method "score", metric retrieval_score: the mean over the prompts whose
-                needle recall exceeds `scores.min_recall` (their number is `n`) of copy-paste events /
-                needle length, during greedy decoding (Wu et al.'s) or teacher-forced (scores.decoding);
+                needle recall exceeds `study.min_recall` (their number is `n`) of copy-paste events /
+                needle length, during greedy decoding (Wu et al.'s) or teacher-forced (study.decoding);
                 95% bootstrap interval over those prompts
   masking       the clean run (intervention "none", method "none"), then intervention "mask_heads", method
-                "zero", site "q", group "top{k}" (the `scores.top_k` best heads masked together) and
-                "random{k}_{draw}" (`scores.n_random` draws of k heads from outside the top
-                max(top_k, `scores.random_outside`)): metrics needle_recall, needle_logprob (teacher-forced
+                "zero", site "q", group "top{k}" (the `study.top_k` best heads masked together) and
+                "random{k}_{draw}" (`study.n_random` draws of k heads from outside the top
+                max(top_k, `study.random_outside`)): metrics needle_recall, needle_logprob (teacher-forced
                 answer) and needle_recall_drop (clean minus masked, paired over prompts)
 meta.json also holds share_above_0.1, the share of heads whose retrieval score exceeds 0.1 (Wu et al.'s
 retrieval heads: 3-6% of the heads of their 6B-14B models), and a few greedy answers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -23,13 +25,14 @@ from .. import results
 from ..analysis.head_sets import avoided_heads, random_heads, top_heads
 from ..analysis.retrieval import masked_quantities, needle_length, retrieval_scores
 from ..config import run_info
+from ..config_rules import COUNT, DECODINGS, NATURAL, OneOf, Range, setting
 from ..errors import HeadlabError, UsageError
 from ..tables import head_name
 from ..tasks import mean_of, nanmean_of
 from ..tasks.needle import NeedleTask
 from ..vocabulary import Site, hook_name
 from .context import RunContext
-from .study import Study
+from .study import Study, StudyOptions
 from .summary import head_table
 
 TOP_HEADS = 10  # named in meta.json
@@ -37,23 +40,45 @@ RETRIEVAL_HEAD = 0.1  # Wu et al. call a head with a retrieval score above this 
 SHOWN_ANSWERS = 3  # greedy answers written to meta.json
 
 
+@dataclass
+class HeadSetOptions(StudyOptions):
+    """The top heads knocked out together, against random draws of as many others (retrieval, induction)."""
+
+    top_k: int = setting(5, COUNT)  # heads masked (retrieval) or zero-ablated (induction) together
+    n_random: int = setting(5, NATURAL)  # draws of as many random other heads, for the baseline
+    # random draws stay out of the top `random_outside` heads by score: Wu et al.'s code draws outside its
+    # top 100 (of 1024 heads); on a model with fewer heads, as many as leave top_k to draw from
+    random_outside: int = setting(100, NATURAL)
+
+
+@dataclass
+class RetrievalOptions(HeadSetOptions):
+    name: str = "retrieval"
+    # a prompt counts towards the retrieval score when its needle recall exceeds this: Wu et al. count a
+    # test when ROUGE-1 recall exceeds 50%; a negative value counts every prompt
+    min_recall: float = setting(0.5, Range(high=1))
+    # greedy: Wu et al.'s copy-paste events while the answer is decoded greedily | teacher_forced: the
+    # answer in one pass
+    decoding: str = setting("greedy", OneOf(DECODINGS))
+
+
 def run(ctx: RunContext) -> pd.DataFrame:
-    cfg, sc = ctx.cfg, ctx.cfg.scores
+    cfg, sc = ctx.cfg, ctx.options
     if sc.n_random < 0:
-        raise UsageError(f"scores.n_random must be 0 or more, not {sc.n_random}")
+        raise UsageError(f"study.n_random must be 0 or more, not {sc.n_random}")
     if not isinstance(ctx.get_task(), NeedleTask):  # before a model is loaded or trained for nothing
-        raise UsageError(f"scores=retrieval needs needle-in-a-haystack prompts (task=needle), not task={cfg.task.name}")
+        raise UsageError(f"study=retrieval needs needle-in-a-haystack prompts (task=needle), not task={cfg.task.name}")
     data = ctx.get_data()
     model, task = ctx.get_model(), ctx.get_task()
     n_total = model.n_layers * model.n_heads
     if not 1 <= sc.top_k <= n_total:
-        raise UsageError(f"scores.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
+        raise UsageError(f"study.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
     with ctx.timed("retrieval"):
         found = retrieval_scores(model, data, decoding=sc.decoding, show_progress=ctx.show_progress)
     counted = found.counted(sc.min_recall)
     if not counted.any():
         raise HeadlabError(
-            f"scores=retrieval: no prompt's needle recall exceeds scores.min_recall={sc.min_recall} (mean "
+            f"study=retrieval: no prompt's needle recall exceeds study.min_recall={sc.min_recall} (mean "
             f"{found.recall.mean():.3f}): {model.name} does not retrieve the needle; -1 counts every prompt"
         )
     info = run_info(cfg)
@@ -150,7 +175,7 @@ STUDY = Study(
     description="retrieval heads on task=needle (Wu et al. 2024): scores, then top heads masked vs random",
     run=run,
     summary=head_table,
-    reads=("model", "task", "train", "scores"),
-    sections=("scores",),
+    reads=("train",),
     figures="scores",
+    schema=RetrievalOptions,
 )

@@ -2,8 +2,7 @@
 
 A run dir is complete when meta.json exists (results.write puts it last), and its config hash says
 which config it holds: a second run of the same config into the same dir returns the stored table. The
-hash covers what the study reads (Study.hash); a run dir written before studies had names holds the
-whole-config hash (config.config_hash), which is still recognised.
+hash is the study's cache key (Study.hash: its name and options, what else it reads, CACHE_VERSION).
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ from pathlib import Path
 import pandas as pd
 
 from .. import results
-from ..config import Config, config_hash
+from ..config import Config
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from .context import RunContext, apply_threads
-from .registry import legacy_hash_holds, study_for
+from .registry import study_for
 from .study import Study
 
 log = logging.getLogger("headlab")
@@ -34,7 +33,7 @@ def already_done(cfg: Config, run_dir: Path, command: str = "run", named: str | 
         stored = json.loads((Path(run_dir) / results.META).read_text()).get("config_hash")
     except json.JSONDecodeError:
         return False
-    return stored == study.hash(cfg) or (legacy_hash_holds(command, cfg) and stored == config_hash(cfg))
+    return stored == study.hash(cfg)
 
 
 def previous_result(cfg: Config, run_dir: Path, command: str, named: str | None) -> pd.DataFrame | None:

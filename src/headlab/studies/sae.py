@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from .. import results
-from ..config import Config, config_hash, option, run_info, to_plain
+from ..config import Config, cache_key, option, run_info, to_plain
 from ..errors import UsageError
 from ..io import atomic_write_bytes, held_exclusively
 from ..locations import text_path
@@ -72,7 +72,7 @@ def sae_dir(cfg: Config) -> Path:
     plain = to_plain(cfg)
     plain["task"] = {k: v for k, v in plain["task"].items() if k not in ("n_reference",)}
     plain["sae"] = {k: v for k, v in plain["sae"].items() if k not in DISPLAY_KEYS}
-    digest = config_hash(plain, ("model", "task", "train", "seed", "sae"))
+    digest = cache_key({k: plain[k] for k in ("model", "task", "train", "seed", "sae")})
     name = f"{cfg.model.name}-L{cfg.sae.layer}-{option(cfg.sae.architecture)}-{digest}"
     return Path(cfg.output.root) / "saes" / name
 

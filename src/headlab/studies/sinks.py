@@ -2,12 +2,12 @@
 with 95% bootstrap intervals over prompts.
 
 Rows: intervention "none", method "score", per layer and head; metrics sink_rate (queries with more than
-`scores.epsilon` of their attention on the first token), first_token_attention, and the hidden sinks of
-Yu et al. 2024 (tokens after the first receiving more than `scores.alpha` / N): hidden_sink_count,
+`study.epsilon` of their attention on the first token), first_token_attention, and the hidden sinks of
+Yu et al. 2024 (tokens after the first receiving more than `study.alpha` / N): hidden_sink_count,
 hidden_sink_share and hidden_sink_mass; and Gu et al. 2024's first-token attention over all the queries,
 gu_first_token_attention, with its sink-head indicator gu_sink. One model-level row more (layer and head
 empty): metric sink_1, Gu et al.'s Sink_1^epsilon in %, with the epsilon in its column `epsilon`; with
-`scores.seq_len=64` the prompts are their sequences of 64 tokens exactly. meta.json names the top heads
+`study.seq_len=64` the prompts are their sequences of 64 tokens exactly. meta.json names the top heads
 of each kind and the positions and tokens most often hidden sinks. The calibration of a head's sink is an
 intervention of the sweep:
 `ablate=sink_calibration`.
@@ -15,6 +15,7 @@ intervention of the sweep:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,32 +24,51 @@ import pandas as pd
 from .. import results
 from ..analysis.sinks import SINK_QUANTITIES, exact_length, most_often, sink_1, sink_scores
 from ..config import run_info
+from ..config_rules import NATURAL, POSITIVE, SHARE, setting
 from ..errors import UsageError
 from ..tables import head_name
 from ..tasks import mean_of
 from ..vocabulary import Site, hook_name
 from .context import RunContext
-from .study import Study
+from .study import Study, StudyOptions
 from .summary import head_table
 
 TOP_HEADS = 5  # named in meta.json
 
 
+@dataclass
+class SinksOptions(StudyOptions):
+    name: str = "sinks"
+    # a query is a sink query when more than epsilon of its attention is on the first token: Gu et al.
+    # 2024's Sink_1^epsilon with their epsilon, 0.3
+    epsilon: float = setting(0.3, SHARE)
+    # a token after the first is a hidden sink of a head when the attention it receives, averaged over the
+    # queries that see it, exceeds alpha / N, N the prompt's length: Yu et al. 2024's alpha, 5
+    alpha: float = setting(5.0, POSITIVE)
+    # 0: the paper's alpha / N; > 0: a fixed threshold instead, whatever N (ACT's released code uses 0.1)
+    hidden_threshold: float = setting(0.0, SHARE)
+    # Gu et al.'s sequences of T tokens exactly (their T: 64, with task=text): prompts cut to their first
+    # seq_len tokens, those shorter left out (a note says how many). 0: the prompts as the task gives them,
+    # since most tasks' prompts (IOI's ~15 tokens) are shorter than 64
+    seq_len: int = setting(0, NATURAL)
+
+
 def run(ctx: RunContext) -> pd.DataFrame:
     cfg = ctx.cfg
     model, data = ctx.get_model(), ctx.get_data()
-    seq_len = cfg.scores.seq_len
+    opts: SinksOptions = ctx.options
+    seq_len = opts.seq_len
     if seq_len:
         given = data.n
         data = exact_length(data, seq_len)
         if data.n == 0:
             raise UsageError(
-                f"sinks: no prompt has scores.seq_len={seq_len} tokens (the longest task.seq_len allows counts)"
+                f"sinks: no prompt has study.seq_len={seq_len} tokens (the longest task.seq_len allows counts)"
             )
         if data.n < given:
             ctx.note(f"sinks: {given - data.n} of {given} prompts have fewer than {seq_len} tokens, left out")
     with ctx.timed("sinks"):
-        scores = sink_scores(model, data, cfg.scores.epsilon, cfg.scores.alpha, fixed=cfg.scores.hidden_threshold)
+        scores = sink_scores(model, data, opts.epsilon, opts.alpha, fixed=opts.hidden_threshold)
     labels = [
         {
             "intervention": "none",
@@ -67,7 +87,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     model_row = [{"intervention": "none", "method": "score", "layer": None, "head": None}]
     shares = sink_1(scores).numpy().astype(np.float64)[None, :, None]
     overall = results.tidy(run_info(cfg), model_row, shares, ("sink_1",), {}, {"sink_1": mean_of(0)}, cfg.output.n_boot)
-    table = results.conform(pd.concat([table, overall.assign(epsilon=cfg.scores.epsilon)], ignore_index=True))
+    table = results.conform(pd.concat([table, overall.assign(epsilon=opts.epsilon)], ignore_index=True))
     mean = scores.quantities.mean(1)  # [heads, quantities]
     for key, name in (("top_sink_heads", "sink_rate"), ("top_hidden_sink_heads", "hidden_sink_mass")):
         column = mean[:, SINK_QUANTITIES.index(name)]
@@ -81,9 +101,9 @@ def run(ctx: RunContext) -> pd.DataFrame:
     ctx.meta.update(
         {
             "n_prompts": data.n,
-            "epsilon": cfg.scores.epsilon,
-            "alpha": cfg.scores.alpha,
-            "hidden_rule": f"> {cfg.scores.hidden_threshold:g}" if cfg.scores.hidden_threshold else "> alpha / N",
+            "epsilon": opts.epsilon,
+            "alpha": opts.alpha,
+            "hidden_rule": f"> {opts.hidden_threshold:g}" if opts.hidden_threshold else "> alpha / N",
             "seq_len": seq_len or None,
             "model_family": model.family,
         }
@@ -103,7 +123,7 @@ STUDY = Study(
     description="attention sinks per head: sink rate, first-token attention, hidden sinks (Yu et al. 2024)",
     run=run,
     summary=head_table,
-    reads=("model", "task", "train", "scores"),
-    sections=("scores",),
+    reads=("train",),
     figures="scores",
+    schema=SinksOptions,
 )

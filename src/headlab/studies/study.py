@@ -9,15 +9,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from ..config import Config, config_hash, to_plain
+from ..config import Config, cache_key, to_plain
 from ..errors import UsageError
 from .context import RunContext
 
-# every study's table depends on these, whatever else it reads
-ALWAYS_READ = ("study", "name", "seed", "device")
+# every study's table depends on these besides its own options, whatever else it reads
+ALWAYS_READ = ("model", "task", "name", "seed", "device")
+
+
+@dataclass
+class StudyOptions:
+    """The options every study has (`study.name`); a study's own options subclass it, in its module."""
+
+    name: str = "sweep"
 
 
 @dataclass(frozen=True)
@@ -26,32 +31,29 @@ class Study:
     description: str  # one line, for `headlab list study`
     run: Callable[[RunContext], pd.DataFrame]  # the tidy table; what it adds to meta.json goes into ctx.meta
     summary: Callable[[pd.DataFrame, int], None]  # prints the table for eyes (rich), at most that many rows
-    # the top-level config keys the study reads: its run's hash covers these (and ALWAYS_READ), so a
-    # change elsewhere does not redo it
-    reads: tuple[str, ...]
-    # the config sections that hold its options: the Python API looks a bare keyword up there first
+    # the other config groups the study reads (ablate, patch, train, sae): its run's key covers these, its
+    # own options and ALWAYS_READ, so a change elsewhere does not redo it
+    reads: tuple[str, ...] = ()
+    # the config sections besides `study` that hold its options: the Python API looks a bare keyword up
+    # in `study`, then there
     sections: tuple[str, ...] = ()
     figures: str | None = None  # the figure set drawn after every run (figures/registry.py)
-    # the dataclass typing `study.options`, for a study whose options have no section of their own
-    schema: type | None = None
+    # its options (`study.<option>`), a StudyOptions subclass in its module; the registry hands it to Hydra
+    # as study/base_<name>
+    schema: type = StudyOptions
 
     def hash(self, cfg: Config) -> str:
+        """The run's cache key: this study's name and options, what else it reads, and CACHE_VERSION."""
         plain = to_plain(cfg)
-        plain["study"] = {**plain["study"], "name": self.name}  # whether or not cfg was resolved yet
-        return config_hash(plain, (*ALWAYS_READ, *self.reads))
+        parts = {key: plain.get(key) for key in (*ALWAYS_READ, *self.reads)}
+        return cache_key({**parts, "study": {**plain["study"], "name": self.name}})
 
     def options(self, cfg: Config) -> Any:
-        """`study.options` typed by the schema (None without one); an unknown key or a wrong type is refused."""
-        if self.schema is None:
-            if cfg.study.options:
-                raise UsageError(f"study={self.name} takes no study.options (given: {', '.join(cfg.study.options)})")
-            return None
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(self.schema), dict(cfg.study.options))
-            return OmegaConf.to_object(merged)
-        except OmegaConfBaseException as e:
-            key = getattr(e, "full_key", None) or "options"
-            raise UsageError(f"study={self.name}: study.options.{key}: {str(e).splitlines()[0]}") from None
+        """cfg.study, which is this study's options once composed with `study=<name>`."""
+        if not isinstance(cfg.study, self.schema):
+            given = type(cfg.study).__name__
+            raise UsageError(f"study={self.name} needs its own options ({self.schema.__name__}), not {given}")
+        return cfg.study
 
     def option_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self.schema)) if self.schema else ()
+        return tuple(f.name for f in dataclasses.fields(self.schema) if f.name != "name")

@@ -1,11 +1,13 @@
 """The plain sweep: every intervention the config plans (ablations, patching), one tidy table, and its
 layer x head heatmaps (figures/heads_<metric>.png).
 
-Optionally with each head's attention per token (attention_by_token) and head-class scores
-(head_scores; sequence_scores=false leaves their random-token ones out) in the same table.
+Optionally with each head's attention per token (study.attention_by_token) and head-class scores
+(study.head_scores; study.sequence_scores=false leaves their random-token ones out) in the same table.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -28,12 +30,22 @@ from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData, mean_of, nanmean_of, nanmean_ratio_of
 from ..vocabulary import Site, hook_name
 from .context import RunContext
-from .study import Study
+from .study import Study, StudyOptions
 from .summary import head_table
 
 
+@dataclass
+class SweepOptions(StudyOptions):
+    """The sweep's own options; its interventions are the ablate= and patch= groups'."""
+
+    name: str = "sweep"
+    attention_by_token: bool = False  # add each head's mean attention, from the first read position, per token
+    head_scores: bool = False  # add head-class scores (previous-token, induction, copy, ...; analysis/scores.py)
+    sequence_scores: bool = True  # with head_scores, the repeated-random-token ones too; false: the IOI ones alone
+
+
 def run(ctx: RunContext) -> pd.DataFrame:
-    cfg = ctx.cfg
+    cfg, opts = ctx.cfg, ctx.options
     task, model, data = ctx.get_task(), ctx.get_model(), ctx.get_data()
     scales, scales_at = None, None
     uniform = option(cfg.ablate.sweep) == "uniform"
@@ -41,7 +53,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         scales = uniform_scales(head_output_norms(model, data))
         roles = data.token_positions or {}
         scales_at = {r: uniform_scales(head_output_norms(model, data, roles[r])) for r in data.read_roles()}
-    if cfg.head_scores:
+    if opts.head_scores:
         from ..analysis.scores import has_ioi_roles
 
         if not has_ioi_roles(data):  # said before the sweep, not discovered after it
@@ -85,15 +97,15 @@ def run(ctx: RunContext) -> pd.DataFrame:
             n_boot=cfg.output.n_boot,
             per_prompt=cfg.output.per_prompt,
         )
-        if cfg.attention_by_token:
+        if opts.attention_by_token:
             df = results.conform(pd.concat([df, attention_table(cfg, task, model, data, info)]))
         if uniform:
             df = results.conform(pd.concat([df, norm_table(cfg, model, data, info)]))
-    if cfg.head_scores:
+    if opts.head_scores:
         from ..analysis.scores import score_table
 
         with ctx.timed("head_scores"):
-            scores = score_table(model, data, info, cfg.output.n_boot, cfg.seed, sequences=cfg.sequence_scores)
+            scores = score_table(model, data, info, cfg.output.n_boot, cfg.seed, sequences=opts.sequence_scores)
         df = results.conform(pd.concat([df, scores], ignore_index=True))
     ctx.meta.update({"n_interventions": len(interventions), "n_prompts": data.n, "model_family": model.family})
     return df
@@ -140,17 +152,8 @@ STUDY = Study(
     description="every intervention ablate= and patch= plan (heads, layers, patching, ...), per metric",
     run=run,
     summary=head_table,
-    reads=(
-        "model",
-        "task",
-        "train",
-        "ablate",
-        "patch",
-        "engine",
-        "attention_by_token",
-        "head_scores",
-        "sequence_scores",
-    ),
+    reads=("train", "ablate", "patch", "engine"),
     sections=("ablate", "patch"),
+    schema=SweepOptions,
     figures="heads",  # layer x head heatmaps of every head sweep, per metric
 )

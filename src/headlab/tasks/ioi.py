@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import IOIConfig
+from ..config_rules import COUNT, OneOf, at_least, setting
 from ..errors import HeadlabError
-from .base import PRETRAINED_DEFAULTS, Task, TaskData, mean_of, right_padded
+from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, mean_of, right_padded
 
 log = logging.getLogger("headlab")
 
@@ -65,6 +65,20 @@ ROLES = ("IO", "S1", "S2", "END")
 
 
 @dataclass
+class IOIConfig(TaskConfig):
+    name: str = "ioi"
+    n_prompts: int = 100  # 270 heads of smollm2-135m x 100 prompts: ~10 min on 2 CPU cores (500: ~45 min)
+    templates: str = setting("both", OneOf(("baba", "abba", "both")))  # baba | abba | both
+    names: list[str] | None = None  # default: headlab's list of ~130 common first names
+    min_names: int = setting(20, COUNT)  # fewer single-token names than this stops the run
+    held_out_every: int = setting(5, at_least(2))  # every k-th name is never trained on (models trained here)
+    # names (all but the held-out) | vocab (every capitalised word token but them)
+    train_names: str = setting("names", OneOf(("names", "vocab")))
+    eval_names: str = setting("all", OneOf(("all", "held_out", "train")))  # all | held_out | train
+    prepend_bos: bool = True
+
+
+@dataclass
 class Prompts:
     ids: Tensor  # [n, pos], right-padded
     roles: dict[str, Tensor]  # role -> [n] position
@@ -74,6 +88,7 @@ class Prompts:
 
 class IOITask(Task):
     name = "ioi"
+    options = IOIConfig
     quantities = ("logit_diff", "io_prob", "correct")
     smooth_quantity = "logit_diff"
     needs_tokenizer = True

@@ -18,9 +18,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import MarkovConfig
+from ..config_rules import COUNT, NON_NEGATIVE, SHARE, setting
 from ..errors import UsageError
-from .base import Task
+from .base import Task, TaskConfig
+
+
+@dataclass
+class MarkovConfig(TaskConfig):
+    name: str = "markov"
+    n_prompts: int = 1000  # test chains
+    n_train: int = setting(100, COUNT)
+    n_steps: int = setting(30, COUNT)
+    n_features: int = setting(200, COUNT)
+    p_stay_plus: float = setting(0.7, SHARE)  # label +1: probability of staying in the state
+    p_stay_minus: float = setting(0.3, SHARE)  # label -1
+    noise_label: float = setting(1.0, NON_NEGATIVE)  # noise strength along v+ - v-
+    noise_common: float = setting(1.0, NON_NEGATIVE)  # along v+ + v-
+    noise_orthogonal: float = setting(1.0, NON_NEGATIVE)  # in the complement of both (the paper's perpendicular noise)
 
 
 @dataclass
@@ -36,6 +50,7 @@ class MarkovData:
 
 class MarkovTask(Task):
     name = "markov"
+    options = MarkovConfig
     quantities = ()
     aggregates: dict = {}
     cfg: MarkovConfig

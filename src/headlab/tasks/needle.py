@@ -25,15 +25,16 @@ fresh haystacks and needles at the same depths, so every role sits where it sits
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..config import NeedleConfig
+from ..config_rules import COUNT, NEEDLES, Joint, OneOf, setting
 from ..errors import UsageError
 from ..locations import text_path
-from .base import PRETRAINED_DEFAULTS, Task, TaskData, mean_of
+from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, mean_of
 from .needle_facts import FactNeedles
 
 PAD, BOS, KEY, ASK = range(4)
@@ -53,6 +54,27 @@ HAY_RULE = 0.9
 MIN_TRAIN_HAYSTACK = 6
 
 
+@dataclass
+class NeedleConfig(TaskConfig):
+    """Needle in a haystack (tasks/needle.py): random needle tokens hidden in a haystack, asked for at the end."""
+
+    name: str = "needle"
+    n_prompts: int = 200
+    n_reference: int = 200
+    # a text file (pretrained models): one long text, tokenized and cut into haystacks; null: random tokens
+    haystack: str | None = None
+    haystack_len: int = setting(48, COUNT)  # haystack tokens per prompt (the needle and its statement come on top)
+    needle_len: int = setting(6, COUNT)
+    n_symbols: int = setting(64, COUNT)  # models trained here: ordinary tokens of the task's own vocabulary
+    # models with a tokenizer: random (needle_len random ordinary tokens after "The secret sequence is:") |
+    # sentences (a fact, e.g. "The best thing to do in San Francisco is to eat a sandwich ...", asked
+    # for at the end as Wu et al.'s needles are; the needle is its answer's first needle_len tokens)
+    needles: str = setting("random", OneOf(NEEDLES))
+    JOINT: ClassVar[tuple[Joint, ...]] = (
+        ("n_symbols", lambda c: c.n_symbols >= c.needle_len, "at least task.needle_len"),
+    )
+
+
 def needle_role(j: int) -> str:
     return f"NEEDLE{j}"
 
@@ -63,6 +85,7 @@ def copy_role(j: int) -> str:
 
 class NeedleTask(Task):
     name = "needle"
+    options = NeedleConfig
     quantities = ("needle_recall", "needle_logprob")
     smooth_quantity = "needle_logprob"
     cfg: NeedleConfig

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import NeedleConfig
 from ..errors import UsageError
 
 
@@ -97,7 +96,7 @@ class FactPrompts:
 class FactNeedles:
     """Prompts from FACTS over the haystack `text` (token ids) of a model's tokenizer."""
 
-    def __init__(self, cfg: NeedleConfig, tokenizer: Any, text: Tensor | None, bos: list[int]):
+    def __init__(self, cfg: Any, tokenizer: Any, text: Tensor | None, bos: list[int]):
         if text is None:
             raise UsageError("task.needles=sentences needs a text haystack: task.haystack=<text file>")
         encode = lambda s: torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa: E731

@@ -40,13 +40,29 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import PromptsConfig
-from ..config_rules import MULTI_TOKEN, PEER_CHOICES, PEERS
+from ..config_rules import MULTI_TOKEN, NATURAL, PEER_CHOICES, PEERS, PROMPT_FORMATS, OneOf, setting
 from ..errors import HeadlabError, UsageError
-from .base import PRETRAINED_DEFAULTS, Aggregate, Inputs, Task, TaskData, mean_of, right_padded
+from .base import PRETRAINED_DEFAULTS, Aggregate, Inputs, Task, TaskConfig, TaskData, mean_of, right_padded
 from .formats import Answer, Prompt, Record, read_as, short, to_record
 
 BASELINE_MB = 256  # logits held at once by build()'s clean and corrupted forward passes
+
+
+@dataclass
+class PromptsConfig(TaskConfig):
+    """Your own prompts: clean / corrupted pairs with answers, from a file (tasks/prompts.py)."""
+
+    name: str = "prompts"
+    n_prompts: int = setting(0, NATURAL)  # the file's first n rows; 0: every row 0: every row of the file
+    path: str | None = None  # JSONL, CSV, auto-circuit JSON, EAP-IG CSV or MIB rows
+    # auto (by extension and fields) | jsonl | csv | autocircuit | eap_ig | mib
+    format: str = setting("auto", OneOf(PROMPT_FORMATS))
+    # an answer of several tokens: refuse | first (its first token)
+    multi_token: str = setting("refuse", OneOf(MULTI_TOKEN))
+    counterfactual: str | None = None  # MIB: which counterfactual field is the corrupted prompt
+    # whose logit difference scores the prompts (patching_score, circuits): auto (the peer whose format the
+    # file is in: autocircuit, eap_ig, mib; none for jsonl / csv) | none (headlab's logit_diff) | a peer
+    peer: str = setting("auto", OneOf(PEER_CHOICES))
 
 
 @dataclass
@@ -97,6 +113,7 @@ def quantities_at(logits: Tensor, answer: Tensor, wrong: Tensor, peer: str | Non
 
 class PromptsTask(Task):
     name = "prompts"
+    options = PromptsConfig
     quantities: tuple[str, ...] = ("logit_diff", "answer_prob", "correct")
     smooth_quantity = "logit_diff"
     needs_tokenizer = True

@@ -18,15 +18,15 @@ resampling): fresh prompts of the same kind, meaned per kind.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import RecallReasoningConfig
+from ..config_rules import COUNT, NATURAL, SHARE, OneOf, at_least, setting
 from ..errors import HeadlabError, UsageError
-from .base import Task, TaskData, right_padded
+from .base import Task, TaskConfig, TaskData, right_padded
 
 PAD, BOS, IS, ARROW, SEP, QUERY, QUERY1 = range(7)
 SPECIAL = ("[PAD]", "[BOS]", "=", ">", ".", "?", "?1")  # ?1: a one-hop question, a training curriculum only
@@ -48,6 +48,26 @@ CONTEXT_CLASSES = (
     "one-hop ?1",
     "one-hop query",
 )
+
+
+@dataclass
+class RecallReasoningConfig(TaskConfig):
+    name: str = "recall_reasoning"
+    n_prompts: int = setting(400, at_least(2))  # half recall, half reasoning
+    # synthetic (a world for models trained here) | facts (pretrained LMs)
+    source: str = setting("synthetic", OneOf(("synthetic", "facts")))
+    n_entities: int = setting(40, COUNT)
+    n_relations: int = setting(3, COUNT)
+    n_values: int = setting(10, COUNT)
+    world_seed: int = 0  # the synthetic world's facts; the same for training and evaluation
+    recall_fraction: float = setting(0.3, SHARE)  # share of fact statements in the training stream
+    one_hop_fraction: float = setting(0.2, SHARE)  # share of one-hop problems after one_hop_steps
+    # training steps with one-hop problems only (besides facts): the curriculum
+    one_hop_steps: int = setting(2000, NATURAL)
+    prepend_bos: bool = True  # facts: start each prompt with the tokenizer's BOS token
+    # facts: "statements" (cloze sentences, transitive / two-hop reasoning) | "questions" (the paper's Q/A pairs:
+    # a recall question and a reasoning question over the same country, tasks/facts.py question_pairs)
+    facts_style: str = setting("statements", OneOf(("statements", "questions")))
 
 
 def _kind_mean(column: int, kind: int):
@@ -81,6 +101,7 @@ def other_kind(data: TaskData) -> TaskData:
 
 class RecallReasoningTask(Task):
     name = "recall_reasoning"
+    options = RecallReasoningConfig
     quantities = ("correct", "margin")
     smooth_quantity = "margin"
     cfg: RecallReasoningConfig

@@ -1,43 +1,63 @@
-"""The built-in tasks by name."""
+"""Every task by name (`task=<name>`): each module of this package that defines a Task subclass with a
+`name` is a built-in task, found by its module alone; a task from outside the package (a plugin, a test)
+enters with register(). A task's options are its class's `options` dataclass, which the door hands to
+Hydra as `task/base_<name>`, so adding a task is writing its module and its configs/task/<name>.yaml."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import inspect
+import pkgutil
+from functools import cache
 from typing import Any
 
-from ..config import TaskConfig
+from ..config import option_source
 from ..errors import UsageError
 from .base import Task
 
+REGISTERED: dict[str, type[Task]] = {}  # tasks from outside the package, by register()
 
-def registry() -> dict[str, Callable[[Any], Task]]:
-    """Task name -> its class, which takes the task's config (config.py: TaskConfig and subclasses)."""
-    from .counting import CountingTask
-    from .ioi import IOITask
-    from .markov import MarkovTask
-    from .needle import NeedleTask
-    from .prompts import PromptsTask
-    from .recall_reasoning import RecallReasoningTask
-    from .text import TextTask
 
-    return {
-        "counting": CountingTask,
-        "ioi": IOITask,
-        "markov": MarkovTask,
-        "needle": NeedleTask,
-        "prompts": PromptsTask,
-        "recall_reasoning": RecallReasoningTask,
-        "text": TextTask,
-    }
+@cache
+def builtin() -> dict[str, type[Task]]:
+    """The tasks defined in this package's modules, imported on first use."""
+    package = importlib.import_module(__package__)
+    found: dict[str, type[Task]] = {}
+    for module in pkgutil.iter_modules(package.__path__):
+        loaded = importlib.import_module(f"{__package__}.{module.name}")
+        for _, cls in inspect.getmembers(loaded, inspect.isclass):
+            if issubclass(cls, Task) and cls.__module__ == loaded.__name__ and "name" in vars(cls):
+                found[cls.name] = cls
+    return found
+
+
+def registry() -> dict[str, type[Task]]:
+    """Task name -> its class, which takes the task's options (its `options` dataclass)."""
+    return {**builtin(), **REGISTERED}
+
+
+def register(task: type[Task]) -> type[Task]:
+    """Add a task defined outside headlab (its YAML in a config dir: configs/task/, or HEADLAB_CONFIG_DIR's);
+    usable as a class decorator."""
+    if task.name in builtin():
+        raise UsageError(f"task {task.name} is built in; choose another name")
+    REGISTERED[task.name] = task
+    return task
+
+
+@option_source
+def task_options() -> list[tuple[str, str, type]]:
+    return [("task", name, task.options) for name, task in registry().items()]
 
 
 def task_names() -> list[str]:
     return sorted(registry())
 
 
-def build_task(cfg: TaskConfig) -> Task:
+def build_task(cfg: Any) -> Task:
     """The task a config names (cfg.name), built from that config."""
     known = registry()
     if cfg.name not in known:
         raise UsageError(f"unknown task '{cfg.name}'; choose from: {', '.join(sorted(known))}")
-    return known[cfg.name](cfg)
+    task: Any = known[cfg.name]  # each task's constructor takes its own options
+    return task(cfg)

@@ -23,6 +23,7 @@ of 128 GPT-2 tokens: 1.6 GB), besides the stacked activations that `engine.chunk
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,15 +31,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..config import TextConfig
+from ..config_rules import NATURAL, at_least, setting
 from ..errors import HeadlabError, UsageError
 from ..locations import text_path
-from .base import PRETRAINED_DEFAULTS, Task, TaskData, right_padded
+from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, right_padded
 
 log = logging.getLogger("headlab")
 
 IGNORE = -100  # target of a padded position: no loss there
 LOSS_SLICE_ELEMENTS = 2**24  # logits per slice of the loss (64 MB in float32)
+
+
+@dataclass
+class TextConfig(TaskConfig):
+    """Next-token cross-entropy over a text: one document per line of a file or per .txt file of a dir."""
+
+    name: str = "text"
+    n_prompts: int = setting(0, NATURAL)  # documents; 0: every document 0: every document
+    path: str | None = None
+    # tokens per document at most (the tokenizer's BOS included) a next token to predict after the first
+    seq_len: int = setting(128, at_least(2))
 
 
 def mean_loss(quantities: np.ndarray, _answers: dict[str, np.ndarray]) -> np.ndarray:
@@ -48,6 +60,7 @@ def mean_loss(quantities: np.ndarray, _answers: dict[str, np.ndarray]) -> np.nda
 
 class TextTask(Task):
     name = "text"
+    options = TextConfig
     quantities = ("loss_sum", "n_tokens")
     smooth_quantity = "loss_sum"
     needs_tokenizer = True

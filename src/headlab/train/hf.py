@@ -10,11 +10,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ..config import ModelConfig, TrainConfig
 from ..errors import HeadlabError
 from ..io import atomic_write_bytes
+from ..models.loading import ModelConfig
 from ..tasks import Task
 from .loop import adamw, fit_loop
+from .options import TrainConfig
 
 log = logging.getLogger("headlab")
 

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..config import LossPositions, option
+from ..config import option
 from ..io import has_state, load_state, optimizer_groups, optimizer_tensors, restore_optimizer, save_state
 from ..progress import progress_bar
 from ..tasks import Task
+from .options import LossPositions
 
 log = logging.getLogger("headlab")
 STATE = "state"

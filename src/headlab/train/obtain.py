@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import models
-from ..config import Config, config_hash, option, to_plain
+from ..config import Config, cache_key, option, to_plain
 from ..errors import HeadlabError
 from ..models.hooked import HookedModel, torch_dtype
 from ..tasks import Task
@@ -26,7 +26,7 @@ def checkpoint_dir(cfg: Config) -> Path:
     plain["task"] = {k: v for k, v in plain["task"].items() if k not in EVALUATION_KEYS}
     # weights are trained in float32, whatever dtype and devices they later run in
     plain["model"] = {k: v for k, v in plain["model"].items() if k != "device_map"} | {"dtype": "float32"}
-    digest = config_hash(plain, CHECKPOINT_KEYS)
+    digest = cache_key({k: plain[k] for k in CHECKPOINT_KEYS})
     return Path(cfg.output.root) / "checkpoints" / f"{cfg.model.name}-{cfg.task.name}-seed{cfg.seed}-{digest}"
 
 

@@ -9,14 +9,16 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from ..config import ModelConfig, TrainConfig, option
+from ..config import option
 from ..errors import HeadlabError
 from ..io import held_exclusively
 from ..models.hooked import HookedModel
+from ..models.loading import ModelConfig
 from ..models.toy import ToyConfig, ToyTransformer, hooked_toy, load_toy, save_toy
 from ..tasks import Task
 from .hf import train_hf
 from .loop import adamw, fit_loop
+from .options import TrainConfig
 
 log = logging.getLogger("headlab")
 
