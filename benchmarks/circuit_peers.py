@@ -68,7 +68,7 @@ import torch
 
 from bench_models import save_gpt2
 from circuit_speed import pearson
-from headlab.edges.attribution import scores
+from headlab.edges.eap import scores
 from headlab.edges.graph import EdgeGraph
 from headlab.models.hf import load_hf
 from headlab.runtime import tune_allocator

@@ -104,7 +104,7 @@ from bench_models import (
     reset_peak,
     status_kb,
 )
-from headlab.edges.attribution import scores
+from headlab.edges.eap import scores
 from headlab.edges.exact import exact_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.runtime import tune_allocator

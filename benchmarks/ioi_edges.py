@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from headlab.edges.attribution import scores
+from headlab.edges.eap import scores
 from headlab.edges.exact import exact_scores
 from headlab.edges.faithfulness import measure
 from headlab.edges.graph import EdgeGraph

@@ -49,7 +49,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from bench_models import LogitDiff, build_hooked_transformer, cuda_missing, make_data, reset_peak, status_kb
 from circuit_speed import tl_loop, tl_sample
-from headlab.edges.attribution import scores
+from headlab.edges.eap import scores
 from headlab.edges.graph import EdgeGraph
 from headlab.interventions import CLEAN, Intervention
 from headlab.interventions.engine import execute

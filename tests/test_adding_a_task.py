@@ -17,8 +17,8 @@ import torch
 
 import headlab
 from conftest import error_line, run_headlab
-from headlab.composition import group_options
 from headlab.config import config_dir
+from headlab.door import group_options
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
 from headlab.studies.context import EVAL_SEED_OFFSET
 from headlab.tasks import registry as task_registry

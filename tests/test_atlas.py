@@ -225,7 +225,7 @@ def test_atlas_page_in_headless_chromium(llama_atlas, tmp_path):
 def test_the_study_yaml_holds_the_options_defaults():
     import dataclasses
 
-    from headlab.composition import compose
+    from headlab.door import compose
     from headlab.studies.atlas_probes import AtlasOptions
 
     assert dataclasses.asdict(compose(["study=atlas"]).study) == dataclasses.asdict(AtlasOptions())

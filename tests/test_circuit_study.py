@@ -12,7 +12,7 @@ import torch
 
 import headlab
 from conftest import error_line, run_headlab
-from headlab.edges.attribution import scores
+from headlab.edges.eap import scores
 from headlab.edges.graph import EdgeGraph
 
 

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from conftest import error_line, run_headlab
-from headlab import config_rules, sweeps
-from headlab.composition import compose, group_options, launcher_of, validate_overrides
+from headlab import config_rules, multirun
 from headlab.config import GROUPS, Config, config_dir
 from headlab.config_rules import Each, Matches, OneOf, Range, rule_for
+from headlab.door import compose, group_options, launcher_of, validate_overrides
 from headlab.errors import UsageError
 
 # numeric options that take any value of their type: seeds, and targets a metric is compared with
@@ -248,11 +248,11 @@ def test_a_controller_that_fails_or_hangs_is_named_with_what_failed(tmp_path, mo
     with pytest.raises(
         UsageError, match="slurm_gpu: the SLURM controller cannot be reached: sinfo failed: sinfo: error"
     ):
-        sweeps.check_cluster(*launcher_of(raw))
+        multirun.check_cluster(*launcher_of(raw))
     fake_sinfo(tmp_path, "exec sleep 30")
-    monkeypatch.setattr(sweeps, "CLUSTER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(multirun, "CLUSTER_TIMEOUT_S", 0.5)
     with pytest.raises(UsageError, match="sinfo did not answer within 0.5 s"):
-        sweeps.check_cluster(*launcher_of(raw))
+        multirun.check_cluster(*launcher_of(raw))
     fake_sinfo(tmp_path, "echo debug")
-    sweeps.check_cluster(*launcher_of(raw))  # a controller that answers: the sweep goes on
+    multirun.check_cluster(*launcher_of(raw))  # a controller that answers: the sweep goes on
     assert launcher_of(validate_overrides(["seed=0,1"])[0])[1] == ""  # the basic launcher probes nothing

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 import edge_reference as ref
-from headlab.composition import compose
-from headlab.edges.attribution import scores
+from headlab.door import compose
+from headlab.edges.eap import scores
 from headlab.edges.exact import circuit_metric, exact_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.edges.record import metric_column

@@ -21,14 +21,14 @@ from conftest import counting_cfg, run_headlab
 from headlab.errors import HeadlabError
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
 from headlab.sae.activations import Corpus, corpus_z, stream, task_corpus
-from headlab.sae.attribution import (
+from headlab.sae.export import load_sae, save_sae
+from headlab.sae.fit import STATE, fit, resample
+from headlab.sae.head_attribution import (
     decoder_head_shares,
     direct_feature_attribution,
     head_polysemanticity,
     top_activations,
 )
-from headlab.sae.export import load_sae, save_sae
-from headlab.sae.fit import STATE, fit, resample
 from headlab.sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
 from headlab.sae.relu_l1 import ReluL1Config, ReluL1SAE
 from headlab.sae.topk import TopKConfig, TopKEncode, TopKSAE

@@ -17,8 +17,8 @@ import pytest
 import headlab
 from conftest import ROOT, error_line, run_headlab
 from headlab import config, results
-from headlab.composition import compose, group_options
 from headlab.config import run_info
+from headlab.door import compose, group_options
 from headlab.studies import registry
 from headlab.studies.runner import already_done
 from headlab.train.obtain import checkpoint_dir

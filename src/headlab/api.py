@@ -24,9 +24,9 @@ from typing import Any
 import pandas as pd
 from omegaconf import OmegaConf
 
-from .composition import compose as compose_config
-from .composition import compose_checked, group_options, option_overrides
 from .config import Config
+from .door import compose as compose_config
+from .door import compose_checked, group_options, option_overrides
 from .errors import UsageError
 from .interventions import CLEAN, Intervention
 

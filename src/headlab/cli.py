@@ -18,8 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .composition import expand_short_forms, group_options, launcher_of, typed, validate_overrides
 from .config import GROUPS, Config, config_dir
+from .door import expand_short_forms, group_options, launcher_of, typed, validate_overrides
 from .errors import HeadlabError, Interrupted, UsageError
 from .io import atomic_write_bytes
 
@@ -41,7 +41,7 @@ def _hydra_run(overrides: list[str], task_function: Callable) -> None:
 
     entry = hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(task_function)
 
-    from . import sweeps
+    from . import multirun
 
     argv = sys.argv
     sys.argv = ["headlab", *overrides, "--multirun"]
@@ -52,9 +52,9 @@ def _hydra_run(overrides: list[str], task_function: Callable) -> None:
         code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.argv = argv
-    sweep_dir = sweeps.last_sweep_dir()
+    sweep_dir = multirun.last_sweep_dir()
     if sweep_dir is not None and sweep_dir.is_dir():
-        jobs = sweeps.summarize(sweep_dir)
+        jobs = multirun.summarize(sweep_dir)
         out.print(
             f"sweep {sweep_dir}: {len(jobs['done'])} done, {len(jobs['skipped'])} skipped, "
             f"{len(jobs['failed'])} failed",
@@ -110,8 +110,8 @@ def _job(command: str, cfg: DictConfig) -> str:
 def _sweep(overrides: list[str], task_function: Callable, command: str) -> None:
     """A multirun: every job's config (and the one study it runs) and the launcher's cluster checked
     here, then Hydra's."""
+    from .multirun import check_cluster
     from .studies.registry import named_study, study_for
-    from .sweeps import check_cluster
 
     overrides = expand_short_forms(overrides)  # Hydra composes each job: the short forms spelled as studies
     raw, cfg = validate_overrides(overrides, lambda job, chosen: study_for(command, job, named_study(chosen)))

@@ -40,8 +40,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from . import results
-from .composition import compose
 from .config import config_dir
+from .door import compose
 from .errors import HeadlabError, UsageError
 from .figures import FIGURES
 from .io import atomic_write_bytes

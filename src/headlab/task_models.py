@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .composition import compose
 from .config import Config, option
+from .door import compose
 from .errors import HeadlabError, UsageError
 from .models.loading import ModelConfig
 from .tasks import build_task

@@ -7,7 +7,7 @@ recall and two-hop reasoning (experiment=attn_sae).
                             dominant head), per layer, relu_l1
   fig_top_features.png      for features each dominated by one head, their top-activating contexts
 numbers.json per architecture and layer: the summary metrics, among them polysemantic_head_fraction (heads
-with two dominated features whose top contexts fall in unrelated task roles, sae.attribution) and, the
+with two dominated features whose top contexts fall in unrelated task roles, sae.head_attribution) and, the
 old and weaker criterion, multi_feature_head_fraction (heads dominating an effective two features or more).
 """
 
@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..sae.attribution import UNRELATED_OVERLAP  # noqa: E402
+from ..sae.head_attribution import UNRELATED_OVERLAP  # noqa: E402
 
 SUMMARY = (
     "l0",

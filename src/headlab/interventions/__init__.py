@@ -5,7 +5,7 @@
   sinks.py         real tokens and hidden attention sinks, which sink calibration edits and analyses score
   engine.py        execute (the batched sweep) and execute_joint (several layers at once)
   path.py          path patching
-  attribution.py   attribution patching (a first-order estimate of activation patching)
+  attribution_patching.py   attribution patching (a first-order estimate of activation patching)
   user.py          what a user hands in (headlab.execute): specs checked at the door, their own edits
 The names of sites, sources, kinds and methods are those of headlab.vocabulary.
 """

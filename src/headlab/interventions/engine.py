@@ -32,7 +32,7 @@ from ..progress import progress_bar
 from ..runtime import chunk_budget_mb
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
-from .attribution import estimate
+from .attribution_patching import estimate
 from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_pattern, first_edited
 from .options import MeanOver
 from .path import run_path
@@ -81,7 +81,7 @@ def execute(
     (cache_mb), the chunk budget (chunk_mb), the number of stacked passes (chunks) and, on a GPU, the
     peak memory allocated (peak_gpu_mb).
 
-    Path patching and attribution patching rows go to their own executors (path.py, attribution.py)."""
+    Path patching and attribution patching rows go to their own executors (path.py, attribution_patching.py)."""
     if option(mean_over) != MeanOver.tokens:  # a mean over every token needs the tokens after the last read one
         data = _through_last_read(data)
     out: list[Tensor | None] = [None] * len(interventions)

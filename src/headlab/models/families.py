@@ -51,7 +51,7 @@ def interleaved_qkv(attn: nn.Module, n_heads: int, n_kv: int, d_head: int) -> QK
 
 
 # How the q, k and v projections' outputs [..., features] split into heads: (q [..., head, d_head], k and v
-# [..., kv_head, d_head]), the layouts the three weight readers above read (edges/attribution.py cuts
+# [..., kv_head, d_head]), the layouts the three weight readers above read (edges/eap.py cuts
 # each projection's output gradient into per-head parts with them)
 def separate_split(outs: list[Tensor], n_heads: int, n_kv: int, d_head: int) -> QKV:
     q, k, v = outs

@@ -17,7 +17,7 @@ import pandas as pd
 from .. import results
 from ..errors import HeadlabError
 from ..io import atomic_write_bytes
-from ..sweeps import STATUS, summarize
+from ..multirun import STATUS, summarize
 from . import heatmaps, table
 
 STYLE = """

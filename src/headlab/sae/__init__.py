@@ -3,7 +3,7 @@
 One file per architecture behind one interface (base.py): relu_l1.py, topk.py; registry.py maps
 sae.architecture to its class and builds one. Around them: activations.py (corpus, streaming z from
 HeadSites), fit.py (the fitting loop), metrics.py (L0, MSE, explained variance, dead latents, CE loss
-recovered), attribution.py (features to heads and source positions, top contexts), export.py (SAELens's
+recovered), head_attribution.py (features to heads and source positions, top contexts), export.py (SAELens's
 file layout). `headlab sae` runs one study with them: headlab.studies.sae.
 """
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..composition import compose
 from ..config import Config
 from ..config_rules import COUNT, NATURAL, at_least, setting
+from ..door import compose
 from ..tables import head_name
 from .composition import STUDY as COMPOSITION
 from .induction import STUDY as INDUCTION

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import results
 from ..config import option, run_info
 from ..config_rules import COUNT, NATURAL, SHARE, Each, Range, setting
-from ..edges.attribution import scores as attribution_scores
+from ..edges.eap import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
 from ..edges.graph import EdgeGraph, Receiver, Sender, write_json

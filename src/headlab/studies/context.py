@@ -124,7 +124,7 @@ def check_positions(positions: list[str], data: TaskData, task: str) -> None:
 
 def apply_threads(cfg: Config) -> None:
     """torch's thread count: cfg.threads, else what the launcher allots a job that shares the machine."""
-    from ..sweeps import job_threads
+    from ..multirun import job_threads
 
     threads = cfg.threads if cfg.threads and cfg.threads > 0 else job_threads()
     if threads:

@@ -43,9 +43,9 @@ from ..locations import text_path
 from ..models.hooked import HookedModel
 from ..sae import build_sae
 from ..sae.activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
-from ..sae.attribution import decoder_head_shares, head_polysemanticity, top_activations
 from ..sae.export import CFG, WEIGHTS, hook_name, load_sae, save_sae
 from ..sae.fit import fit
+from ..sae.head_attribution import decoder_head_shares, head_polysemanticity, top_activations
 from ..sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
 from ..tasks import Task
 from .context import RunContext

@@ -13,9 +13,9 @@ from rich.table import Table
 
 from ..models.hooked import HookedModel
 from ..sae.activations import Corpus
-from ..sae.attribution import direct_feature_attribution
 from ..sae.contexts import text_classes, token_type
 from ..sae.export import hook_name
+from ..sae.head_attribution import direct_feature_attribution
 from ..tasks import Task
 from .summary import aggregated, console
 

@@ -24,7 +24,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
 )
 
 from headlab.io import atomic_write_bytes
-from headlab.sweeps import STATUS
+from headlab.multirun import STATUS
 
 
 class JobEndedWithoutResult(RuntimeError):
