@@ -42,12 +42,18 @@ def schemas() -> dict[str, dict[str, Any]]:
 
 # The short forms that name a study, in one table: `scores=<study>` is `study=<study>`, `circuit=<method>`
 # is `study=circuit study.method=<method>`, and the options they held are the study's (`scores.top_k` is
-# `study.top_k`). An option that only one study runs (registry.implied: ablate=circuits, model=pathnet,
-# task=markov) brings its study along where the user names none.
+# `study.top_k`). An option that only one study runs (IMPLIED) brings its study along where the user names
+# none; studies/registry.implied refuses a composed config whose study disagrees with one.
 SHORT_FORMS: dict[str, tuple[str | None, str | None]] = {"scores": (None, None), "circuit": ("circuit", "method")}
 OLD_PREFIXES = ("scores.", "circuit.", "study.options.")  # options of the short forms, and of 0.1's study.options
 SWEEP_OPTIONS = ("attention_by_token", "head_scores", "sequence_scores")  # top-level in 0.1: the sweep's now
-IMPLIED = {"ablate=circuits": "recall_reasoning", "model=pathnet": "pathnet", "task=markov": "pathnet"}
+# (group, its option as typed, the field of the composed section that holds the option) -> the study
+IMPLIED = {
+    ("ablate", "circuits", "sweep"): "recall_reasoning",
+    ("model", "pathnet", "kind"): "pathnet",
+    ("task", "markov", "name"): "pathnet",
+}
+IMPLIED_FORMS = {f"{group}={value}": study for (group, value, _), study in IMPLIED.items()}
 
 
 def expand_short_forms(overrides: Sequence[str]) -> list[str]:
@@ -72,8 +78,8 @@ def expand_short_forms(overrides: Sequence[str]) -> list[str]:
             continue
         if bare == "study" and sep:
             named.append((override, value))
-        elif override in IMPLIED:
-            named.append((override, IMPLIED[override]))
+        elif override in IMPLIED_FORMS:
+            named.append((override, IMPLIED_FORMS[override]))
         out.append(override)
     explicit = [study for typed, study in named if typed.lstrip("+").startswith("study=")]
     for typed, study in named:

@@ -60,7 +60,6 @@ def run_probe(ctx: RunContext, model: HookedModel, probe: Probe, options: AtlasO
     """The probe's study table (from the cache where that study's hash matches), and the task it ran on."""
     cfg = probe_config(ctx.cfg, probe.overrides(options))
     study = probe.study
-    cfg.study.name = study.name  # as `headlab run` sets it; the overrides name no other study
     key = study.hash(cfg)
     where = cache_dir(ctx.cfg, probe.name, key)
     cached = results.is_complete(where) and json.loads((where / results.META).read_text()).get("config_hash") == key

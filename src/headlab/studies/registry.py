@@ -16,6 +16,7 @@ from functools import cache
 from typing import Any
 
 from ..config import Config, option, option_source
+from ..door import IMPLIED
 from ..errors import UsageError
 from .study import Study
 
@@ -69,15 +70,12 @@ def named_study(overrides: Sequence[str]) -> str | None:
 
 def implied(cfg: Config) -> list[tuple[str, str]]:
     """(the option as a user types it, the study it belongs to) for each option of the config that only
-    one study runs: those studies' options are composed with `study=<name>`, which the door adds."""
-    found = []
-    if option(cfg.ablate.sweep) == "circuits":
-        found.append(("ablate=circuits", "recall_reasoning"))
-    if option(cfg.model.kind) == "pathnet":
-        found.append((f"model={cfg.model.name}", "pathnet"))
-    if cfg.task.name == "markov":
-        found.append(("task=markov", "pathnet"))
-    return found
+    one study runs (the door's IMPLIED, whose short forms add `study=<name>` before composing)."""
+    return [
+        (f"{group}={value}", study)
+        for (group, value, field), study in IMPLIED.items()
+        if option(getattr(getattr(cfg, group), field)) == value
+    ]
 
 
 def resolve(cfg: Config, named: str | None = None) -> Study:
