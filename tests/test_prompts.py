@@ -1,5 +1,7 @@
 """task=prompts: your prompts read from every supported format give task=ioi's numbers on the same prompts;
-a prompt's result does not depend on the batch it is padded into; bad input is refused in one line."""
+bad input is refused in one line. (A prompt's result does not depend on the batch it is padded into:
+tests/test_padding.py, on PAIR below, for every intervention; where prompts take their values from:
+tests/test_reference.py.)"""
 
 from __future__ import annotations
 
@@ -164,7 +166,7 @@ def test_the_ioi_set_in_every_format_gives_task_iois_numbers(fmt, gpt2, ioi, tmp
     torch.testing.assert_close(data.answers["clean_score"], got[0, :, 0], atol=1e-5, rtol=0)
 
 
-# --- padding ------------------------------------------------------------------------------------------
+# --- two prompts of two lengths (tests/test_padding.py pads them together) ----------------------------
 PAIR = [
     {
         "clean": "The capital of France is",
@@ -183,23 +185,6 @@ PAIR = [
         "group": "ioi",
     },
 ]
-
-
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
-def test_a_prompt_padded_into_a_batch_gives_what_it_gives_alone(family, tiny_hf_dir, gpt2_tokenizer):
-    model = _load(tiny_hf_dir, gpt2_tokenizer, family)
-    task = from_records(PAIR)
-    batch = task.build(0, seed=0, model=model)
-    lengths = batch.inputs["attention_mask"].sum(1)
-    assert lengths[0] < lengths[1] and (batch.inputs["attention_mask"][0, lengths[0] :] == 0).all()
-    for method in ("zero", "mean"):
-        ivs = _interventions(model, method)
-        together = execute(model, task, batch, ivs)
-        for i, record in enumerate(PAIR):
-            one = from_records([record])
-            alone = execute(model, one, one.build(0, seed=0, model=model), ivs)
-            torch.testing.assert_close(together[:, i], alone[:, 0], atol=1e-5, rtol=0)
-        assert (together[1:, :, 0] - together[0, :, 0]).abs().max() > 1e-4
 
 
 # --- metrics ------------------------------------------------------------------------------------------

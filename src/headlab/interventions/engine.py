@@ -13,6 +13,11 @@ fast path is tested against.
 
 `execute_joint` applies groups of interventions at several layers together (circuit knockouts): one full
 forward pass per group, with every involved layer's hooks installed at once.
+
+Both first ask of every source read from other prompts (the counterfactual, the reference prompts, a
+group's mean) whether it is the prompt itself (own_sources): where it is on every prompt, the
+interventions that read it would change nothing, and the run is refused in one line; where on some, a
+note says on how many.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..config import option
+from ..errors import UsageError
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..runtime import chunk_budget_mb
@@ -40,6 +46,20 @@ from .plan import Intervention
 from .readout import Readouts
 
 log = logging.getLogger("headlab")
+
+# the sources read from other prompts, as a refusal or a note names them per prompt
+OTHER_PROMPTS: dict[str, str] = {
+    Source.counterfactual: "its counterfactual (corrupted) prompt",
+    Source.reference: "its reference prompt",
+    Source.mean: "every reference prompt of its group",
+}
+METHOD_WORDS: dict[str, str] = {
+    Method.activation: "activation patching",
+    Method.attribution: "attribution patching",
+    Method.path: "path patching",
+    Method.resample: "resample ablation",
+    Method.mean: "mean ablation",
+}
 
 
 def _through_last_read(data: TaskData) -> TaskData:
@@ -84,6 +104,11 @@ def execute(
     Path patching and attribution patching rows go to their own executors (path.py, attribution_patching.py)."""
     if option(mean_over) != MeanOver.tokens:  # a mean over every token needs the tokens after the last read one
         data = _through_last_read(data)
+    report = {} if report is None else report
+    rows = Sources(model, data, (), seed, mean_over).rows  # records nothing: which row stands in for each prompt
+    for text in own_sources(data, interventions, model.n_heads, rows, mean_over):
+        log.warning("note: %s", text)
+        report.setdefault("notes", []).append(text)
     out: list[Tensor | None] = [None] * len(interventions)
     attributed = [i for i, iv in enumerate(interventions) if iv.method == Method.attribution]
     paths = [i for i, iv in enumerate(interventions) if iv.method == Method.path]
@@ -102,7 +127,6 @@ def execute(
             needed |= {(Source.reference, Site.z), (Source.clean, Site.z)}
         sources = Sources(model, data, needed, seed, mean_over)
         exact_ivs = [interventions[i] for i in exact]
-        report = {} if report is None else report
         results: list[Tensor] = []
         if naive:
             results = _run_naive(model, task, data, exact_ivs, sources, show_progress)
@@ -254,7 +278,90 @@ def execute_joint(
             # path and attribution patching are not edits at one layer; they have their own executors
             if iv.intervention != Kind.none and (iv.layer is None or iv.method in (Method.path, Method.attribution)):
                 raise ValueError(f"execute_joint takes exact single-layer interventions, not {iv}")
+    flat = [iv for group in groups for iv in group]
+    for text in own_sources(data, flat, model.n_heads, Sources(model, data, (), seed).rows):
+        log.warning("note: %s", text)
     with torch.inference_mode():
         needed = {(e.source, e.site) for group in groups for iv in group for e in iv.edits(model.n_heads)}
         sources = Sources(model, data, needed, seed)
         return torch.stack(_run_groups(model, task, data, groups, sources, "joint interventions", show_progress))
+
+
+def own_sources(
+    data: TaskData,
+    interventions: Sequence[Intervention],
+    n_heads: int,
+    rows: dict[str, Tensor],
+    mean_over: str = MeanOver.positions.value,
+) -> list[str]:
+    """Notes on the sources read from other prompts that are, on some prompts, the prompt itself (the same
+    tokens and mask through its last read position, where a causal model's reads cannot tell them apart):
+    there the interventions that read them change nothing. A UsageError where one is so on every prompt.
+    `rows`: Sources.rows, the source row of each prompt. A mean over every token (mean_over=tokens) is
+    not the prompt's own activation even over the prompt alone, so it is not asked about."""
+    tokens = option(mean_over) == MeanOver.tokens
+    methods: dict[str, set[str]] = defaultdict(set)
+    for iv in interventions:
+        for edit in iv.edits(n_heads):
+            if edit.source in OTHER_PROMPTS and not (edit.source == Source.mean and tokens):
+                methods[edit.source].add(METHOD_WORDS.get(iv.method, str(iv.method)))
+    notes = []
+    for source, words in sorted(methods.items()):
+        same = _own(data, source, rows)
+        count = 0 if same is None else int(same.sum())  # None: no such prompts, which Sources refuses
+        said = f"{' and '.join(sorted(words))}: on {{}} {OTHER_PROMPTS[source]} is the prompt itself"
+        if count == data.n:
+            every = f"each of the {count} prompts" if count > 1 else "the one prompt"
+            raise UsageError(said.format(every) + " (the same tokens): it changes nothing")
+        if count:
+            notes.append(said.format(f"{count} of the {data.n} prompts") + ", and it changes nothing there")
+    return notes
+
+
+def _own(data: TaskData, source: str, rows: dict[str, Tensor]) -> Tensor | None:
+    """[n] bool: is the prompt its own `source` through its last read position? None: no such prompts."""
+    n = data.n
+    through = data.positions.max(1).values.cpu()
+    every = torch.arange(n)
+    if source == Source.counterfactual:
+        if data.counterfactual is None:
+            return None
+        same = _shared(data.inputs, every, data.counterfactual, every) > through
+        roles = data.token_positions or {}
+        for role, at in (data.counterfactual_positions or {}).items():  # a role read elsewhere: another source
+            same &= at.cpu() == roles[role].cpu() if role in roles else torch.zeros_like(same)
+        return same
+    if data.reference is None:
+        return None
+    if source == Source.reference:
+        return _shared(data.inputs, every, data.reference, rows[Source.reference].cpu()) > through
+    # a group's mean is the prompt's own value where every reference prompt of the group is the prompt:
+    # where each equals the group's first and that one equals the prompt
+    n_ref = next(iter(data.reference.values())).shape[0]
+    grouped = data.groups is not None and data.reference_groups is not None
+    of_ref = data.reference_groups.cpu() if grouped else torch.zeros(n_ref, dtype=torch.long)  # type: ignore[union-attr]
+    of_prompt = rows[Source.mean].cpu()
+    size = int(max(of_ref.max(), of_prompt.max())) + 1
+    first = torch.full((size,), -1).scatter_reduce(0, of_ref, torch.arange(n_ref), "amin", include_self=False)
+    agreed = _shared(data.reference, torch.arange(n_ref), data.reference, first[of_ref])
+    consensus = torch.zeros(size, dtype=torch.long).scatter_reduce(0, of_ref, agreed, "amin", include_self=False)
+    own = _shared(data.inputs, every, data.reference, first[of_prompt].clamp_min(0))
+    return (first[of_prompt] >= 0) & (own > through) & (consensus[of_prompt] > through)
+
+
+def _shared(a: Inputs, rows_a: Tensor, b: Inputs, rows_b: Tensor) -> Tensor:
+    """[k]: how many first positions row rows_a[j] of `a` and row rows_b[j] of `b` share in every input
+    (token ids, mask); 0 where the two hold other inputs."""
+    none = torch.zeros(len(rows_a), dtype=torch.long)
+    if set(a) != set(b):
+        return none
+    width = min(next(iter(a.values())).shape[1], next(iter(b.values())).shape[1])
+    same = torch.ones(len(rows_a), width, dtype=torch.bool)
+    for key, x in a.items():
+        x, y = x[rows_a.to(x.device)], b[key][rows_b.to(b[key].device)].to(x.device)
+        if x.dim() >= 2:
+            x, y = x[:, :width], y[:, :width]
+        if x.shape != y.shape:
+            return none
+        same &= (x == y).reshape(len(rows_a), x.shape[1] if x.dim() >= 2 else 1, -1).all(-1).cpu()
+    return same.long().cumprod(1).sum(1)

@@ -16,7 +16,8 @@ schemas, and where each was taken from:
                <name>_counterfactual each with its own prompt, the answer as label or choices[answerKey];
                the wrong answer is the counterfactual's answer, except for IOI rows (metadata with
                indirect_object and subject), whose answers are " IO" and " S" as MIB's loader has them
-Every format also reads the optional fields position, reference and group by those names.
+Every format also reads the optional fields position, reference and group by those names; a record
+without a reference takes its corrupted prompt, which every format requires (tasks/prompts.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Record:
     answer: Answer
     wrong_answer: Answer
     position: int | None = None  # token index into the tokenized clean prompt; None: its last token
-    reference: Prompt | None = None  # None: the clean prompt
+    reference: Prompt | None = None  # None: the corrupted prompt
     group: str | int | None = None
 
 

@@ -3,8 +3,11 @@
 Each prompt is tokenized as the model's tokenizer does by default (its BOS where it adds one), answers
 without special tokens; prompts are right-padded and `attention_mask` marks the real tokens. The read
 position is a record's `position` (an index into the tokenized clean prompt, negative from its end),
-else its last real token; patching can target it as END. Mean and resample ablation take their values
-from each record's `reference` prompt (default: the clean prompt), mean ablation within its `group`.
+else its last real token; patching can target it as END. Mean and resample ablation and path patching's
+senders take their values from each record's `reference` prompt, mean ablation within its `group`; a record
+without one takes its corrupted prompt (as activation patching does; every record has one), so that path
+patching on a file of clean and corrupted prompts patches from the corrupted ones. An intervention whose
+source is, on every prompt, the prompt itself is refused (interventions/engine.py).
 
 Per-prompt quantities at the read position, with A the answer's alternatives and W the wrong answer's:
   logit_diff    max logit over A - max logit over W
@@ -212,16 +215,13 @@ class PromptsTask(Task):
         position += len(clean) if position < 0 else 0
         if not 0 <= position < len(clean):
             raise HeadlabError(f"{record.where}: position {record.position} is outside the {len(clean)}-token prompt")
-        return Encoded(
-            clean,
-            _tokens(record.corrupted, tokenizer, vocab, record.where, "corrupted"),
-            clean
+        corrupted = _tokens(record.corrupted, tokenizer, vocab, record.where, "corrupted")
+        reference = (
+            corrupted
             if record.reference is None
-            else _tokens(record.reference, tokenizer, vocab, record.where, "reference"),
-            answer,
-            wrong,
-            position,
+            else _tokens(record.reference, tokenizer, vocab, record.where, "reference")
         )
+        return Encoded(clean, corrupted, reference, answer, wrong, position)
 
     def _answer_ids(self, answer: Answer, tokenizer: Any, vocab: int, where: str, field: str) -> list[int]:
         ids: list[int] = []
