@@ -60,9 +60,12 @@ def _value(table, metric: str, **where) -> float:
     return float(rows["value"].iloc[0])
 
 
-def _logits(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) -> torch.Tensor:
+def _logits(
+    reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = (), at: list[int] | None = None
+) -> torch.Tensor:
     """Logits (float64) of the plain eager model, with the `zeroed` heads' slices of each o_proj input set
-    to zero."""
+    to zero; at: only those positions' (the unembedding of 512 positions x 50257 tokens in float64 costs
+    more than the model)."""
     d_head = reference.config.hidden_size // reference.config.num_attention_heads
     handles = []
     for layer in {layer for layer, _ in zeroed}:
@@ -77,7 +80,9 @@ def _logits(reference, ids: torch.Tensor, zeroed: list[tuple[int, int]] = ()) ->
         handles.append(reference.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero))
     try:
         with torch.inference_mode():
-            return reference(ids).logits.double()
+            if at is None:
+                return reference(ids).logits.double()
+            return reference.lm_head(reference.model(ids).last_hidden_state[:, at]).double()
     finally:
         for handle in handles:
             handle.remove()
@@ -101,9 +106,8 @@ def _icl_by_hand(reference, tokenizer, zeroed: list[tuple[int, int]] = ()) -> tu
     tokens = tokenizer(ALICE.read_text(encoding="utf-8"))["input_ids"]
     n = len(tokens) // 512
     ids = torch.tensor(tokens[: n * 512]).view(n, 512)
-    logp = torch.log_softmax(_logits(reference, ids, zeroed), -1)
-    token_loss = lambda k: -logp[torch.arange(n), k - 2, ids[:, k - 1]].numpy()  # noqa: E731  (1-based k)
-    return token_loss(50), token_loss(500)
+    logp = torch.log_softmax(_logits(reference, ids, zeroed, at=[50 - 2, 500 - 2]), -1)  # reads of the 50th, 500th
+    return -logp[torch.arange(n), 0, ids[:, 49]].numpy(), -logp[torch.arange(n), 1, ids[:, 499]].numpy()
 
 
 def test_induction_score_equals_eager_attention_by_hand(llama):
@@ -123,6 +127,9 @@ def test_induction_score_equals_eager_attention_by_hand(llama):
             assert _value(table, "induction_score", layer=layer, head=head) == pytest.approx(induction, abs=1e-6)
             assert _value(table, "duplicate_token_score", layer=layer, head=head) == pytest.approx(duplicate, abs=1e-6)
             assert _value(table, "prev_token_score", layer=layer, head=head) == pytest.approx(prev, abs=1e-6)
+            # TransformerLens's detector: the second copy's attention to its targets over all 2T+1 rows
+            tl = att[:, head, second, second - T + 1].sum(-1) / att[:, head].sum((-2, -1))
+            assert _value(table, "induction_score_tl", layer=layer, head=head) == pytest.approx(tl.mean(), abs=1e-6)
             checked += 1
     assert checked == 12
     scores = table[table["metric"] == "induction_score"]

@@ -64,7 +64,7 @@ def test_sequence_scores_match_eager_attention_weights(gpt2):
     model, reference = gpt2
     n_seq = 4
     scores = induction_scores(model, n_seq, T, seed=3, batch_size=3).numpy()  # two batches
-    assert scores.shape == (3, 4, n_seq, 3)
+    assert scores.shape == (3, 4, n_seq, 4)
     ids = repeated_tokens(model, n_seq, T, seed=3)
     for layer, att in enumerate(_eager_attentions(reference, ids)):
         for head in range(4):
@@ -73,7 +73,50 @@ def test_sequence_scores_match_eager_attention_weights(gpt2):
                 prev = np.mean([a[i, i - 1] for i in range(2, 1 + 2 * T)])  # key 0 is BOS: left out
                 dup = np.mean([a[i, i - T] for i in range(1 + T, 1 + 2 * T)])
                 ind = np.mean([a[i, i - T + 1] for i in range(1 + T, 1 + 2 * T)])
-                np.testing.assert_allclose(scores[layer, head, s], [prev, dup, ind], atol=1e-6)
+                np.testing.assert_allclose(scores[layer, head, s, :3], [prev, dup, ind], atol=1e-6)
+                # TransformerLens's normalisation: the same attention over all 2T+1 query rows
+                assert scores[layer, head, s, 3] == pytest.approx(ind * T / (2 * T + 1), abs=1e-6)
+
+
+def test_tl_induction_score_equals_transformerlens_detect_head(gpt2, gpt2_tokenizer):
+    """TransformerLens's own detector, on a HookedTransformer holding the same GPT-2 weights, given the
+    text of each sequence (its to_tokens prepends the BOS headlab's sequences open with)."""
+    tl = pytest.importorskip("transformer_lens")
+    from transformer_lens.head_detector import detect_head
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+
+    model, reference = gpt2
+    c = reference.config
+    cfg = tl.HookedTransformerConfig(
+        n_layers=c.n_layer,
+        d_model=c.n_embd,
+        n_ctx=c.n_positions,
+        d_head=c.n_embd // c.n_head,
+        n_heads=c.n_head,
+        d_mlp=4 * c.n_embd,
+        act_fn="gelu_new",
+        d_vocab=c.vocab_size,
+        eps=c.layer_norm_epsilon,
+        normalization_type="LN",
+        original_architecture="GPT2LMHeadModel",
+    )
+    theirs = tl.HookedTransformer(cfg, tokenizer=gpt2_tokenizer)
+    theirs.load_and_process_state_dict(
+        convert_gpt2_weights(reference, cfg), fold_ln=False, center_writing_weights=False, center_unembed=False
+    )
+    t, n_seq = 8, 6
+    ids = repeated_tokens(model, n_seq, t, seed=5)
+    ours = induction_scores(model, n_seq, t, seed=5)[..., SEQ_SCORES.index("induction_score_tl")]
+    compared = 0
+    for s in range(n_seq):
+        text = gpt2_tokenizer.decode(ids[s, 1:])
+        if not torch.equal(theirs.to_tokens(text)[0], ids[s]):
+            continue  # a text that tokenizes back otherwise: not the same sequence
+        detected = detect_head(theirs, text, "induction_head")  # [layer, head]
+        torch.testing.assert_close(ours[:, :, s], detected.float(), atol=1e-4, rtol=0)
+        assert detected.max() > 0.01  # random weights: the score is no zero on every head
+        compared += 1
+    assert compared >= 3
 
 
 def test_forced_patterns_score_one_inside_the_hook_context(gpt2):
@@ -94,9 +137,11 @@ def test_forced_patterns_score_one_inside_the_hook_context(gpt2):
     with model.sites.hooks(layer, pattern=force):
         forced = induction_scores(model, 3, T, seed=0)[layer]  # [head, seq, 3]
     plain = induction_scores(model, 3, T, seed=0)[layer]
-    prev, dup, ind = (SEQ_SCORES.index(k) for k in ("prev_token_score", "duplicate_token_score", "induction_score"))
-    assert (forced[0, :, prev] == 1).all() and (forced[0, :, [dup, ind]] == 0).all()
+    prev, dup, ind, tl = (SEQ_SCORES.index(k) for k in SEQ_SCORES)
+    assert (forced[0, :, prev] == 1).all() and (forced[0, :, [dup, ind, tl]] == 0).all()
     assert (forced[1, :, ind] == 1).all() and (forced[1, :, [prev, dup]] == 0).all()
+    # TransformerLens counts the BOS row and the first copy's T rows too, which hold no induction target
+    torch.testing.assert_close(forced[1, :, tl], torch.full((3,), T / (2 * T + 1)))
     assert (forced[2, :, dup] == 1).all() and (forced[2, :, [prev, ind]] == 0).all()
     torch.testing.assert_close(forced[3], plain[3])  # the untouched head
     assert (plain[:3] < 0.9).all()  # the hook is gone afterwards
@@ -215,5 +260,6 @@ def test_score_table_is_tidy_and_aggregates_the_per_prompt_scores(gpt2, ioi_data
     row = df[(df.metric == "attn_end_to_s2") & (df.layer == 2) & (df["head"] == 3)]
     assert row.value.item() == pytest.approx(per_prompt[2, 3, :, 2].mean())
     seq = induction_scores(model, 5, T, seed=0).numpy()
-    row = df[(df.metric == "induction_score") & (df.layer == 1) & (df["head"] == 0)]
-    assert row.value.item() == pytest.approx(seq[1, 0, :, 2].mean())
+    for j, name in enumerate(SEQ_SCORES):
+        row = df[(df.metric == name) & (df.layer == 1) & (df["head"] == 0)]
+        assert row.value.item() == pytest.approx(seq[1, 0, :, j].mean())

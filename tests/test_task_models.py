@@ -110,8 +110,9 @@ def test_head_scores_run_on_any_task_and_leave_the_ioi_scores_out_where_there_ar
     model = headlab.load_model("toy-attn-1l", root=str(demo_root))
     table = headlab.sweep(model, headlab.load_task("counting", n_prompts=32), ablate="none", head_scores=True)
     scores = table[table["method"] == "score"]
-    assert set(scores["metric"]) == {"prev_token_score", "duplicate_token_score", "induction_score"}
-    assert len(scores) == 3 * model.n_heads and scores["value"].between(0, 1).all()
+    names = {"prev_token_score", "duplicate_token_score", "induction_score", "induction_score_tl"}
+    assert set(scores["metric"]) == names
+    assert len(scores) == 4 * model.n_heads and scores["value"].between(0, 1).all()
 
 
 def test_a_sweep_keeps_its_overrides_for_hydra():

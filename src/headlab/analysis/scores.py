@@ -3,8 +3,21 @@ off: name movers (END attends to IO and copies it), negative name movers (attend
 it), S-inhibition (END attends to S2), induction, duplicate-token and previous-token heads.
 
 Two prompt sets, hence two sample sizes in the table's `n` column:
-  repeated random tokens  [BOS] x_1..x_T x_1..x_T   prev_token_score, duplicate_token_score, induction_score
+  repeated random tokens  [BOS] x_1..x_T x_1..x_T   prev_token_score, duplicate_token_score, induction_score,
+                                                    induction_score_tl
   the task's IOI prompts                            attn_end_to_{io,s1,s2}, copy_score, negative_copy_score
+
+Two induction scores, each named for whose it is. induction_score is Olsson et al.'s prefix matching
+(arXiv 2209.11895): the mean attention of the second copy's T queries to the token after their earlier
+copy. induction_score_tl is TransformerLens's head detector (transformer_lens/head_detector.py,
+detect_head(model, text, "induction_head") with its defaults: error_measure "mul", BOS and current token
+kept): its detection pattern marks key j for query q where token q equals token j-1 (1 <= j <= q), and the
+score is the attention on marked keys summed over every query row, BOS's and the first copy's included,
+over the attention summed over every row (2T+1 on a sequence with BOS). On these sequences only the second
+copy's queries have a mark, so it is induction_score x T / (2T+1). TransformerLens prepends a BOS to the
+text (to_tokens); headlab's sequences open with the tokenizer's BOS, so the two agree there. Where a
+tokenizer has no BOS (Qwen2.5), TransformerLens prepends its EOS in its place and headlab prepends
+nothing: the rows are 2T, not 2T+1, and the patterns are those of a sequence without it.
 Every score reads the model through HeadSites, so it sees whatever hooks are active around the call.
 """
 
@@ -22,7 +35,7 @@ from ..models.hooked import HookedModel
 from ..tasks import TaskData, mean_of
 from ..vocabulary import Site, hook_name
 
-SEQ_SCORES = ("prev_token_score", "duplicate_token_score", "induction_score")
+SEQ_SCORES = ("prev_token_score", "duplicate_token_score", "induction_score", "induction_score_tl")
 IOI_SCORES = ("attn_end_to_io", "attn_end_to_s1", "attn_end_to_s2", "copy_score", "negative_copy_score")
 # the site each score reads (the table's hook): the copy scores read v at IO, then weights alone
 SCORE_SITES = {name: Site.pattern for name in SEQ_SCORES + IOI_SCORES[:3]} | {
@@ -87,12 +100,14 @@ def induction_scores(
     vocab_high: int | None = None,
     batch_size: int = 32,
 ) -> Tensor:
-    """[layer, head, n_seq, 3] per-sequence SEQ_SCORES on repeated random tokens (see repeated_tokens).
+    """[layer, head, n_seq, 4] per-sequence SEQ_SCORES on repeated random tokens (see repeated_tokens).
 
     prev_token_score: mean attention from i to i-1 over every i whose i-1 is a sequence token (not BOS);
     duplicate_token_score / induction_score: mean attention from each second-half i to i-T (its earlier
-    copy) / to i-T+1 (the token that followed the earlier copy)."""
+    copy) / to i-T+1 (the token that followed the earlier copy); induction_score_tl: detector_score of
+    the pattern against induction_detection (the module docstring)."""
     ids = repeated_tokens(model, n_seq, seq_len, seed, vocab_low, vocab_high).to(model.input_device)
+    marks = induction_detection(ids)  # [n_seq, pos, pos]
     t = seq_len
     start = ids.shape[1] - 2 * t  # 1 with BOS, else 0
     query = torch.arange(start + 1, start + 2 * t)
@@ -110,12 +125,29 @@ def induction_scores(
                             p[..., query, query - 1].mean(-1),
                             p[..., second, second - t].mean(-1),
                             p[..., second, second - t + 1].mean(-1),
+                            detector_score(p, marks[b : b + batch_size, None]),
                         ],
                         dim=-1,
                     )
                 )
-            chunks.append(torch.stack(per_layer))  # [layer, batch, head, 3]
+            chunks.append(torch.stack(per_layer))  # [layer, batch, head, 4]
     return torch.cat(chunks, dim=1).transpose(1, 2).cpu()
+
+
+def induction_detection(ids: Tensor) -> Tensor:
+    """ids [n, pos] -> [n, pos, pos] bool: TransformerLens's induction detection pattern of each sequence,
+    key j marked for query q where ids[q] == ids[j - 1] and 1 <= j <= q (its duplicate-token pattern, the
+    diagonal left out, shifted one key to the right, the first key column cleared, then lower-triangular)."""
+    same = ids[:, :, None] == ids[:, None, :]  # [n, q, k]: token q equals token k
+    marks = torch.zeros_like(same)
+    marks[:, :, 1:] = same[:, :, :-1]
+    return marks & torch.ones_like(same[0]).tril()  # j <= q, i.e. token j - 1 before query q
+
+
+def detector_score(pattern: Tensor, marks: Tensor) -> Tensor:
+    """TransformerLens's "mul" similarity: the attention on marked (query, key) pairs over all attention,
+    each summed over the whole [q, k] pattern. pattern [..., q, k], marks broadcastable -> [...]."""
+    return (pattern * marks).sum((-2, -1)) / pattern.sum((-2, -1))
 
 
 IOI_ROLES = ("IO", "S1", "S2", "END")

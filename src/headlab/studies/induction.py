@@ -4,8 +4,11 @@ repeated_tokens, drawn with the run's seed), and their in-context learning score
 (`study.icl_text` cut into sequences of `study.icl_len` tokens); no task prompts are read.
 
 Rows:
-  per head      intervention "none", method "score", metrics prev_token_score, duplicate_token_score and
-                induction_score (analysis/scores.py's induction_scores), 95% bootstrap interval over sequences
+  per head      intervention "none", method "score", metrics prev_token_score, duplicate_token_score,
+                induction_score (Olsson et al.'s prefix matching over the second copy) and induction_score_tl
+                (TransformerLens's detect_head "induction_head": over all 2T+1 query rows), from
+                analysis/scores.py's induction_scores, 95% bootstrap interval over sequences; the top
+                heads are those of highest induction_score
   ablation      the clean run (intervention "none", method "none"), then intervention "ablate_head", method
                 "zero", group "top{k}" (the `study.top_k` heads of highest induction score zero-ablated
                 together) and "random{k}_{draw}" (`study.n_random` seeded draws of k heads outside the top
@@ -86,8 +89,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
     model.place(cfg.device)
     info = run_info(cfg)
     with ctx.timed("scores"):
-        scores = induction_scores(model, sc.n_sequences, seq_len, seed=cfg.seed)  # [layer, head, n, 3]
-    per_head = scores.flatten(0, 1).numpy().astype(np.float64)  # [layer * head, n, 3], layer-major
+        scores = induction_scores(model, sc.n_sequences, seq_len, seed=cfg.seed)  # [layer, head, n, 4]
+    per_head = scores.flatten(0, 1).numpy().astype(np.float64)  # [layer * head, n, 4], layer-major
     induction = per_head[..., SEQ_SCORES.index("induction_score")].mean(1)
     top = top_heads(torch.from_numpy(induction), model.n_heads, sc.top_k)
     avoid = avoided_heads(torch.from_numpy(induction), model.n_heads, sc.top_k, sc.random_outside)
@@ -208,7 +211,8 @@ def summary(df: pd.DataFrame, max_rows: int) -> None:
         best = wide.sort_values("induction_score", ascending=False, kind="stable").head(max_rows)
         ci = scores[scores["metric"] == "induction_score"].set_index(["layer", "head"])
         table = Table(title=f"{agg['model'].iloc[0]}: top induction heads ({int(scores['n'].iloc[0])} sequences)")
-        for col in ("head", "induction_score", "95% interval", "prev_token_score", "duplicate_token_score"):
+        columns = [c for c in ("induction_score_tl", "prev_token_score", "duplicate_token_score") if c in wide]
+        for col in ("head", "induction_score", "95% interval", *columns):
             table.add_column(col, justify="right")
         for (layer, head), r in best.iterrows():
             low, high = ci.loc[(layer, head), ["ci_low", "ci_high"]]
@@ -216,8 +220,7 @@ def summary(df: pd.DataFrame, max_rows: int) -> None:
                 head_name(int(layer), int(head)),
                 f"{r['induction_score']:.3f}",
                 f"{low:.3f}..{high:.3f}",
-                f"{r['prev_token_score']:.3f}",
-                f"{r['duplicate_token_score']:.3f}",
+                *(f"{r[c]:.3f}" for c in columns),
             )
         console.print(table)
     runs = agg[agg["method"] != "score"]
