@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from headlab.errors import UsageError
-from headlab.interventions import Intervention, plan
+from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
 from headlab.interventions.options import PatchConfig
 from headlab.tasks import from_file, from_records
@@ -106,6 +106,11 @@ def test_path_patching_on_a_file_without_references_patches_from_the_corrupted_p
     assert (got[1:] - got[0]).abs().max() > 1e-2
 
 
+@pytest.fixture(scope="module")
+def gpt2(tiny_hf_dir, gpt2_tokenizer):
+    return _load(tiny_hf_dir, gpt2_tokenizer)
+
+
 def test_a_source_that_is_the_prompt_itself_is_refused_or_noted(gpt2):
     same = [r | {"reference": r["clean"]} for r in RECORDS]
     path_patch = Intervention("path_patch", "path", 0, 1, receivers="logits")
@@ -139,15 +144,13 @@ def test_a_source_that_is_the_prompt_itself_is_refused_or_noted(gpt2):
     # the first prompt its own reference, the others the corrupted one: run, with a note
     task = from_records([same[0], *RECORDS[1:]])
     data = task.build(0, seed=0, model=gpt2)
-    execute(gpt2, task, data, [path_patch], report=report)
+    got = execute(gpt2, task, data, [CLEAN, path_patch], report=report)[..., 0]
     assert report["notes"] == [
         "path patching: on 1 of the 3 prompts its reference prompt is the prompt itself, and it changes nothing there"
     ]
-
-
-@pytest.fixture(scope="module")
-def gpt2(tiny_hf_dir, gpt2_tokenizer):
-    return _load(tiny_hf_dir, gpt2_tokenizer)
+    assert (
+        got[1, 0].item() == pytest.approx(got[0, 0].item(), abs=1e-6) and (got[1, 1:] - got[0, 1:]).abs().min() > 1e-4
+    )
 
 
 def test_cli_refuses_path_patching_from_the_clean_prompts_in_one_line(tiny_hf_dir, tmp_path):
