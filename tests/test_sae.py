@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -27,6 +28,7 @@ from headlab.sae.head_attribution import (
     decoder_head_shares,
     direct_feature_attribution,
     head_polysemanticity,
+    head_roles,
     top_activations,
 )
 from headlab.sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
@@ -467,8 +469,10 @@ def test_head_polysemanticity_counts_dominated_live_features():
     assert heads[0]["effective_features"] == pytest.approx(2.0)  # two equally frequent features
     assert heads[1]["effective_features"] == pytest.approx(1.0) and heads[2]["effective_features"] == 0.0
     assert [h["multi_feature"] for h in heads] == [1.0, 0.0, 0.0]
-    assert [h["polysemantic"] for h in heads] == [1.0, 0.0, 0.0]
-    assert heads[1]["min_class_overlap"] != heads[1]["min_class_overlap"]  # nan: one feature, no pair
+    assert [h["polysemantic_dominated"] for h in heads] == [1.0, 0.0, 0.0]
+    assert (
+        heads[1]["min_class_overlap_dominated"] != heads[1]["min_class_overlap_dominated"]
+    )  # nan: one feature, no pair
 
 
 def test_polysemanticity_fails_when_a_heads_features_share_one_context_class():
@@ -488,14 +492,14 @@ def test_polysemanticity_fails_when_a_heads_features_share_one_context_class():
     assert head0["n_dominated"] == 3 and head0["multi_feature"] == 1.0  # old criterion: polysemantic
     p = torch.tensor([0.1, 0.3, 0.2]) / 0.6
     assert head0["effective_features"] == pytest.approx(float((-(p * p.log()).sum()).exp()))  # 2.75
-    assert head0["n_context_classes"] == 1
-    assert head0["min_class_overlap"] == pytest.approx(1.0)
-    assert head0["polysemantic"] == 0.0
+    assert head0["n_context_classes_dominated"] == 1
+    assert head0["min_class_overlap_dominated"] == pytest.approx(1.0)
+    assert head0["polysemantic_dominated"] == 0.0
     # head 1: feature 3 is 3/4 class 0 and 1/4 class 1, feature 4 all class 1 (3 contexts):
     # overlap min(3/4, 0) + min(1/4, 1) = 1/4 < 1/2
-    assert head1["n_context_classes"] == 2
-    assert head1["min_class_overlap"] == pytest.approx(0.25)
-    assert head1["polysemantic"] == 1.0
+    assert head1["n_context_classes_dominated"] == 2
+    assert head1["min_class_overlap_dominated"] == pytest.approx(0.25)
+    assert head1["polysemantic_dominated"] == 1.0
 
 
 def test_polysemanticity_needs_little_overlap_not_just_other_majorities():
@@ -505,12 +509,77 @@ def test_polysemanticity_needs_little_overlap_not_just_other_majorities():
     (head,) = head_polysemanticity(shares, frequency, 0.5, classes)
     # feature 0: (2/3, 1/3, 0), feature 1: (1/3, 2/3, 0), feature 2: (0, 0, 1)
     # overlaps: f0-f1 1/3 + 1/3 = 2/3, f0-f2 0, f1-f2 0: three majority classes, least overlap 0
-    assert head["n_context_classes"] == 3 and head["min_class_overlap"] == 0.0 and head["polysemantic"] == 1.0
+    assert (
+        head["n_context_classes_dominated"] == 3
+        and head["min_class_overlap_dominated"] == 0.0
+        and head["polysemantic_dominated"] == 1.0
+    )
     (pair,) = head_polysemanticity(shares[:2], frequency[:2], 0.5, classes[:, :2])
     # features 0 and 1 alone: other majority classes, but they overlap 2/3 >= 1/2: not unrelated
-    assert pair["n_context_classes"] == 2
-    assert pair["min_class_overlap"] == pytest.approx(2 / 3)
-    assert pair["polysemantic"] == 0.0
+    assert pair["n_context_classes_dominated"] == 2
+    assert pair["min_class_overlap_dominated"] == pytest.approx(2 / 3)
+    assert pair["polysemantic_dominated"] == 0.0
+
+
+def _spread_sae(main_share: float, per_head: int, n_spread: int) -> ReluL1SAE:
+    """An SAE on H heads whose first H * per_head features each put main_share of their decoder norm on
+    one head (features h * per_head .. on head h) and the rest evenly on the others, then n_spread
+    features spread evenly over all heads, which no head's top features include."""
+    sae = _make("relu_l1", d_sae=H * per_head + n_spread, seed=1)
+    rest = (1 - main_share) / (H - 1)
+    with torch.no_grad():
+        for f in range(sae.d_sae):
+            norms = torch.full((H,), 1 / H) if f >= H * per_head else torch.full((H,), rest)
+            if f < H * per_head:
+                norms[f // per_head] = main_share
+            direction = F.normalize(torch.randn(H, DH), dim=1)
+            sae.W_dec[f] = (direction * norms[:, None]).reshape(-1)
+    return sae
+
+
+@pytest.mark.parametrize("mixed_heads", [0, 2, 4])
+def test_head_roles_read_each_heads_top_features_so_the_share_ranges_from_none_to_all(mixed_heads):
+    """Three features per head (0.4 of the decoder norm on it, 0.2 on each other head: none reaches the
+    old rule's 0.5), one context class per feature; the first `mixed_heads` heads get features of two
+    classes, the others three features of one class. Kissane et al.'s reading finds exactly those heads
+    polysemantic: 0%, 50%, 100%; the old rule finds none, having no dominated feature to read."""
+    per_head, n_spread = 3, 5
+    sae = _spread_sae(0.4, per_head, n_spread)
+    shares = decoder_head_shares(sae, H)
+    torch.testing.assert_close(shares[: H * per_head].max(1).values, torch.full((H * per_head,), 0.4))
+    role = torch.zeros(sae.d_sae, dtype=torch.long)  # class of each feature's contexts
+    for h in range(H):
+        role[h * per_head : (h + 1) * per_head] = torch.tensor([h, h, (h + 1) % H]) if h < mixed_heads else h
+    role[H * per_head :] = torch.arange(n_spread) % H  # the spread features: every class, read by no head
+    classes = role.expand(4, -1).clone()  # 4 top contexts per feature, all of its class
+    frequency = torch.full((sae.d_sae,), 0.1)
+    heads = head_roles(shares, frequency, classes, per_head)
+    expected = [1.0 if h < mixed_heads else 0.0 for h in range(H)]
+    assert [h["polysemantic"] for h in heads] == expected
+    assert sum(h["polysemantic"] for h in heads) / H == mixed_heads / H  # 0, 0.5, 1
+    for h, head in enumerate(heads):
+        assert head["n_top_features"] == per_head and head["top_feature_share"] == pytest.approx(0.4)
+        counts = [0] * H
+        for c in role[h * per_head : (h + 1) * per_head].tolist():
+            counts[c] += 1
+        assert head["roles"] == counts and head["n_roles"] == sum(c > 0 for c in counts)
+        assert head["largest_role_share"] == pytest.approx(max(counts) / per_head)
+        assert head["min_class_overlap"] == (0.0 if h < mixed_heads else 1.0)
+    old = head_polysemanticity(shares, frequency, 0.5, classes)
+    assert [h["n_dominated"] for h in old] == [0] * H and [h["polysemantic_dominated"] for h in old] == [0.0] * H
+
+
+def test_head_roles_skip_dead_features_and_rank_by_share():
+    # head 0's shares rank features 1, 0, 2, 3; feature 1 is dead, so its top 2 are 0 and 2
+    shares = torch.tensor([[0.8, 0.2], [0.9, 0.1], [0.7, 0.3], [0.6, 0.4]])
+    frequency = torch.tensor([0.1, 0.0, 0.1, 0.1])
+    classes = torch.tensor([[0, 1, 1, 0], [0, -1, 1, 1]])  # feature 3: one context of each class
+    head0, head1 = head_roles(shares, frequency, classes, 2)
+    assert head0["roles"] == [1, 1] and head0["top_feature_share"] == pytest.approx(0.75)
+    assert head0["min_class_overlap"] == 0.0 and head0["polysemantic"] == 1.0
+    # head 1: features 3 (half class 0, the tie to class 0) and 2 (class 1): overlap 1/2, not unrelated
+    assert head1["roles"] == [1, 1] and head1["min_class_overlap"] == pytest.approx(0.5)
+    assert head1["polysemantic"] == 0.0 and head1["n_roles"] == 2
 
 
 def test_recall_reasoning_context_classes_name_each_positions_role():
@@ -901,6 +970,39 @@ FAST = [
 ]
 
 
+def _check_head_roles(df: pd.DataFrame, top_n: int) -> None:
+    """Each head's role rows against its top features by the table's decoder_share rows, their roles and
+    overlaps counted from the table's top_context rows (context_class) with pandas."""
+    shares = df[df["metric"] == "decoder_share"].pivot_table(index="feature", columns="head", values="value")
+    ctx = df[df["metric"] == "top_context"]
+    dist = pd.crosstab(ctx["feature"], ctx["context_class"], normalize="index")  # [feature, class]
+    heads = df[(df["intervention"] == "sae") & df["head"].notna() & df["feature"].isna()]
+    wide = heads.pivot_table(index="head", columns="metric", values="value", dropna=False)
+    in_role = heads[heads["metric"] == "top_features_in_role"]
+    exact = 0
+    for head in shares.columns:
+        ranked = shares.loc[shares.index.isin(dist.index), head].sort_values(ascending=False, kind="stable")
+        top = ranked.index[:top_n]
+        row = wide.loc[head]
+        assert row["n_top_features"] == len(top) and row["top_feature_share"] == pytest.approx(
+            ranked.iloc[:top_n].mean()
+        )
+        d = dist.loc[top].to_numpy()
+        overlaps = [np.minimum(d[i], d[j]).sum() for i in range(len(d)) for j in range(len(d)) if i != j]
+        assert row["polysemantic"] == float(min(overlaps, default=np.nan) < 0.5)
+        counts = in_role[in_role["head"] == head].set_index("context_class")["value"]
+        assert counts.sum() == len(top) and row["n_roles"] == (counts > 0).sum()
+        majority = dist.loc[top].apply(lambda r: set(r.index[r == r.max()]), axis=1)
+        if all(len(m) == 1 for m in majority):  # a tie is broken by class order, which the table does not hold
+            expected = pd.Series([next(iter(m)) for m in majority]).value_counts()
+            assert counts[counts > 0].sort_index().to_dict() == expected.sort_index().to_dict()
+            exact += 1
+    assert exact > 0
+    polysemantic = wide["polysemantic"].mean()
+    top_rows = df[(df["metric"] == "polysemantic_head_fraction") & df["head"].isna()]
+    assert float(top_rows["value"].iloc[0]) == pytest.approx(polysemantic)
+
+
 def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     from sae_lens import SAE
 
@@ -927,6 +1029,8 @@ def test_cli_sae_fits_measures_exports_then_reuses_the_fit(tmp_path):
     assert fit_rows["step"].max() == 30
     fitted = sae_dir(compose(*args))
     assert json.loads((fitted / DONE).read_text())["complete"] is True
+
+    _check_head_roles(df, top_n=10)
 
     # the reported metrics, recomputed on the held-out tokens with the SAELens copy in <run>/sae
     theirs = SAE.load_from_disk(str(run_dir / "sae"))
@@ -988,12 +1092,20 @@ def test_quick_attn_sae_reproduction_draws_from_the_table_and_reuses_its_runs(tm
         row = shares.loc[int(name[1:])]
         assert int(row.idxmax()) == f["head"] and row.max() == pytest.approx(f["share"], abs=1e-4)
         assert "[[" in f["top_context"]
-    # the polysemanticity of the table's heads, and the old, weaker criterion beside it
-    heads = table[table["metric"].isin(["polysemantic", "multi_feature"]) & table["head"].notna()]
+    # the polysemanticity of the table's heads, and the old rules beside it
+    old_rules = ["polysemantic_dominated", "multi_feature"]
+    heads = table[table["metric"].isin(["polysemantic", *old_rules]) & table["head"].notna()]
     wide = heads.pivot_table(index="head", columns="metric", values="value")
-    assert summary["polysemantic_head_fraction"] == pytest.approx(wide["polysemantic"].mean())
-    assert summary["multi_feature_head_fraction"] == pytest.approx(wide["multi_feature"].mean())
+    for name in ("polysemantic", *old_rules):
+        assert summary[f"{name}_head_fraction"] == pytest.approx(wide[name].mean())
     assert result["numbers"]["polysemantic_criterion"]["unrelated_overlap"] == 0.5
+    _check_head_roles(table, top_n=10)
+    roles = table[(table["metric"] == "top_features_in_role") & (table["value"] > 0)]
+    written = result["numbers"]["head_roles_relu_l1_L1"]  # per head, the roles of its top features
+    assert {int(h) for h in written} == set(roles["head"])
+    for head, counts in written.items():
+        mine = roles[roles["head"] == int(head)]
+        assert counts == dict(zip(mine["context_class"], mine["value"].astype(int)))
     contexts = table[table["metric"] == "top_context"]
     from headlab.tasks.recall_reasoning import CONTEXT_CLASSES
 

@@ -7,8 +7,10 @@ recall and two-hop reasoning (experiment=attn_sae).
                             dominant head), per layer, relu_l1
   fig_top_features.png      for features each dominated by one head, their top-activating contexts
 numbers.json per architecture and layer: the summary metrics, among them polysemantic_head_fraction (heads
-with two dominated features whose top contexts fall in unrelated task roles, sae.head_attribution) and, the
-old and weaker criterion, multi_feature_head_fraction (heads dominating an effective two features or more).
+two of whose top sae.head_features features by decoder share have unrelated roles, Kissane et al.'s reading,
+sae/head_attribution.py's head_roles), the old rules beside it, polysemantic_dominated_head_fraction (two
+such features among those a head dominates) and multi_feature_head_fraction (heads dominating an effective
+two features or more); and per head the roles of its top features (head_roles_<arch>_L<layer>).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SUMMARY = (
     "ce_loss_recovered",
     "dead_fraction",
     "polysemantic_head_fraction",
+    "polysemantic_dominated_head_fraction",
     "multi_feature_head_fraction",
 )
 ARCH_COLOR = {"relu_l1": "tab:blue", "topk": "tab:orange"}
@@ -107,11 +110,14 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         for _, r in summ.iterrows()
     }
     numbers["polysemantic_criterion"] = {
-        "polysemantic_head_fraction": "share of heads dominating two live features whose top-activating "
-        f"contexts' class distributions overlap < {UNRELATED_OVERLAP} (classes: the task's roles, else token types)",
+        "polysemantic_head_fraction": "share of heads two of whose top features by decoder share (Kissane et "
+        f"al. read 10) have top-activating contexts' class distributions overlapping < {UNRELATED_OVERLAP} "
+        "(classes: the task's roles, else token types)",
+        "polysemantic_dominated_head_fraction": "old rule: the same among the features a head dominates",
         "multi_feature_head_fraction": "old criterion: share of heads dominating an effective >= 2 features",
         "unrelated_overlap": UNRELATED_OVERLAP,
     }
+    numbers.update(head_roles(table))
     numbers[f"features_L{int(layers[-1])}_{method}"] = {
         f"f{f['feature']}": {
             "head": f["head"],
@@ -141,3 +147,13 @@ def head_features(table: pd.DataFrame, method: str, layer: int) -> list[dict]:
                 }
             )
     return picked
+
+
+def head_roles(table: pd.DataFrame) -> dict[str, dict[str, dict[str, int]]]:
+    """head_roles_<arch>_L<layer> -> head -> role -> how many of its top features have it (roles it has)."""
+    rows = table[(table["metric"] == "top_features_in_role") & (table["value"] > 0)]
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for (method, layer, head), group in rows.groupby(["method", "layer", "head"]):
+        roles = out.setdefault(f"head_roles_{method}_L{int(layer)}", {})
+        roles[str(int(head))] = {str(c): int(v) for c, v in zip(group["context_class"], group["value"])}
+    return out

@@ -48,7 +48,10 @@ class SaeConfig:
     eval_sequences: int = setting(256, COUNT)  # held-out sequences for the metrics, attribution and contexts
     top_contexts: int = setting(10, COUNT)  # top-activating contexts kept per feature
     context_window: int = setting(12, NATURAL)  # tokens shown before the activating one
-    dominance: float = setting(0.5, SHARE)  # a head dominates a feature that has this share of its decoder norm
+    # features read per head for its roles, its top ones by decoder-norm share (Kissane et al. read 10)
+    head_features: int = setting(10, COUNT)
+    # the old rule's (polysemantic_dominated): a head dominates a feature with this share of its decoder norm
+    dominance: float = setting(0.5, SHARE)
 
 
 class SparseAutoencoder(nn.Module):

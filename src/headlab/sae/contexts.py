@@ -1,7 +1,7 @@
-"""Context classes of corpus positions, for the polysemanticity criterion (attribution.head_polysemanticity):
-a head is polysemantic when two of its features fire in unrelated contexts, i.e. in different classes.
+"""Context classes of corpus positions, the roles of features in sae/head_attribution.py's head_roles: a
+head is polysemantic when two of its top features fire in unrelated contexts, i.e. in different classes.
 
-Kissane et al. (arXiv 2406.17759, section 4) read each GPT-2-small head's top features by eye and call
+Kissane et al. (arXiv 2406.17759, section 4) read each GPT-2-small head's top 10 features by eye and call
 a head polysemantic when they serve unrelated roles. Here the role of a feature is the class distribution
 of its top-activating contexts, with classes defined on the text itself (no labels needed):
 

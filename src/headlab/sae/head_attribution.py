@@ -1,13 +1,28 @@
-"""From SAE features to heads (Kissane et al. 2024, section 3):
+"""From SAE features to heads (Kissane et al. 2024, arXiv 2406.17759, section 3; their released code:
+github.com/ckkissane/attention-output-saes, top_feature_analysis.py):
 
 decoder_head_shares       weight-based: the share of a feature's decoder norm on each head,
-                          ||W_dec[f, head h]|| / sum_h' ||W_dec[f, head h']||
-head_polysemanticity      per head: the live features it dominates (share >= sae.dominance), the
-                          effective number of them (exp of the entropy of their firing frequencies;
-                          multi_feature: at least 2, which nearly every head meets), and whether it is
-                          polysemantic: two of its features fire in unrelated context classes, i.e. the
-                          class distributions of their top-activating contexts overlap (sum over classes
-                          of the smaller share) less than UNRELATED_OVERLAP
+                          ||W_dec[f, head h]|| / sum_h' ||W_dec[f, head h']|| (their
+                          get_all_decoder_weights_distributions)
+head_roles                per head, Kissane et al.'s reading of it made computable: its top
+                          sae.head_features features by that share (their code: the top 10 by
+                          torch.topk of the head's column, whatever the share), each feature's role
+                          the class distribution of its top-activating contexts (sae/contexts.py),
+                          and polysemantic when two of those features have unrelated roles: their
+                          class distributions overlap (sum over classes of the smaller share) less than
+                          UNRELATED_OVERLAP. Kissane et al. read each head's top 10 features' dashboards
+                          by eye, grouped them, and called a head polysemantic when it had "multiple
+                          unrelated roles" (at least 90% of GPT-2 small's 144 heads). Where headlab
+                          differs: roles are coarse context classes read off the text (or the task's
+                          roles), not a person's reading of dashboards (activations, logit effects); a
+                          feature's contexts are its sae.top_contexts largest activations on the held-out
+                          tokens, not quantiles over a million tokens; dead features (no held-out
+                          activation) are skipped, where their top 10 could include one
+head_polysemanticity      the old rule, kept under the names *_dominated: per head the live features it
+                          dominates (share >= sae.dominance), their effective number (exp of the entropy
+                          of their firing frequencies; multi_feature: at least 2), and polysemantic when
+                          two of them have unrelated roles. Where features spread over the heads (few
+                          reach the dominance share) it reads no head as polysemantic whatever the heads do
 direct_feature_attribution  a feature's pre-activation is linear in z, and z of head h at the query
                           position is sum_s pattern[h, q, s] v[h, s]; so the pre-activation splits
                           exactly into pattern[h, q, s] (v[h, s] . W_enc[head h, f]) per head and source
@@ -48,12 +63,54 @@ def class_distributions(classes: Tensor) -> Tensor:
     return counts / counts.sum(1, keepdim=True).clamp_min(1)
 
 
+def least_overlap(dist: Tensor) -> float:
+    """The least overlap of two rows of class distributions dist [f, n_classes]; nan under two rows."""
+    overlap = torch.minimum(dist[:, None, :], dist[None, :, :]).sum(-1)  # [f, f], 1 on the diagonal
+    off = overlap[~torch.eye(len(dist), dtype=torch.bool)]
+    return float(off.min()) if off.numel() else math.nan
+
+
+def head_roles(shares: Tensor, frequency: Tensor, classes: Tensor, n_top: int) -> list[dict]:
+    """One dict per head, read off its top n_top live features by decoder share (ties: lower feature
+    first) among those with contexts: n_top_features (fewer where fewer features are live),
+    top_feature_share (their mean share on this head), roles (n_classes counts: how many of them have
+    each class as their majority class, ties to the lower class), n_roles (classes with a count),
+    largest_role_share (the largest count over n_top_features), min_class_overlap (the least overlap of
+    two of their class distributions; nan under two) and polysemantic (0/1: that overlap <
+    UNRELATED_OVERLAP). frequency [d_sae]: the fraction of tokens each feature fires on; classes
+    [k, d_sae]: see class_distributions."""
+    dist = class_distributions(classes)
+    readable = (frequency > 0) & (dist.sum(1) > 0)
+    candidates = readable.nonzero().squeeze(1)
+    out = []
+    for h in range(shares.shape[1]):
+        order = torch.argsort(-shares[candidates, h], stable=True)[:n_top]
+        top = candidates[order]
+        d = dist[top]
+        roles = torch.bincount(d.argmax(1), minlength=dist.shape[1]) if len(top) else torch.zeros(dist.shape[1])
+        least = least_overlap(d)
+        out.append(
+            {
+                "head": h,
+                "n_top_features": len(top),
+                "top_feature_share": float(shares[top, h].mean()) if len(top) else math.nan,
+                "roles": [int(c) for c in roles.tolist()],
+                "n_roles": int((roles > 0).sum()),
+                "largest_role_share": float(roles.max()) / len(top) if len(top) else math.nan,
+                "min_class_overlap": least,
+                "polysemantic": float(least < UNRELATED_OVERLAP),
+            }
+        )
+    return out
+
+
 def head_polysemanticity(shares: Tensor, frequency: Tensor, dominance: float, classes: Tensor) -> list[dict]:
-    """One dict per head: n_dominated, effective_features, multi_feature (effective >= 2), n_context_classes
-    (distinct majority classes of its features), min_class_overlap (the least overlap of two of its
-    features' class distributions; nan under two features with contexts) and polysemantic (0/1: that
-    overlap < UNRELATED_OVERLAP). frequency [d_sae]: the fraction of tokens each feature fires on (dead
-    features count for no head); classes [k, d_sae]: see class_distributions."""
+    """The old rule. One dict per head: n_dominated, effective_features, multi_feature (effective >= 2),
+    n_context_classes_dominated (distinct majority classes of its dominated features),
+    min_class_overlap_dominated (the least overlap of two of their class distributions; nan under two
+    features with contexts) and polysemantic_dominated (0/1: that overlap < UNRELATED_OVERLAP).
+    frequency [d_sae]: the fraction of tokens each feature fires on (dead features count for no head);
+    classes [k, d_sae]: see class_distributions."""
     dist = class_distributions(classes)
     out = []
     for h in range(shares.shape[1]):
@@ -61,18 +118,16 @@ def head_polysemanticity(shares: Tensor, frequency: Tensor, dominance: float, cl
         p = frequency[mine] / frequency[mine].sum() if mine.any() else frequency[:0]
         effective = math.exp(float(-(p * p.log()).sum())) if mine.any() else 0.0
         d = dist[mine & (dist.sum(1) > 0)]
-        overlap = torch.minimum(d[:, None, :], d[None, :, :]).sum(-1)  # [f, f], 1 on the diagonal
-        off = overlap[~torch.eye(len(d), dtype=torch.bool)]
-        least = float(off.min()) if off.numel() else math.nan
+        least = least_overlap(d)
         out.append(
             {
                 "head": h,
                 "n_dominated": int(mine.sum()),
                 "effective_features": effective,
                 "multi_feature": float(effective >= 2.0),
-                "n_context_classes": len(set(d.argmax(1).tolist())),
-                "min_class_overlap": least,
-                "polysemantic": float(least < UNRELATED_OVERLAP),
+                "n_context_classes_dominated": len(set(d.argmax(1).tolist())),
+                "min_class_overlap_dominated": least,
+                "polysemantic_dominated": float(least < UNRELATED_OVERLAP),
             }
         )
     return out

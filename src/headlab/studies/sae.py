@@ -7,11 +7,15 @@ Corpus: sae.corpus, else the task's prompts; a pretrained model on a task with a
 text that ships with headlab (data/alice.txt, locations.text_path).
 
 <run>/results.parquet (+ csv)   tidy: the SAE's metrics (intervention "sae", method = architecture), the
-                                training curve (method "fit", column step), per head its polysemanticity
-                                numbers (attribution.head_polysemanticity; contexts classed by
-                                their place in the text for a text corpus, sae/contexts.py, else by
-                                the task's roles, `task.context_classes`, else by token type), per
-                                feature and head the decoder share (column feature), and
+                                training curve (method "fit", column step), per head its roles and
+                                polysemanticity (sae/head_attribution.py's head_roles: its top
+                                sae.head_features features by decoder share, Kissane et al.'s reading;
+                                metric top_features_in_role per head and column context_class: how many
+                                of them have each role; and the old rule, head_polysemanticity, its
+                                metrics named *_dominated; contexts classed by their place in the text
+                                for a text corpus, sae/contexts.py, else by the task's roles,
+                                `task.context_classes`, else by token type), per feature and head the
+                                decoder share (column feature), and
                                 direct feature attribution per head and source position (metric dfa)
                                 for the top context of the most frequent features, and per live feature
                                 its top-activating contexts (metric top_context, columns rank, token,
@@ -45,7 +49,7 @@ from ..sae import build_sae
 from ..sae.activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
 from ..sae.export import CFG, WEIGHTS, hook_name, load_sae, save_sae
 from ..sae.fit import fit
-from ..sae.head_attribution import decoder_head_shares, head_polysemanticity, top_activations
+from ..sae.head_attribution import decoder_head_shares, head_polysemanticity, head_roles, top_activations
 from ..sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
 from ..tasks import Task
 from .context import RunContext
@@ -57,14 +61,22 @@ SCALE = "input_scale.json"  # sae.normalize: the factor z is fitted at
 EVAL_SEED = 77_777  # held-out prompts: apart from the training stream's passes
 HELD_OUT = 10  # a text corpus keeps its last 1/10 of windows out of training
 # settings that do not change the fitted SAE (evaluation and display only)
-DISPLAY_KEYS = ("eval_sequences", "top_contexts", "context_window", "dominance")
-HEAD_METRICS = (
+DISPLAY_KEYS = ("eval_sequences", "top_contexts", "context_window", "head_features", "dominance")
+ROLE_METRICS = (  # head_roles: Kissane et al.'s reading
+    "n_top_features",
+    "top_feature_share",
+    "n_roles",
+    "largest_role_share",
+    "min_class_overlap",
+    "polysemantic",
+)
+DOMINATED_METRICS = (  # head_polysemanticity: the old rule
     "n_dominated",
     "effective_features",
     "multi_feature",
-    "n_context_classes",
-    "min_class_overlap",
-    "polysemantic",
+    "n_context_classes_dominated",
+    "min_class_overlap_dominated",
+    "polysemantic_dominated",
 )
 
 
@@ -241,9 +253,11 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
     locate = real_tokens(held_out).nonzero()  # token index -> (row, position)
     row_pos = locate[where]  # [k, d_sae, 2]
     classes = grid[row_pos[..., 0], row_pos[..., 1]].masked_fill(values <= 0, -1)
-    heads = head_polysemanticity(shares, frequency, sc.dominance, classes)
-    metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in heads) / n_heads
-    metrics["multi_feature_head_fraction"] = sum(h["multi_feature"] for h in heads) / n_heads
+    roles = head_roles(shares, frequency, classes, sc.head_features)
+    dominated = head_polysemanticity(shares, frequency, sc.dominance, classes)
+    metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in roles) / n_heads
+    metrics["polysemantic_dominated_head_fraction"] = sum(h["polysemantic_dominated"] for h in dominated) / n_heads
+    metrics["multi_feature_head_fraction"] = sum(h["multi_feature"] for h in dominated) / n_heads
     info = {
         **run_info(cfg),
         "intervention": "sae",
@@ -257,8 +271,21 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
         {**info, "method": "fit", "metric": p["metric"], "value": p["value"], "n": sc.batch_size, "step": p["step"]}
         for p in record["curve"]
     ]
-    for h in heads:
-        rows += [{**info, "head": h["head"], "metric": k, "value": float(h[k]), "n": tokens} for k in HEAD_METRICS]
+    for r, d in zip(roles, dominated):
+        rows += [{**info, "head": r["head"], "metric": k, "value": float(r[k]), "n": tokens} for k in ROLE_METRICS]
+        rows += [{**info, "head": d["head"], "metric": k, "value": float(d[k]), "n": tokens} for k in DOMINATED_METRICS]
+        counts = r["roles"] + [0] * (len(class_names) - len(r["roles"]))
+        rows += [
+            {
+                **info,
+                "head": r["head"],
+                "metric": "top_features_in_role",
+                "value": float(c),
+                "n": tokens,
+                "context_class": name,
+            }
+            for name, c in zip(class_names, counts)
+        ]
     live = (frequency > 0).nonzero().squeeze(1)
     share_rows = pd.DataFrame(
         {

@@ -124,19 +124,28 @@ def _layer_summary(df: pd.DataFrame, layer: int, max_rows: int) -> None:
     for _, r in top.iterrows():
         table.add_row(str(r["metric"]), f"{r['value']:.4f}")
     console.print(table)
-    columns = ("n_dominated", "effective_features", "n_context_classes", "min_class_overlap", "polysemantic")
-    heads = df[df["metric"].isin(columns) & df["head"].notna()]
-    wide = heads.pivot(index="head", columns="metric", values="value").reset_index()  # keeps nan overlaps
-    table = Table(title="features per head (decoder-norm dominance; polysemantic: two with unrelated contexts)")
-    for col in ("head", *columns):
-        table.add_column(col, justify="right")
-    for _, r in wide.head(max_rows).iterrows():
+    heads = df[df["head"].notna()]
+    wide = heads.pivot_table(index="head", columns="metric", values="value", dropna=False)  # keeps nan overlaps
+    if "polysemantic" not in wide or "n_top_features" not in wide:
+        return  # a table written before head_roles
+    in_role = heads[(heads["metric"] == "top_features_in_role") & (heads["value"] > 0)]
+    table = Table(
+        title="per head, its top features by decoder share (Kissane et al.'s reading): their roles (majority "
+        "context class) and whether two are unrelated; the old rule (dominated features) beside it"
+    )
+    columns = ("head", "top", "mean share", "roles", "least overlap", "polysemantic", "dominated", "old rule")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "roles" else "right")
+    for head, r in wide.head(max_rows).iterrows():
+        mine = in_role[in_role["head"] == head].sort_values("value", ascending=False, kind="stable")
         table.add_row(
-            str(int(r["head"])),
-            str(int(r["n_dominated"])),
-            f"{r['effective_features']:.2f}",
-            str(int(r["n_context_classes"])),
+            str(int(head)),
+            str(int(r["n_top_features"])),
+            f"{r['top_feature_share']:.2f}",
+            ", ".join(f"{c} {int(v)}" for c, v in zip(mine["context_class"], mine["value"])),
             f"{r['min_class_overlap']:.2f}",
             "yes" if r["polysemantic"] else "no",
+            str(int(r["n_dominated"])),
+            "yes" if r.get("polysemantic_dominated", 0) else "no",
         )
     console.print(table)
