@@ -99,7 +99,7 @@ def retrieval_heads_runs(quick: bool) -> list[list[str]]:
     if quick:
         return [
             ["experiment=retrieval_heads", "seed=0", "task.n_prompts=64", "output.n_boot=50"],
-            ["experiment=retrieval_heads_smollm2", "task.n_prompts=12", "output.n_boot=50"],
+            ["experiment=retrieval_heads_smollm2", "task.n_prompts=4", "study.n_random=2", "output.n_boot=50"],
         ]
     return [
         *(["experiment=retrieval_heads", f"seed={seed}"] for seed in (0, 1, 2)),

@@ -154,6 +154,8 @@ def test_the_study_and_the_cli_on_the_saved_copy_model(tmp_path):
     assert scores.loc[(1, 0)] == 1.0 and scores.drop((1, 0)).eq(0).all()
     drops = table[table["metric"] == "needle_recall_drop"].set_index("group")["value"]
     assert drops["top1"] > 0.5 and all(drops[f"random1_{d}"] == 0 for d in range(3)), drops
+    # the planted copy head is an induction head too: the top retrieval head is the top induction head
+    assert table.loc[table["metric"] == "top_k_induction_overlap", "value"].tolist() == [1.0]
 
     overrides = [f"task.{k}={v}" for k, v in NEEDLE_CFG.items()]
     done = run_headlab(
@@ -163,6 +165,7 @@ def test_the_study_and_the_cli_on_the_saved_copy_model(tmp_path):
         "model=toy-copy",
         f"model.path={tmp_path / 'copy'}",
         "scores.top_k=1",
+        "scores.n_random=1",
         "output.n_boot=20",
         *overrides,
         f"hydra.run.dir={tmp_path / 'run'}",
@@ -172,6 +175,7 @@ def test_the_study_and_the_cli_on_the_saved_copy_model(tmp_path):
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
     assert meta["masked_top_heads"] == ["L1H0"] and meta["recall_clean"] == 1.0
     assert meta["recall_top_k_masked"] < 0.5 and meta["recall_random_k_masked_mean"] == 1.0
+    assert meta["top_k_also_induction"] == ["L1H0"] and meta["masking"] == "greedy"
     assert set(pd.read_parquet(tmp_path / "run" / "results.parquet")["metric"]) >= {"retrieval_score", "needle_recall"}
 
     bad = run_headlab("run", "task=counting", "scores=retrieval", f"output.root={tmp_path}", cwd=tmp_path)

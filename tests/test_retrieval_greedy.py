@@ -3,11 +3,15 @@ natural needles of task.needles=sentences (tasks/needle_facts.py) and the random
 top ones (analysis/head_sets.py).
 
 Decoding is held to a plain transformers loop (a key-value cache, output_attentions, the argmax of each
-head's last attention row: the loop of Wu et al.'s retrieval_head_detection.py), and the events to their
-rule written out over a model rerun on the whole sequence at every step (no cache).
+head's last attention row, a stop after a newline token, masked heads' query projections zeroed at every
+decoding step and not in the prefill: the loops of Wu et al.'s retrieval_head_detection.py and
+needle_in_haystack_with_mask.py), the events to their rule and the ROUGE-1 recall on words to
+rouge_score's definition, written out over a model rerun on the whole sequence at every step (no cache).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -15,44 +19,95 @@ import torch
 import headlab
 from headlab.analysis.decoding import greedy_decode
 from headlab.analysis.head_sets import avoided_heads, random_heads, top_heads
-from headlab.analysis.retrieval import greedy_retrieval, needle_layout, retrieval_scores, token_recall
+from headlab.analysis.retrieval import (
+    greedy_masked_recall,
+    greedy_retrieval,
+    needle_layout,
+    retrieval_scores,
+    rouge1_recall,
+    token_recall,
+)
 from headlab.locations import text_path
 from headlab.tasks.needle import copy_role, needle_role
-from headlab.tasks.needle_facts import FACTS, SENTENCE_ENDS
+from headlab.tasks.needle_facts import FACTS, SENTENCE_ENDS, asked
 from test_retrieval import needle_task, planted_copy_model
 
 ALICE = text_path("data/alice.txt")
 
 
+MASKED = [(1, 2), (2, 0)]  # (layer, head) of the tiny models' 3 layers of 4 heads
+
+
+def plain_loop(plain, ids, prompt_len, steps, stop, masked):
+    """Wu et al.'s loop: prefill all but the prompt's last token unmasked, then one token at a time through
+    the cache, the masked heads' query projections zeroed, stopping after a token in `stop`."""
+    config = plain.config
+    d_head = config.hidden_size // config.num_attention_heads
+    masking = []
+
+    def zero(heads):
+        def hook(_module, _args, out):
+            out = out.clone()
+            for h in heads:  # GPT-2's c_attn holds q, k, v side by side: q comes first
+                out[..., h * d_head : (h + 1) * d_head] = 0
+            return out
+
+        return hook
+
+    if config.model_type == "gpt2":
+        projections = [block.attn.c_attn for block in plain.transformer.h]
+    else:
+        projections = [layer.self_attn.q_proj for layer in plain.model.layers]
+    cache = plain(input_ids=ids[None, : prompt_len - 1], use_cache=True).past_key_values
+    for layer in {layer for layer, _ in masked}:
+        masking.append(projections[layer].register_forward_hook(zero([h for m, h in masked if m == layer])))
+    token, tokens, tops = ids[prompt_len - 1], [], []
+    for _ in range(steps):
+        out = plain(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True, output_attentions=True)
+        cache, token = out.past_key_values, out.logits[0, -1].argmax()
+        tokens.append(int(token))
+        tops.append([int(a[0, h, -1].argmax()) for a in out.attentions for h in range(a.shape[1])])
+        if int(token) in stop:
+            break
+    for handle in masking:
+        handle.remove()
+    return tokens, tops
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # rotary and grouped keys; learned positions
-def test_greedy_decoding_equals_a_plain_transformers_loop_with_a_cache(family, tiny_hf_dir):
+def test_greedy_decoding_masked_and_stopped_equals_a_plain_transformers_loop_with_a_cache(family, tiny_hf_dir):
     from transformers import AutoModelForCausalLM
 
     model = headlab.load_model(str(tiny_hf_dir(family)))
-    ids = torch.randint(100, 5000, (2, 14), generator=torch.Generator().manual_seed(0))
-    prompt_len, steps = 10, 4
-    got = greedy_decode(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, prompt_len, steps, 2)
     plain = AutoModelForCausalLM.from_pretrained(tiny_hf_dir(family), attn_implementation="eager").eval()
+    ids = torch.randint(100, 5000, (2, 10), generator=torch.Generator().manual_seed(0))
+    prompt_len, steps = 10, 5
     with torch.no_grad():
-        for i in range(2):
-            cache = plain(input_ids=ids[i : i + 1, : prompt_len - 1], use_cache=True).past_key_values
-            token, tokens, tops = ids[i, prompt_len - 1], [], []
-            for _ in range(steps):
-                out = plain(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True, output_attentions=True)
-                cache, token = out.past_key_values, out.logits[0, -1].argmax()
-                tokens.append(int(token))
-                tops.append([int(a[0, h, -1].argmax()) for a in out.attentions for h in range(a.shape[1])])
-            assert got.tokens[i].tolist() == tokens
-            assert got.top_keys[i].tolist() == torch.tensor(tops).T.tolist()
+        free, free_tops = plain_loop(plain, ids[0], prompt_len, steps, set(), MASKED)
+        stop = {free[2]}  # row 0 stops after its third token (where the rows differ, row 1 runs on)
+        expected = [plain_loop(plain, ids[i], prompt_len, steps, stop, MASKED) for i in range(2)]
+        unmasked = plain_loop(plain, ids[0], prompt_len, steps, set(), [])[1]
+    masked_rows = [4 * layer + head for layer, head in MASKED]  # a zero query: uniform attention, key 0 first
+    assert all(top[r] == 0 for top in free_tops for r in masked_rows)
+    assert any(top[r] != 0 for top in unmasked for r in masked_rows)
+    stops = torch.zeros(model.vocab_size, dtype=torch.bool)
+    stops[list(stop)] = True
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    got = greedy_decode(model, inputs, prompt_len, steps, 2, stop=stops, masked=MASKED)
+    for i, (tokens, tops) in enumerate(expected):
+        pad = steps - len(tokens)
+        assert got.tokens[i].tolist() == tokens + [-1] * pad
+        assert got.top_keys[i].tolist() == [row + [-1] * pad for row in torch.tensor(tops).T.tolist()]
 
 
-def test_greedy_events_follow_wu_et_al_rule_written_out():
+def test_greedy_events_and_word_recall_follow_wu_et_al_rule_written_out():
     model, task = planted_copy_model(), needle_task()
     data = task.build(6, seed=4)
     found = greedy_retrieval(model, data, batch_size=5)
     needle_positions, steps = needle_layout(data)
-    prompt_len, length = int(steps[0, 0]) + 1, 3
-    expected = torch.zeros(4, 6)
+    prompt_len = int(steps[0, 0]) + 1
+    length = 16 - prompt_len + 1  # as many steps as the model's 16 positions hold (Wu et al.: 50)
+    expected, recall = torch.zeros(4, 6), []
     for i in range(6):
         seq = data.inputs["input_ids"][i, :prompt_len].tolist()
         span = needle_positions[i].tolist()
@@ -64,13 +119,30 @@ def test_greedy_events_follow_wu_et_al_rule_written_out():
                 for head in range(2):
                     top = int(seen[("pattern", layer)][0, head, -1].argmax())
                     if span[0] <= top <= span[-1] and seq[top] == token:
-                        expected[2 * layer + head, i] += 1 / length
+                        expected[2 * layer + head, i] += 1 / len(span)
             seq.append(token)
         assert seq[prompt_len:] == found.answers[i].tolist()
+        # rouge_score's rouge1 recall; no tokenizer: token ids are the words
+        want, got = Counter(data.answers["needle"][i].tolist()), Counter(seq[prompt_len:])
+        recall.append(sum(min(c, got[w]) for w, c in want.items()) / sum(want.values()))
     torch.testing.assert_close(found.scores, expected)
+    torch.testing.assert_close(found.recall, torch.tensor(recall), atol=1e-4, rtol=0)
     assert found.mean(0.5).tolist() == pytest.approx([0, 0, 1, 0]) and found.recall.eq(1).all()
     # the planted model copies right whichever way: the teacher-forced score agrees here
     torch.testing.assert_close(retrieval_scores(model, data, decoding="teacher_forced").scores, expected)
+    # masked while decoding, the copy head reads the context uniformly: the needle is lost; masking an
+    # idle head changes nothing
+    masked = greedy_masked_recall(model, data, [[(1, 0)], [(0, 1)]], batch_size=5)
+    assert masked[0].mean() < 0.5 and masked[1].eq(1).all(), masked
+
+
+def test_rouge1_recall_on_stemmed_words():
+    # rouge_score's rouge1 with use_stemmer=True: lower case, non-alphanumerics break words, words of more
+    # than 3 letters Porter-stemmed (cats -> cat, running -> run, quickly -> quickli; "ran" stays)
+    assert rouge1_recall("The cats are running quickly.", "A cat ran quickly!") == pytest.approx(2 / 5)
+    assert rouge1_recall("eat a sandwich, eat", "EAT sandwiches") == pytest.approx(2 / 4)  # clipped: eat once
+    assert rouge1_recall("Dolores Park", " dolores-park\n") == 1.0
+    assert rouge1_recall("...", "anything") == 0.0  # no reference words
 
 
 def test_token_recall_is_rouge1_recall_on_tokens():
@@ -98,10 +170,13 @@ def test_fact_needles_in_alice(gpt2_tokenizer):
     assert {tuple(r) for r in needle.tolist()} <= answers
     for i in range(10):
         text = gpt2_tokenizer.decode(ids[i])
-        fact = next(f for f in FACTS if f.question in text)
+        fact = next(f for f in FACTS if f.question.strip() in text)
         assert fact.statement + fact.answer + "." in text and text.endswith(
-            fact.statement + gpt2_tokenizer.decode(needle[i])
+            asked(fact.question) + gpt2_tokenizer.decode(needle[i])
         )
+        whole = data.answers["answer"][i]
+        start = int(data.answers["answer_start"][i])
+        assert gpt2_tokenizer.decode(ids[i, start : start + int((whole >= 0).sum())]) == fact.answer
         # just after [BOS] (depth 0) or after a sentence end of the haystack
         before = int(data.token_positions[needle_role(0)][i]) - len(gpt2_tokenizer(fact.statement)["input_ids"])
         assert before == 1 or gpt2_tokenizer.decode(ids[i, before - 1]).rstrip().endswith(SENTENCE_ENDS)
@@ -114,6 +189,15 @@ def test_fact_needles_in_alice(gpt2_tokenizer):
     assert torch.equal(other[same], ids[same]) and (other[~same] != ids[~same]).all()
     assert data.reference["input_ids"].shape == (5, ids.shape[1])
 
+    cue = needle_task(haystack=str(ALICE), needles="sentences", haystack_len=120, needle_len=6, prompt="cue")
+    text = gpt2_tokenizer.decode(cue.build(1, seed=0, model=WithTokenizer()).inputs["input_ids"][0])
+    fact = next(f for f in FACTS if f.question in text)
+    assert fact.statement + fact.answer + "." in text and "Answer:" not in text
+    assert text.endswith(
+        fact.question + fact.statement + gpt2_tokenizer.decode(gpt2_tokenizer(fact.answer)["input_ids"][:6])
+    )
+    with pytest.raises(headlab.UsageError, match="chat template"):
+        needle_task(haystack=str(ALICE), needles="sentences", prompt="chat").build(2, 0, model=WithTokenizer())
     with pytest.raises(headlab.UsageError, match="shortest"):
         needle_task(haystack=str(ALICE), needles="sentences", needle_len=40).build(2, 0, model=WithTokenizer())
     with pytest.raises(headlab.UsageError, match="text haystack"):

@@ -2,25 +2,30 @@
 at a random depth of a haystack?
 
 A needle of `needle_len` distinct random tokens sits at a random depth of a haystack of `haystack_len`
-tokens; a question follows, then the needle again as the teacher-forced answer. Two vocabularies:
-  a model with a tokenizer   [BOS] hay.. " The secret sequence is:" needle "." ..hay
-                             " What is the secret sequence? The secret sequence is:" needle
+tokens; a question follows, then the needle again as the teacher-forced answer. Three layouts:
+  a model with a tokenizer   [BOS] hay.. " The secret sequence is:" needle "." ..hay ask needle
+                             ask, by task.prompt: question (Wu et al.'s, retrieval_head_detection.py)
+                             "\nBased on the content of the book, Question: What is the secret sequence?
+                             \nAnswer:"; chat, the same in the tokenizer's chat template (haystack
+                             between <book> and </book>, as Wu et al. prompt chat models); cue (headlab
+                             0.2's) " What is the secret sequence? The secret sequence is:", whose
+                             repeated cue lets an induction head copy the needle on.
                              The haystack is a window of `task.haystack` (one long text, tokenized once)
                              or, without a file, random ordinary tokens. Token ids are joined as ids, never
                              re-tokenized, so the needle is the same ids at both places.
   a model trained here       [BOS] hay.. [KEY] needle ..hay [ASK] [KEY] needle
-                             over the task's own `n_symbols` symbols: needles from the second half, the
-                             haystack from the first, each hay token two tokens back plus one (mod the
-                             half) with probability HAY_RULE, else random
-  task.needles=sentences     [BOS] hay.. " The best thing to do in San Francisco is to" needle ".." "." ..hay
-                             " What is ...? The best thing to do in San Francisco is to" needle
-                             natural facts in a text haystack, the needle the answer's first needle_len
-                             tokens (tasks/needle_facts.py)
+                             over the task's own `n_symbols` symbols (task.prompt does not apply): needles
+                             from the second half, the haystack from the first, each hay token two tokens
+                             back plus one (mod the half) with probability HAY_RULE, else random
+  task.needles=sentences     natural facts in a text haystack, asked for as task.prompt says; the needle
+                             is the answer's first needle_len tokens (tasks/needle_facts.py)
 Read positions: the L copy steps, the queries whose next token is needle token j (the question's last
 token, then the answer's first L-1 tokens). Per prompt: needle_recall (share of copy steps whose argmax is
 the needle token) and needle_logprob (their mean log-probability). Roles: NEEDLE0.. (needle token j in
-the haystack) and COPY0.. (copy step j). Counterfactual: another needle at the same place; reference:
-fresh haystacks and needles at the same depths, so every role sits where it sits in the clean prompt.
+the haystack) and COPY0.. (copy step j). Answers: "needle" [n, L]; "answer" [n, A], the whole answer a
+greedy decoding is scored against (a fact's answer, else the needle; padded with -1) and "answer_start"
+[n], where it sits in the haystack. Counterfactual: another needle at the same place; reference: fresh
+haystacks and needles at the same depths, so every role sits where it sits in the clean prompt.
 """
 
 from __future__ import annotations
@@ -35,13 +40,15 @@ from ..config_rules import COUNT, NEEDLES, Joint, OneOf, setting
 from ..errors import UsageError
 from ..locations import text_path
 from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, mean_of
-from .needle_facts import FactNeedles
+from .needle_facts import FactNeedles, asked, framing
 
 PAD, BOS, KEY, ASK = range(4)
 SPECIAL = ("[PAD]", "[BOS]", "[KEY]", "[ASK]")
 STATEMENT = " The secret sequence is:"
 STATEMENT_END = "."
 QUESTION = " What is the secret sequence? The secret sequence is:"
+SECRET_QUESTION = "What is the secret sequence?"
+PROMPTS = ("question", "chat", "cue")  # task.prompt
 MAX_HAYSTACK_CHARS = 2_000_000  # read at most this much of a haystack file: windows need far less
 # A haystack of the task's own symbols follows a rule (hay token t = hay token t - 2, plus one) with this
 # probability, and is trained on: predicting it needs a previous-token head, on which a standard induction
@@ -70,6 +77,10 @@ class NeedleConfig(TaskConfig):
     # sentences (a fact, e.g. "The best thing to do in San Francisco is to eat a sandwich ...", asked
     # for at the end as Wu et al.'s needles are; the needle is its answer's first needle_len tokens)
     needles: str = setting("random", OneOf(NEEDLES))
+    # models with a tokenizer: question (Wu et al.'s: the prompt ends with the question and "Answer:") |
+    # chat (the same in the tokenizer's chat template, as Wu et al. prompt chat models) | cue (the
+    # needle's cue repeated after the question, headlab 0.2's: an induction head can copy on)
+    prompt: str = setting("question", OneOf(PROMPTS))
     JOINT: ClassVar[tuple[Joint, ...]] = (
         ("n_symbols", lambda c: c.n_symbols >= c.needle_len, "at least task.needle_len"),
     )
@@ -138,7 +149,12 @@ class NeedleTask(Task):
         return TaskData(
             inputs=inputs,
             positions=self._copy_steps(clean.shape[1], n),
-            answers={"needle": needle, "depth": depth.double() / max(1, self.cfg.haystack_len)},
+            answers={
+                "needle": needle,
+                "depth": depth.double() / max(1, self.cfg.haystack_len),
+                "answer": needle,
+                "answer_start": vocab.needle_start(depth),
+            },
             counterfactual=vocab.inputs(vocab.assemble(hay, depth, other)),
             reference=vocab.inputs(vocab.assemble(ref_hay, ref_depth, ref_needle)),
             token_positions=self._roles(vocab.needle_start(depth), clean.shape[1]),
@@ -154,7 +170,12 @@ class NeedleTask(Task):
         return TaskData(
             inputs=vocab.inputs(made.clean),
             positions=self._copy_steps(length, n),
-            answers={"needle": made.needle, "depth": made.depth},
+            answers={
+                "needle": made.needle,
+                "depth": made.depth,
+                "answer": made.answer,
+                "answer_start": made.needle_start,
+            },
             counterfactual=vocab.inputs(made.counterfactual),
             reference=vocab.inputs(made.reference),
             token_positions=self._roles(made.needle_start, length),
@@ -280,8 +301,10 @@ class _Words:
         self.model = model
         tok = model.tokenizer
         self.encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])
-        self.bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        self.statement, self.statement_end, self.question = map(self.encode, (STATEMENT, STATEMENT_END, QUESTION))
+        self.bos, book_end, closing = framing(cfg.prompt, tok)
+        question = QUESTION if cfg.prompt == "cue" else book_end + asked(SECRET_QUESTION)
+        self.statement, self.statement_end, self.question = map(self.encode, (STATEMENT, STATEMENT_END, question))
+        self.question = self.question + closing
         rows = min(len(tok), getattr(model, "vocab_size", len(tok)))
         self.ordinary = ordinary_token_ids(tok, rows)
         if len(self.ordinary) < 2 * cfg.needle_len:

@@ -2,12 +2,21 @@
 asked for at the end, as Wu et al. 2024's needles are ("The best thing to do in San Francisco is eat a
 sandwich and sit in Dolores Park on a sunny day.", asked "What is the best thing to do in San Francisco?").
 
-A prompt:  [BOS] hay.. statement answer "." ..hay question statement needle
-where the needle is the answer's first `needle_len` tokens: they are what is asked back (teacher-forced
-at the end, or decoded greedily by scores=retrieval). Token ids are joined as ids, never re-tokenized, so
-the needle is the same ids at both places. Every prompt has one length: the hay around a fact fills what
-its statement and question leave of the longest fact's. The needle goes at a random depth, moved back to
-the nearest sentence end of the haystack, as Wu et al. (after Kamradt's needle test) insert theirs.
+A prompt, by task.prompt:
+  question  [BOS] hay.. statement answer "." ..hay "\nBased on the content of the book, Question: "
+            question "\nAnswer:" needle
+            Wu et al.'s prompt (retrieval_head_detection.py): it ends with the question and "Answer:"
+  chat      the same inside the tokenizer's chat template, the haystack between <book> and </book>:
+            Wu et al.'s prompt for chat models
+  cue       [BOS] hay.. statement answer "." ..hay question statement needle
+            the fact's opening repeated after the question: an induction head can copy the answer on
+            (headlab 0.2's prompt)
+where the needle is the answer's first `needle_len` tokens, teacher-forced at the end; the whole answer
+is what Wu et al. score (their "real_needle"): greedy decoding is scored by its recall and its copy-paste
+events are counted over its span. Token ids are joined as ids, never re-tokenized, so the needle is the
+same ids at both places. Every prompt has one length: the hay around a fact fills what its statement and
+question leave of the longest fact's. The needle goes at a random depth, moved back to the nearest
+sentence end of the haystack, as Wu et al. (after Kamradt's needle test) insert theirs.
 """
 
 from __future__ import annotations
@@ -81,6 +90,33 @@ FACTS = (
     ),
 )
 SENTENCE_ENDS = (".", "!", "?", '."', '!"', '?"', ".'", "!'", "?'")
+# Wu et al.'s question, after the haystack (retrieval_head_detection.py, evaluate_and_log); theirs follows
+# the haystack's last word directly, a newline separates it here
+ASK = "\nBased on the content of the book, Question: {question}\nAnswer:"
+
+
+MARK = "\x00needle\x00"  # stands for the user's message while the chat template is split around it
+
+
+def asked(question: str) -> str:
+    """Wu et al.'s question text for task.prompt=question and chat."""
+    return ASK.format(question=question.strip())
+
+
+def framing(prompt: str, tokenizer: Any) -> tuple[list[int], str, list[int]]:
+    """(token ids before the haystack, text before the question, token ids after it) for task.prompt:
+    chat puts Wu et al.'s question inside the tokenizer's chat template, the haystack between <book> and
+    </book>, as their code prompts chat models (Mistral-7B-Instruct, Qwen1.5-14B-Chat)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    if prompt != "chat":
+        return bos, "", []
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("task.prompt=chat needs a tokenizer with a chat template; task.prompt=question has none")
+    message = [{"role": "user", "content": MARK}]
+    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    before, after = text.split(MARK)
+    encode = lambda s: list(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    return encode(before + "<book>"), "</book>", encode(after)
 
 
 @dataclass
@@ -91,6 +127,7 @@ class FactPrompts:
     needle: Tensor  # [n, L]
     needle_start: Tensor  # [n]: where the needle's first token sits
     depth: Tensor  # [n]: share of the prompt's haystack before the needle
+    answer: Tensor  # [n, A]: each fact's whole answer (the needle first), padded with -1
 
 
 class FactNeedles:
@@ -107,7 +144,12 @@ class FactNeedles:
             raise UsageError(f"task.needle_len={cfg.needle_len} exceeds the shortest fact's answer ({shortest} tokens)")
         self.openings = [encode(f.statement) for f in FACTS]
         self.period = encode(".")
-        self.asks = [torch.cat([encode(f.question), encode(f.statement)]) for f in FACTS]
+        if cfg.prompt == "cue":
+            self.asks = [torch.cat([encode(f.question), encode(f.statement)]) for f in FACTS]
+        else:
+            _, book_end, after = framing(cfg.prompt, tokenizer)
+            closing = torch.tensor(after, dtype=torch.long)
+            self.asks = [torch.cat([encode(book_end + asked(f.question)), closing]) for f in FACTS]
         extra = [len(o) + len(a) + len(self.period) + len(q) for o, a, q in zip(self.openings, self.answers, self.asks)]
         self.hay_len = [cfg.haystack_len + max(extra) - e for e in extra]  # hay per fact: one length for all
         if len(text) < max(self.hay_len):
@@ -139,7 +181,11 @@ class FactNeedles:
         swapped = torch.stack([self._row(f, w, d, nd) for f, w, d, nd in zip(facts.tolist(), windows, depths, other)])
         starts = torch.tensor([len(self.bos) + d + len(self.openings[f]) for f, d in zip(facts.tolist(), depths)])
         share = torch.tensor([d / max(1, self.hay_len[f]) for f, d in zip(facts.tolist(), depths)], dtype=torch.double)
-        return FactPrompts(clean, swapped, torch.stack(reference), needle, starts, share)
+        answers = [self.answers[f] for f in facts.tolist()]
+        answer = torch.full((n, max(len(a) for a in answers)), -1, dtype=torch.long)
+        for i, a in enumerate(answers):
+            answer[i, : len(a)] = a
+        return FactPrompts(clean, swapped, torch.stack(reference), needle, starts, share, answer)
 
     def _window(self, fact: int, gen: torch.Generator, snap: bool) -> tuple[Tensor, int]:
         """A window of the text of this fact's hay length at a random offset, and a random depth in it
