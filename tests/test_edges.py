@@ -600,3 +600,50 @@ def test_a_task_without_a_smooth_quantity_is_refused():
     _refused(lambda: scores(toy, task, data, graph), r"task counting .*smooth")
     _refused(lambda: exact_scores(toy, task, data, graph), r"task counting .*smooth")
     _refused(lambda: circuit_metric(toy, task, data, graph, graph.real), r"task counting .*smooth")
+
+
+# --- 6. circuit sizes counted ungrouped, and intervals over prompts -------------------------------------
+
+
+def test_grouped_edges_counted_ungrouped_are_the_edges_of_the_ungrouped_graph(case):
+    g = case.graph
+    ungrouped = EdgeGraph(g.n_layers, g.n_heads, g.n_heads, g.d_model, g.parallel, g.mlp_layers)
+    assert g.total(ungrouped=True) == ungrouped.n_edges
+    assert (g.total(ungrouped=True) > g.n_edges) == (g.n_kv_heads != g.n_heads)
+
+
+def test_a_top_n_circuit_counted_ungrouped_is_the_longest_prefix_of_the_ranking_that_fits(case):
+    g, weights = case.graph, case.graph.multiplicity.flatten()
+    ranked = g.ranking(case.eap).tolist()
+    for n in (1, 7, g.total(ungrouped=True) // 3):
+        mask = g.top_n(case.eap, n, prune=False, ungrouped=True)
+        taken = sum(1 for _ in mask.nonzero())
+        assert g.size(mask, ungrouped=True) <= n
+        assert set(mask.flatten().nonzero().flatten().tolist()) == set(ranked[:taken])
+        if taken < len(ranked):  # the next edge would overflow n
+            assert g.size(mask, ungrouped=True) + int(weights[ranked[taken]]) > n
+
+
+def test_cpr_on_a_bootstrap_resample_is_cpr_measured_on_those_prompts(gpt2_case):
+    """The intervals resample prompts without rerunning a circuit: one resample's CPR and CMD must be what
+    measure gives when handed exactly those prompts."""
+    import numpy as np
+
+    from headlab.edges import faithfulness
+
+    case, fractions = gpt2_case, (0.3, 1.0)
+    n_boot, seed = 2, 5
+    f = faithfulness.measure(
+        case.model, case.task, case.data, case.graph, case.eap, fractions, n_boot=n_boot, seed=seed
+    )
+    idx = np.random.default_rng(seed).integers(0, case.data.n, size=(n_boot, case.data.n))
+    cprs, cmds = [], []
+    for rows in idx:
+        part = case.data.take(torch.as_tensor(rows))  # type: ignore[arg-type]
+        g = faithfulness.measure(case.model, case.task, part, case.graph, case.eap, fractions, n_boot=0)
+        cprs.append(g.cpr)
+        cmds.append(g.cmd)
+    assert f.cpr_ci[0] == pytest.approx(np.percentile(cprs, 2.5), abs=1e-9)
+    assert f.cpr_ci[1] == pytest.approx(np.percentile(cprs, 97.5), abs=1e-9)
+    assert f.cmd_ci[0] == pytest.approx(np.percentile(cmds, 2.5), abs=1e-9)
+    assert f.cmd_ci[0] <= f.cmd_ci[1]

@@ -258,8 +258,11 @@ def circuit(
     Edge rows (intervention "edge") hold each edge's score, the change in the task's smooth metric
     (IOI: logit_diff) when that edge alone is patched from the counterfactual run (estimated, or exact
     for method=exact), with columns edge, sender, receiver, receiver_input and in_circuit; rows with
-    intervention "circuit" hold the faithfulness curve (fraction, n_edges, ranking), cpr, cmd and
-    target_edges. Node rows (level="nodes", intervention "node") hold each node's score. It equals the
+    intervention "circuit" hold the faithfulness curve (fraction, n_edges, n_edges_ungrouped, ranking), cpr
+    and cmd (with 95% bootstrap intervals over prompts in ci_low / ci_high), target_edges and
+    target_edges_ungrouped (`edge_count="grouped"` takes the fractions over this graph's grouped key/value
+    edges instead of MIB's ungrouped count), and with `convergence=True` how far the scores moved at twice
+    the steps. Node rows (level="nodes", intervention "node") hold each node's score. It equals the
     table `headlab run task=... circuit=<method>` writes for the same config and seed."""
     return study(model, task, "circuit", n_prompts, seed, show_progress, method=method, level=level, **options)
 

@@ -99,6 +99,7 @@ DTYPES = {
     "node": "string",
     "fraction": "float64",
     "n_edges": "Int64",
+    "n_edges_ungrouped": "Int64",
     "ranking": "string",
 }
 TABLE, CSV, META = "results.parquet", "results.csv", "meta.json"
@@ -210,7 +211,7 @@ def run_meta(config_hash: str, timings: dict[str, float], extra: dict | None = N
             pass
     return {
         "config_hash": config_hash,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "python": platform.python_version(),
         "packages": versions,
         "seconds": {k: round(v, 4) for k, v in timings.items()},
@@ -218,7 +219,7 @@ def run_meta(config_hash: str, timings: dict[str, float], extra: dict | None = N
     }
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         here = Path(__file__).resolve().parent
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)

@@ -7,12 +7,21 @@ fractions, divided by the largest) give CPR, the area under the curve with edges
 score (higher is better; first the edges whose patching lowers the metric most, as MIB ranks by the
 rise in a loss), and CMD, the area between the curve and 1 with edges ranked by absolute score
 (lower is better).
+
+Circuit sizes: the fractions are shares of the graph's edges counted as MIB and auto-circuit count them,
+ungrouped (graph.py: under GQA one key/value edge of ours is one per query head sharing it), unless
+`ungrouped=False`; each point records both counts. Intervals: CPR and CMD are recomputed on bootstrap
+resamples of the prompts (the same resample for every circuit and for the clean and empty runs), the
+edge scores and so the circuits held fixed: the spread of the evaluation over prompts, not of the
+attribution. MIB reports neither interval nor the ungrouped/grouped distinction (its models are counted
+ungrouped).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,6 +40,8 @@ class Point:
     n_edges: int  # after pruning
     faithfulness: float
     ranking: str  # signed | absolute
+    n_edges_ungrouped: int  # the same circuit counted as the ungrouped graph's edges
+    per_prompt: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))  # [n] the metric
 
 
 @dataclass
@@ -44,6 +55,10 @@ class Faithfulness:
     target_edges: int  # the smallest top-n circuit (pruned) reaching the target, by absolute score
     target_faithfulness: float
     target_circuit: Tensor
+    target_edges_ungrouped: int = 0
+    ungrouped: bool = True  # whether the fractions count ungrouped edges
+    cpr_ci: tuple[float, float] = (float("nan"), float("nan"))  # 95% bootstrap interval over prompts
+    cmd_ci: tuple[float, float] = (float("nan"), float("nan"))
 
 
 class Evaluator:
@@ -52,19 +67,25 @@ class Evaluator:
     def __init__(self, model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, selection: str = "top_n"):
         self.model, self.task, self.data, self.graph, self.selection = model, task, data, graph, selection
         self.runs = clean_and_corrupted(model, graph, data)
-        self.clean = self._mean(graph.real.clone())
-        self.corrupted = self._mean(torch.zeros_like(graph.real))
+        self.clean_per_prompt = self.per_prompt(graph.real.clone())
+        self.corrupted_per_prompt = self.per_prompt(torch.zeros_like(graph.real))
+        self.clean = float(self.clean_per_prompt.mean())
+        self.corrupted = float(self.corrupted_per_prompt.mean())
 
-    def _mean(self, circuit: Tensor) -> float:
-        return float(circuit_metric(self.model, self.task, self.data, self.graph, circuit, self.runs).double().mean())
+    def per_prompt(self, circuit: Tensor) -> np.ndarray:
+        metric = circuit_metric(self.model, self.task, self.data, self.graph, circuit, self.runs)
+        return metric.double().cpu().numpy()
 
-    def circuit(self, scores: Tensor, n: int, absolute: bool) -> Tensor:
+    def circuit(self, scores: Tensor, n: int, absolute: bool, ungrouped: bool = False) -> Tensor:
         pick = self.graph.greedy if self.selection == "greedy" else self.graph.top_n
-        return pick(torch.nan_to_num(scores), n, absolute=absolute)
+        return pick(torch.nan_to_num(scores), n, absolute=absolute, ungrouped=ungrouped)
+
+    def share(self, metric: np.ndarray) -> float:
+        gap = self.clean - self.corrupted
+        return (float(metric.mean()) - self.corrupted) / gap if gap else float("nan")
 
     def of(self, circuit: Tensor) -> float:
-        gap = self.clean - self.corrupted
-        return (self._mean(circuit) - self.corrupted) / gap if gap else float("nan")
+        return self.share(self.per_prompt(circuit))
 
 
 def measure(
@@ -77,21 +98,29 @@ def measure(
     target: float = 0.8,
     selection: str = "top_n",
     show_progress: bool = False,
+    ungrouped: bool = True,
+    n_boot: int = 1000,
+    seed: int = 0,
 ) -> Faithfulness:
     ev = Evaluator(model, task, data, graph, selection)
     points: list[Point] = []
+    total = graph.total(ungrouped)
     with progress_bar("faithfulness", total=2 * len(fractions), enabled=show_progress) as bar:
         for ranking in ("signed", "absolute"):
             for f in fractions:
                 # signed: the edges whose patching lowers the metric most come first (a score is the
                 # metric's change, and the task's metric is higher where the task is done)
                 key = scores if ranking == "absolute" else -scores
-                circuit = ev.circuit(key, int(f * graph.n_edges), absolute=ranking == "absolute")
-                points.append(Point(f, int(circuit.sum()), ev.of(circuit), ranking))
+                circuit = ev.circuit(key, int(f * total), absolute=ranking == "absolute", ungrouped=ungrouped)
+                metric = ev.per_prompt(circuit)
+                points.append(
+                    Point(f, graph.size(circuit), ev.share(metric), ranking, graph.size(circuit, True), metric)
+                )
                 bar.update(len(points))
     signed = [p for p in points if p.ranking == "signed"]
     absolute = [p for p in points if p.ranking == "absolute"]
     n, value, circuit = smallest(ev, scores, target)
+    cpr_ci, cmd_ci = intervals(ev, signed, absolute, n_boot, seed)
     return Faithfulness(
         ev.clean,
         ev.corrupted,
@@ -102,7 +131,40 @@ def measure(
         target_edges=n,
         target_faithfulness=value,
         target_circuit=circuit,
+        target_edges_ungrouped=graph.size(circuit, True),
+        ungrouped=ungrouped,
+        cpr_ci=cpr_ci,
+        cmd_ci=cmd_ci,
     )
+
+
+def intervals(
+    ev: Evaluator, signed: list[Point], absolute: list[Point], n_boot: int, seed: int, level: float = 0.95
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Percentile bootstrap intervals of CPR and CMD over the prompts (one resample for every circuit)."""
+    nan = (float("nan"), float("nan"))
+    if not n_boot or not signed:
+        return nan, nan
+    n = len(ev.clean_per_prompt)
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    clean, corrupted = ev.clean_per_prompt[idx].mean(1), ev.corrupted_per_prompt[idx].mean(1)  # [n_boot]
+    gap = np.where(clean != corrupted, clean - corrupted, np.nan)
+
+    def curve(points: list[Point]) -> np.ndarray:  # [n_boot, fractions]
+        return np.stack([(p.per_prompt[idx].mean(1) - corrupted) / gap for p in points], axis=1)
+
+    fractions = [p.fraction for p in signed]
+    cpr = np.array([area(fractions, list(row)) for row in curve(signed)])
+    cmd = np.array([area([p.fraction for p in absolute], list(np.abs(1 - row))) for row in curve(absolute)])
+    q = [50 * (1 - level), 50 * (1 + level)]
+
+    def bounds(x: np.ndarray) -> tuple[float, float]:
+        if not np.isfinite(x).any():
+            return nan
+        low, high = np.nanpercentile(x, q)
+        return float(low), float(high)
+
+    return bounds(cpr), bounds(cmd)
 
 
 def area(x: list[float], y: list[float]) -> float:

@@ -9,6 +9,11 @@ it exists when the sender is upstream of the receiver.
 
 Scores and circuits are [senders, receivers] matrices over this graph; `real` says which entries are
 edges. A circuit is a boolean matrix: the edges that keep their clean values.
+
+Counting edges: MIB and auto-circuit give every query head key and value inputs of its own, so under GQA
+their graph is larger (smollm2-135m: 123,211 edges against this graph's 70,651). `multiplicity` says how
+many of their edges each of ours stands for (the query heads sharing a key/value head; 1 elsewhere), so
+circuit sizes can be counted either way (`ungrouped=True`: theirs).
 """
 
 from __future__ import annotations
@@ -113,6 +118,21 @@ class EdgeGraph:
     def n_edges(self) -> int:
         return int(self.real.sum())
 
+    @property
+    def multiplicity(self) -> Tensor:
+        """[senders, receivers] int64: the ungrouped graph's edges each edge stands for (0 off the graph)."""
+        group = self.n_heads // self.n_kv_heads
+        per_receiver = torch.tensor([group if r.kind in ("k", "v") else 1 for r in self.receivers])
+        return self.real.long() * per_receiver[None, :]
+
+    def size(self, mask: Tensor, ungrouped: bool = False) -> int:
+        """The edges of `mask`, each counted once or (ungrouped) as the ungrouped edges it stands for."""
+        mask = mask & self.real
+        return int((self.multiplicity * mask).sum()) if ungrouped else int(mask.sum())
+
+    def total(self, ungrouped: bool = False) -> int:
+        return self.size(self.real, ungrouped)
+
     def layer_receivers(self, layer: int) -> list[int]:
         return [i for i, r in enumerate(self.receivers) if r.layer == layer]
 
@@ -145,10 +165,15 @@ class EdgeGraph:
         return own
 
     # --- circuits -------------------------------------------------------------------------------
-    def top_n(self, scores: Tensor, n: int, absolute: bool = True, prune: bool = True) -> Tensor:
-        """The circuit of the n edges with the highest (absolute) scores, pruned of dangling edges."""
+    def top_n(
+        self, scores: Tensor, n: int, absolute: bool = True, prune: bool = True, ungrouped: bool = False
+    ) -> Tensor:
+        """The circuit of the n edges with the highest (absolute) scores, pruned of dangling edges; with
+        `ungrouped`, n counts ungrouped edges (the best edges whose multiplicities sum to at most n)."""
         ranked = self.ranking(scores, absolute)
         mask = torch.zeros_like(self.real)
+        if ungrouped:
+            n = int((self.multiplicity.flatten()[ranked].cumsum(0) <= n).sum())
         chosen = ranked[:n]
         mask.view(-1)[chosen] = True
         return self.prune(mask) if prune else mask
@@ -160,10 +185,14 @@ class EdgeGraph:
         flat = torch.argsort(key.flatten(), descending=True, stable=True)
         return flat[: self.n_edges]
 
-    def greedy(self, scores: Tensor, n: int, absolute: bool = True, prune: bool = True) -> Tensor:
+    def greedy(
+        self, scores: Tensor, n: int, absolute: bool = True, prune: bool = True, ungrouped: bool = False
+    ) -> Tensor:
         """EAP-IG's greedy circuit: grown from the logits upward, each step taking the best edge into a
-        receiver whose node is already in the circuit."""
+        receiver whose node is already in the circuit, until n edges (ungrouped: n ungrouped edges)."""
         key = (scores.abs() if absolute else scores).double()
+        weight = self.multiplicity if ungrouped else self.real.long()
+        taken = 0
         own = self.owners()
         in_node = torch.zeros(len(self.senders), dtype=torch.bool)
         mask = torch.zeros_like(self.real)
@@ -174,10 +203,11 @@ class EdgeGraph:
                 heapq.heappush(frontier, (-float(key[s, r]), s, r))
 
         open_receiver(len(self.receivers) - 1)  # the logits
-        for _ in range(min(n, self.n_edges)):
-            if not frontier:
-                break
+        while frontier:
             _, s, r = heapq.heappop(frontier)
+            taken += int(weight[s, r])
+            if taken > n:
+                break
             mask[s, r] = True
             if not in_node[s]:
                 in_node[s] = True

@@ -125,6 +125,23 @@ def _draw_circuit(edges: pd.DataFrame, n_total: int, title: str, path: Path) -> 
     plt.close(fig)
 
 
+GRAPH = ("graph_edges", "graph_edges_ungrouped")  # the edges of the whole graph, counted both ways
+# how far EAP-IG's scores moved from m to 2m steps (studies/circuit.py convergence), where a run measured it
+CONVERGENCE = ("convergence_pearson", "convergence_max_change_over_max_score", "convergence_top_1pct_kept")
+
+
+def _intervals(rows: pd.DataFrame, method: str, metrics: tuple[str, ...]) -> dict[str, list[float]]:
+    """metric -> [ci_low, ci_high] of the method's rows that hold an interval (one run's; the first)."""
+    out = {}
+    for m in metrics:
+        sel = rows[(rows["method"] == method) & (rows["metric"] == m)]
+        if "ci_low" in sel:
+            sel = sel.dropna(subset=["ci_low", "ci_high"])
+            if len(sel):
+                out[m] = [float(sel["ci_low"].iloc[0]), float(sel["ci_high"].iloc[0])]
+    return out
+
+
 def _summary(rows: pd.DataFrame, method: str, ranking: str) -> tuple[dict[str, float], str]:
     """Mean CPR / CMD / target numbers of a method (of its ranking where the rows name one), and its key."""
     sel, key = rows[rows["method"] == method], method
@@ -153,7 +170,10 @@ def _draw_faithfulness(curve: pd.DataFrame, summary: pd.DataFrame, path: Path, n
             label += "".join(f", {m.upper()} {s[m]:.3g}" for m in ("cpr", "cmd") if m in s)
             if "target_edges" in s:
                 label += f", {int(s['target_edges'])} edges to target"
-            numbers.update({f"{m}_{key}": s[m] for m in ("cpr", "cmd", "target_edges") if m in s})
+            numbers.update(
+                {f"{m}_{key}": s[m] for m in ("cpr", "cmd", "target_edges", "target_edges_ungrouped") if m in s}
+            )
+            numbers.update({f"{m}_ci_{key}": ci for m, ci in _intervals(summary, method, ("cpr", "cmd")).items()})
             ls, marker = ("-", "o") if ranking == "signed" else ("-.", "s")
             ax.plot(line.index, line.values, ls=ls, marker=marker, ms=3, color=f"C{k}", label=label)
     for y in (1.0, 0.8):

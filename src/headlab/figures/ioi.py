@@ -7,7 +7,8 @@ logit difference IO - S, then averaged over seeds; layer 0 is the top row, as in
   ioi_patch_activation.png           patch_head, exact activation patching: rows = sites, cols = positions
   ioi_patch_attribution.png          patch_head, attribution patching (first-order estimate), same layout
   ioi_attribution_vs_activation.png  estimate vs exact effect per head, Pearson r in each title
-  ioi_path_patching.png              path_patch, one panel per receiver set (and receiver site)
+  ioi_path_patching.png              path_patch, one panel per receiver set (and receiver site; and
+                                     heads knocked out, against that knockout's own run)
   ioi_head_scores.png                head-class scores (method "score"), one panel per score
   ioi_head_classes.png               the paper's head classes beside the heads the scores put in them
                                      (figures/ioi_classes.py)
@@ -78,6 +79,20 @@ def _effects(df: pd.DataFrame, rows: pd.DataFrame, metric: str) -> pd.DataFrame:
     clean = df[(df["intervention"] == "none") & (df["method"] == "none") & (df["metric"] == metric)]
     rows = rows[rows["metric"] == metric]
     return rows.assign(effect=rows["value"] - rows["seed"].map(clean.groupby("seed")["value"].mean()))
+
+
+def _knocked_out(df: pd.DataFrame, rows: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """rows whose run had heads knocked out (a `group`: study=ioi_classes' backup round) with effect = value -
+    that knockout's own value (its row: the same group, no layer), not the clean run's."""
+    if "group" not in rows or rows["group"].isna().all():
+        return rows
+    own = df[(df["metric"] == metric) & df["layer"].isna() & df["group"].notna() & (df["intervention"] != "path_patch")]
+    means = own.groupby(["group", "seed"])["value"].mean()
+    held = rows["group"].notna()
+    keys = pd.MultiIndex.from_arrays([rows.loc[held, "group"], rows.loc[held, "seed"]])
+    rows = rows.copy()
+    rows.loc[held, "effect"] = rows.loc[held, "value"].to_numpy() - means.reindex(keys).to_numpy()
+    return rows
 
 
 def _metric(rows: pd.DataFrame) -> str | None:
@@ -270,9 +285,11 @@ def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
     path = df[kind == "path_patch"].dropna(subset=["layer", "head"])
     metric = _metric(path) if len(path) else None
     if metric is not None:
-        path = _effects(df, path, metric)
+        path = _knocked_out(df, _effects(df, path, metric), metric)
         site = path["site"].fillna("").map(lambda s: f" ({s})" if s else "")
-        path = path.assign(group=path["receivers"].fillna("logits") + site)
+        knocked = (path["group"] if "group" in path else pd.Series(pd.NA, index=path.index)).astype("string")
+        knocked = knocked.fillna("").map(lambda g: f", {g}" if g else "")
+        path = path.assign(group=path["receivers"].fillna("logits") + site + knocked)
         groups = _ordered(path["group"], ("logits",))
         grids = {g: _grid(path[path["group"] == g], "effect", shape) for g in groups}
         grids = {g: m for g, m in grids.items() if np.isfinite(m).any()}
@@ -330,6 +347,18 @@ def _headline(numbers: dict) -> dict:
         "clean_logit_diff": numbers.get("clean", {}).get("logit_diff"),
         "classes": {cls: heads for cls, heads in found.items()},
         "class_procedure": numbers.get("head_classes", {}).get("procedure"),
-        **{k: edges[k] for k in ("cpr_eap_ig", "cmd_eap_ig", "target_edges_eap_ig") if k in edges},
+        **{
+            k: edges[k]
+            for k in (
+                "cpr_eap_ig",
+                "cmd_eap_ig",
+                "cpr_ci_eap_ig",
+                "cmd_ci_eap_ig",
+                "target_edges_eap_ig",
+                "target_edges_ungrouped_eap_ig",
+                *(f"{m}_eap_ig" for m in (*circuit.GRAPH, *circuit.CONVERGENCE)),
+            )
+            if k in edges
+        },
         "paper_gpt2_small": {**PAPER_GPT2_SMALL, "classes": ioi_classes.PAPER},
     }

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import results
 from ..config import option, run_info
-from ..config_rules import COUNT, NATURAL, SHARE, Each, Range, setting
+from ..config_rules import COUNT, NATURAL, SHARE, Each, OneOf, Range, setting
 from ..edges.eap import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
@@ -70,6 +70,11 @@ class CircuitOptions(StudyOptions):
         factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0],
         rule=Each(Range(0, 1, low_open=True)),
     )
+    # circuit sizes (the fractions, the target circuit) count edges as MIB and auto-circuit do, one per
+    # query head under GQA (ungrouped), or as this graph holds them, one per key/value head (grouped)
+    edge_count: str = setting("ungrouped", OneOf(("ungrouped", "grouped")))
+    # eap_ig*: also score at twice the steps and report how far the scores moved (meta.json convergence)
+    convergence: bool = False
     # also patch this many edges exactly (the top half by |score|, the rest at random)
     exact_check: int = setting(0, NATURAL)
     # prompts per gradient pass: bounds the memory of the activation differences
@@ -83,7 +88,13 @@ def run(ctx: RunContext) -> pd.DataFrame:
     graph = EdgeGraph.of(model)
     method, info = option(c.method), run_info(cfg)
     info.update(metric=task.smooth_quantity, n=data.n)
-    ctx.meta.update(n_prompts=data.n, n_edges=graph.n_edges, n_nodes=len(graph.senders), model_family=model.family)
+    ctx.meta.update(
+        n_prompts=data.n,
+        n_edges=graph.n_edges,
+        n_edges_ungrouped=graph.total(ungrouped=True),
+        n_nodes=len(graph.senders),
+        model_family=model.family,
+    )
     if option(c.level) == "nodes":
         with ctx.timed(method):
             if method == "exact":
@@ -96,7 +107,20 @@ def run(ctx: RunContext) -> pd.DataFrame:
         return results.conform(node_rows(graph, node_scores, method, info))
     with ctx.timed(method):
         scores = edge_scores(ctx, graph, method)
-    tables = [edge_rows(graph, scores, method, info)]
+    base = {**info, "intervention": "circuit", "method": method, "layer": None, "head": None, "position": None}
+    sizes = (("graph_edges", graph.n_edges), ("graph_edges_ungrouped", graph.total(ungrouped=True)))
+    tables = [
+        edge_rows(graph, scores, method, info),
+        pd.DataFrame([{**base, "metric": m, "value": v} for m, v in sizes]),
+    ]
+    if c.convergence and method.startswith("eap_ig"):
+        with ctx.timed(f"{method}_twice_the_steps"):
+            moved = ctx.meta["convergence"] = convergence(
+                scores, edge_scores(ctx, graph, method, 2 * c.steps), graph, c.steps
+            )
+        tables.append(
+            pd.DataFrame([{**base, "metric": f"convergence_{k}", "value": v} for k, v in moved.items() if k != "steps"])
+        )
     circuit = torch.zeros_like(graph.real)
     if c.exact_check and method != "exact":
         with ctx.timed("exact_check"):
@@ -104,7 +128,18 @@ def run(ctx: RunContext) -> pd.DataFrame:
     if c.faithfulness:
         with ctx.timed("faithfulness"):
             f = measure(
-                model, task, data, graph, scores, tuple(c.fractions), c.target, option(c.selection), ctx.show_progress
+                model,
+                task,
+                data,
+                graph,
+                scores,
+                tuple(c.fractions),
+                c.target,
+                option(c.selection),
+                ctx.show_progress,
+                ungrouped=c.edge_count == "ungrouped",
+                n_boot=cfg.output.n_boot,
+                seed=cfg.seed,
             )
         circuit = f.target_circuit
         if abs(f.clean - f.corrupted) < MIN_GAP:
@@ -113,7 +148,17 @@ def run(ctx: RunContext) -> pd.DataFrame:
                 "faithfulness (a share of that gap) means little here"
             )
         tables.append(faithfulness_rows(f, method, info))
-        ctx.meta.update(cpr=f.cpr, cmd=f.cmd, target_edges=f.target_edges, clean=f.clean, corrupted=f.corrupted)
+        ctx.meta.update(
+            cpr=f.cpr,
+            cmd=f.cmd,
+            cpr_ci=list(f.cpr_ci),
+            cmd_ci=list(f.cmd_ci),
+            edge_count=c.edge_count,
+            target_edges=f.target_edges,
+            target_edges_ungrouped=f.target_edges_ungrouped,
+            clean=f.clean,
+            corrupted=f.corrupted,
+        )
     tables[0]["in_circuit"] = [bool(circuit[s, r]) for s, r in graph.real.nonzero().tolist()]
     if ctx.run_dir is not None:
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,14 +166,29 @@ def run(ctx: RunContext) -> pd.DataFrame:
     return results.conform(pd.concat(tables, ignore_index=True))
 
 
-def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str) -> Tensor:
+def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str, steps: int | None = None) -> Tensor:
     c = ctx.options
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
     if method == "exact":
         return exact_scores(model, task, data, graph, chunk_mb=ctx.cfg.engine.chunk_mb, show_progress=ctx.show_progress)
     return attribution_scores(
-        model, task, data, graph, method, c.steps, c.prompts_per_pass, ctx.show_progress, c.ig_steps_from
+        model, task, data, graph, method, steps or c.steps, c.prompts_per_pass, ctx.show_progress, c.ig_steps_from
     )
+
+
+def convergence(scores: Tensor, doubled: Tensor, graph: EdgeGraph, steps: int) -> dict:
+    """How far EAP-IG's scores move from m to 2m interpolation steps: Pearson r over the edges, the
+    largest change relative to the largest |score|, and the share of the top 1% of edges by |score| at m
+    steps still in the top 1% at 2m."""
+    a, b = torch.nan_to_num(scores)[graph.real].double(), torch.nan_to_num(doubled)[graph.real].double()
+    k = max(1, graph.n_edges // 100)
+    top_a, top_b = set(a.abs().topk(k).indices.tolist()), set(b.abs().topk(k).indices.tolist())
+    return {
+        "steps": [steps, 2 * steps],
+        "pearson": float(torch.corrcoef(torch.stack([a, b]))[0, 1]),
+        "max_change_over_max_score": float((a - b).abs().max() / a.abs().max().clamp_min(1e-30)),
+        "top_1pct_kept": len(top_a & top_b) / k,
+    }
 
 
 def exact_check(ctx: RunContext, graph: EdgeGraph, scores: Tensor, info: dict) -> pd.DataFrame:
@@ -218,19 +278,21 @@ def faithfulness_rows(f: Faithfulness, method: str, info: dict) -> pd.DataFrame:
             "value": p.faithfulness,
             "fraction": p.fraction,
             "n_edges": p.n_edges,
+            "n_edges_ungrouped": p.n_edges_ungrouped,
             "ranking": p.ranking,
         }
         for p in f.points
     ]
     rows += [
-        {**base, "metric": name, "value": value}
-        for name, value in (
-            ("cpr", f.cpr),
-            ("cmd", f.cmd),
-            ("target_edges", f.target_edges),
-            ("target_faithfulness", f.target_faithfulness),
-            ("clean", f.clean),
-            ("corrupted", f.corrupted),
+        {**base, "metric": name, "value": value, "ci_low": ci[0], "ci_high": ci[1]}
+        for name, value, ci in (
+            ("cpr", f.cpr, f.cpr_ci),
+            ("cmd", f.cmd, f.cmd_ci),
+            ("target_edges", f.target_edges, (None, None)),
+            ("target_edges_ungrouped", f.target_edges_ungrouped, (None, None)),
+            ("target_faithfulness", f.target_faithfulness, (None, None)),
+            ("clean", f.clean, (None, None)),
+            ("corrupted", f.corrupted, (None, None)),
         )
     ]
     return pd.DataFrame(rows)
@@ -258,8 +320,10 @@ def summary(df: pd.DataFrame, max_rows: int) -> None:
     faithfulness = df[(df["intervention"] == "circuit") & (df["metric"] != "faithfulness")]
     for method, rows in faithfulness.groupby("method", sort=False):
         values = dict(zip(rows["metric"], rows["value"]))
+        ci = {r.metric: f" [{r.ci_low:.3f}, {r.ci_high:.3f}]" if pd.notna(r.ci_low) else "" for r in rows.itertuples()}
         console.print(
-            f"{method}: CPR {values['cpr']:.3f}, CMD {values['cmd']:.3f}; {int(values['target_edges'])} edges "
+            f"{method}: CPR {values['cpr']:.3f}{ci['cpr']}, CMD {values['cmd']:.3f}{ci['cmd']}; "
+            f"{int(values['target_edges'])} edges "
             f"recover {values['target_faithfulness']:.3f} of the clean-corrupted gap "
             f"({values['clean']:.3f} vs {values['corrupted']:.3f})",
             highlight=False,
