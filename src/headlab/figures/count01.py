@@ -12,7 +12,9 @@ A head "solves the task alone" by ROC AUC of its logit difference: alone, its ou
 offset (SEP, positions, b_O) that can sink label accuracy while the classes are perfectly separated.
 numbers.json holds, per objective, the numbers and `verdicts`: each paper claim with the measure put
 beside it, how that measure differs from the paper's, and the verdict (figures/count01_claims.py); each
-figure carries its claims' verdicts as a footnote.
+figure carries its claims' verdicts as a footnote. `over_seeds` holds each number computed on every seed's
+models alone: the values, their mean and a 95% Student t interval over seeds (mean +- t(0.975, s - 1)
+x sd / sqrt(s)), where the grid has two seeds or more; the pooled numbers above pool every seed's heads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from scipy import stats  # noqa: E402
 
 from .count01_claims import caption, footnote, verdicts  # noqa: E402
 from .count01_swaps import correlation, draw_swaps, swap_numbers  # noqa: E402
@@ -59,25 +62,12 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
 
 def _draw_objective(df: pd.DataFrame, out: Path, obj: str) -> dict:
     """The numbers first, then the verdicts they give, then each figure with its verdicts beneath."""
-    numbers: dict = {}
+    numbers, shown = objective_numbers(df)
     single = single_heads(df)
-    multi = single[single["n_heads"] > 1]
-    for method in ("zero", "mean"):
-        sel = multi[multi["method"] == method]
-        for metric in METRICS:
-            numbers[f"mean_head_alone_{metric}_{method}"] = float(sel[metric].mean())
-        for metric in ("roc_auc", "label_acc"):
-            numbers[f"frac_heads_alone_{metric}_ge_{SOLVED}_{method}"] = float((sel[metric] >= SOLVED).mean())
-    aggregation = aggregation_frame(df, single)
-    numbers |= aggregation_numbers(aggregation, head_norm_spread(df))
-    shown: dict[str, tuple[int, int] | None] = {}
-    for experiment, prefix in (("count01_value_swaps", "value_swap"), ("count01_pattern_swaps", "pattern_ov")):
-        swaps, shown[prefix] = swap_numbers(df, experiment, prefix)
-        numbers |= swaps
-    weights = token_weight_frame(df, single)
-    numbers |= token_weight_numbers(weights)
+    aggregation, weights = aggregation_frame(df, single), token_weight_frame(df, single)
     said = verdicts(numbers)
     numbers["verdicts"] = said
+    numbers["over_seeds"] = over_seeds(df)
     _single_figure(single, out / f"fig_single_heads_{obj}.png", caption(said["pseudo_ensemble"]))
     if len(aggregation):
         _aggregation_figure(aggregation, out / f"fig_aggregation_{obj}.png", caption(said["nonuniform_for_syntax"]))
@@ -93,6 +83,46 @@ def _draw_objective(df: pd.DataFrame, out: Path, obj: str) -> dict:
         notes = caption(said["balance_w01"]) + "\n" + caption(said["suppress_w02"])
         _token_weights_figure(weights, out / f"fig_token_weights_{obj}.png", notes)
     return numbers
+
+
+def over_seeds(df: pd.DataFrame, level: float = 0.95) -> dict:
+    """number -> {values (one per seed), mean, ci_low, ci_high}: each number of objective_numbers on one
+    seed's models at a time, with a Student t interval over seeds (none with fewer than two seeds)."""
+    seeds = sorted(df["seed"].unique())
+    if len(seeds) < 2:
+        return {}
+    per_seed = [objective_numbers(df[df["seed"] == s])[0] for s in seeds]
+    out: dict = {"seeds": [int(s) for s in seeds]}
+    for key in per_seed[0]:
+        values = np.array([float(n.get(key, np.nan)) for n in per_seed])
+        ok = values[np.isfinite(values)]
+        if len(ok) < 2:
+            continue
+        mean = float(ok.mean())
+        half = float(stats.t.ppf(0.5 + level / 2, len(ok) - 1) * ok.std(ddof=1) / np.sqrt(len(ok)))
+        out[key] = {"values": [float(v) for v in values], "mean": mean, "ci_low": mean - half, "ci_high": mean + half}
+    return out
+
+
+def objective_numbers(df: pd.DataFrame) -> tuple[dict, dict[str, tuple[int, int] | None]]:
+    """One objective's numbers (every model of `df` pooled), and the model each swap figure draws."""
+    numbers: dict = {}
+    single = single_heads(df)
+    multi = single[single["n_heads"] > 1]
+    for method in ("zero", "mean"):
+        sel = multi[multi["method"] == method]
+        for metric in METRICS:
+            numbers[f"mean_head_alone_{metric}_{method}"] = float(sel[metric].mean())
+        for metric in ("roc_auc", "label_acc"):
+            numbers[f"frac_heads_alone_{metric}_ge_{SOLVED}_{method}"] = float((sel[metric] >= SOLVED).mean())
+    aggregation = aggregation_frame(df, single)
+    numbers |= aggregation_numbers(aggregation, head_norm_spread(df))
+    shown: dict[str, tuple[int, int] | None] = {}
+    for experiment, prefix in (("count01_value_swaps", "value_swap"), ("count01_pattern_swaps", "pattern_ov")):
+        swaps, shown[prefix] = swap_numbers(df, experiment, prefix)
+        numbers |= swaps
+    numbers |= token_weight_numbers(token_weight_frame(df, single))
+    return numbers, shown
 
 
 def _single_figure(single: pd.DataFrame, path: Path, note: str) -> None:
