@@ -27,6 +27,7 @@ so an interrupted reproduction continues where it stopped and a finished one onl
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import os
@@ -131,6 +132,24 @@ def expand(items: Any, values: Any = None, append: Any = "") -> list[list[str]]:
     return out
 
 
+def provenance(name: str, quick: bool, extra: tuple[str, ...], base: Path, runs: list[list[str]]) -> dict:
+    """What made a numbers file: the command, the commit, the machine, and each run's own seconds (as its
+    meta.json holds them, however long ago it ran; a reused run is not timed again)."""
+    seconds = {}
+    for overrides in runs:
+        meta = base / _slug(overrides) / results.META
+        if meta.is_file():
+            seconds[" ".join(overrides)] = round(sum(json.loads(meta.read_text()).get("seconds", {}).values()), 1)
+    return {
+        "command": " ".join(["headlab reproduce", name, *(["--quick"] if quick else []), *extra]),
+        "git_commit": results.git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "cpus": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 1),
+        "run_seconds": seconds,
+    }
+
+
 def _mapping(spec: Any, what: str) -> dict:
     if not isinstance(spec, dict):
         raise ValueError(f"{what}: must be a mapping")
@@ -217,6 +236,7 @@ def run_all(
     figures = base / "figures"
     figures.mkdir(exist_ok=True)
     numbers = FIGURES[repro.figures](table, figures)
+    numbers["provenance"] = provenance(name, quick, extra, base, runs)
     atomic_write_bytes(base / "numbers.json", json.dumps(numbers, indent=2).encode())
     atomic_write_bytes(base / "collected.parquet", table.to_parquet(index=False))
     return {"dir": str(base), "figures": sorted(str(p) for p in figures.rglob("*.png")), "numbers": numbers}

@@ -1,0 +1,84 @@
+"""The README's reproduction tables, rendered from numbers files: no number in them is typed by hand.
+
+A numbers file is the numbers.json a reproduction writes (`headlab reproduce NAME` ->
+outputs/reproduce/NAME/numbers.json, with its provenance), kept in the repository as docs/numbers/NAME.json.
+In README.md each table sits between two markers naming its file and its table (readme_tables.py):
+
+    <!-- numbers: count01/claims -->
+    | ... rendered, never edited ... |
+    <!-- /numbers -->
+
+    python -m headlab.report.numbers keep NAME [DIR]   copy DIR/numbers.json (default outputs/reproduce/NAME)
+    python -m headlab.report.numbers write             rewrite every block from its file
+    python -m headlab.report.numbers check             name every block that differs (exit 1)
+
+tests/test_readme_numbers.py runs `check`, so a table and its file cannot disagree on main.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from .readme_tables import TABLES
+
+ROOT = Path(__file__).resolve().parents[3]
+README = ROOT / "README.md"
+NUMBERS = ROOT / "docs" / "numbers"
+BLOCK = re.compile(r"(<!-- numbers: ([\w-]+)/([\w-]+) -->\n)(.*?)(<!-- /numbers -->)", re.S)
+
+
+def render(name: str, table: str, numbers_dir: Path = NUMBERS) -> str:
+    path = numbers_dir / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no numbers file (python -m headlab.report.numbers keep {name})")
+    if (name, table) not in TABLES:
+        raise KeyError(f"no README table {name}/{table}; known: {', '.join(f'{n}/{t}' for n, t in TABLES)}")
+    return TABLES[name, table](json.loads(path.read_text())).rstrip("\n") + "\n"
+
+
+def blocks(text: str) -> list[tuple[str, str, str]]:
+    """(reproduction, table, the block's text) for each marked block of a README."""
+    return [(m.group(2), m.group(3), m.group(4)) for m in BLOCK.finditer(text)]
+
+
+def rewritten(text: str, numbers_dir: Path = NUMBERS) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2), m.group(3), numbers_dir) + m.group(5), text)
+
+
+def differing(text: str, numbers_dir: Path = NUMBERS) -> list[str]:
+    """The blocks whose text is not what their numbers file renders."""
+    return [f"{n}/{t}" for n, t, body in blocks(text) if body != render(n, t, numbers_dir)]
+
+
+def keep(name: str, source: Path | None = None, numbers_dir: Path = NUMBERS) -> Path:
+    source = source or ROOT / "outputs" / "reproduce" / name
+    numbers_dir.mkdir(parents=True, exist_ok=True)
+    target = numbers_dir / f"{name}.json"
+    shutil.copyfile(source / "numbers.json", target)
+    return target
+
+
+def main(argv: list[str]) -> int:
+    command, *rest = argv or ["check"]
+    if command == "keep" and rest:
+        print(keep(rest[0], Path(rest[1]) if len(rest) > 1 else None))
+        return 0
+    text = README.read_text()
+    if command == "write":
+        README.write_text(rewritten(text))
+        return 0
+    if command == "check":
+        bad = differing(text)
+        for name in bad:
+            print(f"README table {name} differs from docs/numbers/{name.split('/')[0]}.json")
+        return 1 if bad else 0
+    print("usage: python -m headlab.report.numbers keep NAME [DIR] | write | check", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,191 @@
+"""How each README reproduction table is drawn from its numbers file (report/numbers.py puts them in place).
+
+TABLES maps (reproduction, table) to a function of the parsed numbers.json returning Markdown. A cell
+reads its numbers by their keys in that file, so a key a reproduction stops writing shows as "n/a".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+Numbers = dict[str, Any]
+
+
+def fmt(x: Any, digits: int = 2) -> str:
+    if isinstance(x, bool) or x is None or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return "n/a"
+    return f"{x:,.{digits}f}" if isinstance(x, float) else f"{x:,}"
+
+
+def get(numbers: Numbers, path: str) -> Any:
+    """numbers["a"]["b"] for "a.b"; None where a key is missing."""
+    node: Any = numbers
+    for key in path.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def header(*names: str) -> str:
+    return row(*names) + "\n" + row(*("---" for _ in names))
+
+
+# --- count01 -------------------------------------------------------------------------------------------
+
+OBJECTIVES = ("all", "decision")
+# (claim key in verdicts, what the row shows, the numbers' keys shown in it, " / " between them)
+COUNT01_ROWS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "pseudo_ensemble",
+        "share of heads alone with ROC AUC >= 0.9 / label acc >= 0.9; mean [EOS] acc alone",
+        (
+            "frac_heads_alone_roc_auc_ge_0.9_zero",
+            "frac_heads_alone_label_acc_ge_0.9_zero",
+            "mean_head_alone_eos_acc_zero",
+        ),
+    ),
+    (
+        "nonuniform_for_syntax",
+        "[EOS] acc: learned / equal norms at y / mean of head logits / best head alone",
+        ("learned_eos_acc", "uniform_norm_at_eos_eos_acc", "mean_logits_eos_acc", "best_head_eos_acc"),
+    ),
+    (
+        "",
+        "label acc: learned / equal norms at SEP / mean of head logits",
+        ("learned_label_acc", "uniform_norm_at_sep_label_acc", "mean_logits_label_acc"),
+    ),
+    (
+        "",
+        "learned head-norm spread max/min at SEP / at y",
+        ("head_norm_max_over_min_at_sep", "head_norm_max_over_min_at_eos"),
+    ),
+    (
+        "pattern_over_values",
+        "value swap vs pattern head / values head alone: ROC AUC Pearson",
+        ("value_swap_roc_auc_pearson_with_pattern_head_alone", "value_swap_roc_auc_pearson_with_values_head_alone"),
+    ),
+    (
+        "pattern_over_ov",
+        "pattern x OV vs pattern head / OV head alone: ROC AUC Pearson",
+        ("pattern_ov_roc_auc_pearson_with_pattern_head_alone", "pattern_ov_roc_auc_pearson_with_ov_head_alone"),
+    ),
+    (
+        "",
+        "pattern x OV vs pattern head / OV head alone: mean \\|diff\\| of ROC AUC",
+        ("pattern_ov_roc_auc_mean_abs_diff_to_pattern_head_alone", "pattern_ov_roc_auc_mean_abs_diff_to_ov_head_alone"),
+    ),
+    ("balance_w01", "r(ROC AUC alone, \\|w0 - w1\\| / (w0 + w1))", ("r_roc_auc_vs_imbalance",)),
+    (
+        "suppress_w02",
+        "noise_ratio median / mean; r(ROC AUC alone, noise_ratio)",
+        ("median_noise_ratio", "mean_noise_ratio", "r_roc_auc_vs_noise_ratio"),
+    ),
+)
+
+
+def seeds_cell(numbers: Numbers, keys: tuple[str, ...]) -> str:
+    """Each number pooled over seeds, then the mean over seeds with its 95% t interval in brackets."""
+    parts = []
+    for key in keys:
+        over = get(numbers, f"over_seeds.{key}")
+        spread = f" [{fmt(over['ci_low'])}, {fmt(over['ci_high'])}]" if over else ""
+        parts.append(fmt(numbers.get(key)) + spread)
+    return " / ".join(parts)
+
+
+def verdict_word(numbers: Numbers, claim: str) -> str:
+    said = get(numbers, f"verdicts.{claim}.verdict")
+    return said.split(" (")[0] if isinstance(said, str) else "n/a"
+
+
+def count01_claims(numbers: Numbers) -> str:
+    lines = [header("paper claim", "measure (numbers.json)", "loss all", "loss decision", "verdict all / decision")]
+    for claim, measure, keys in COUNT01_ROWS:
+        said = " / ".join(verdict_word(numbers.get(o, {}), claim) for o in OBJECTIVES) if claim else ""
+        lines.append(
+            row(
+                get(numbers, f"all.verdicts.{claim}.claim") or "" if claim else "",
+                measure,
+                *(seeds_cell(numbers.get(o, {}), keys) for o in OBJECTIVES),
+                said,
+            )
+        )
+    return "\n".join(lines)
+
+
+# --- ioi ----------------------------------------------------------------------------------------------
+
+# MIB's EAP-IG (inputs) on IOI (Mueller et al. 2025, arXiv 2504.13151): the numbers a reader compares with
+MIB_IOI = {"GPT-2": (1.85, 0.03), "Qwen-2.5": (1.63, 0.02)}
+
+
+def with_ci(value: Any, ci: Any, digits: int = 3) -> str:
+    spread = f" [{fmt(ci[0], digits)}, {fmt(ci[1], digits)}]" if isinstance(ci, list) and len(ci) == 2 else ""
+    return fmt(value, digits) + spread
+
+
+def ioi_model(numbers: Numbers) -> Numbers:
+    """The smollm2-135m part of an IOI numbers file (a file of several models holds each under models)."""
+    models = numbers.get("models")
+    if isinstance(models, dict):
+        return next((v for k, v in models.items() if "smollm2" in k), next(iter(models.values()), {}))
+    return numbers
+
+
+def ioi_circuit(numbers: Numbers) -> str:
+    n = ioi_model(numbers)
+    h = n.get("headline", {})
+    edges, ungrouped = _int(h.get("graph_edges_eap_ig")), _int(h.get("graph_edges_ungrouped_eap_ig"))
+    lines = [header("EAP-IG (MIB's convention)", "smollm2-135m", "MIB, EAP-IG (inputs)")]
+    mib = "; ".join(f"{m} {cpr} / {cmd}" for m, (cpr, cmd) in MIB_IOI.items())
+    lines.append(
+        row(
+            "CPR / CMD [95% bootstrap interval over prompts]",
+            with_ci(h.get("cpr_eap_ig"), h.get("cpr_ci_eap_ig"))
+            + " / "
+            + with_ci(h.get("cmd_eap_ig"), h.get("cmd_ci_eap_ig")),
+            mib,
+        )
+    )
+    lines.append(
+        row(
+            "edges in the graph: ungrouped (MIB's count) / grouped (one per key/value head)",
+            f"{fmt(ungrouped)} / {fmt(edges)}",
+            "",
+        )
+    )
+    target, target_u = h.get("target_edges_eap_ig"), h.get("target_edges_ungrouped_eap_ig")
+    share = lambda k, total: f" ({fmt(100 * k / total, 1)}%)" if isinstance(k, (int, float)) and total else ""  # noqa: E731
+    lines.append(
+        row(
+            "smallest circuit reaching 80% of the gap: ungrouped / grouped edges",
+            f"{fmt(_int(target_u))}{share(target_u, ungrouped)} / {fmt(_int(target))}{share(target, edges)}",
+            "",
+        )
+    )
+    conv = [h.get(f"convergence_{k}_eap_ig") for k in ("pearson", "top_1pct_kept", "max_change_over_max_score")]
+    lines.append(
+        row(
+            "scores at m vs 2m steps: Pearson r / share of the top 1% kept / largest change over largest score",
+            " / ".join(fmt(v, 3) for v in conv),
+            "",
+        )
+    )
+    return "\n".join(lines)
+
+
+def _int(x: Any) -> Any:
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
+    ("count01", "claims"): count01_claims,
+    ("ioi", "circuit"): ioi_circuit,
+}
