@@ -209,6 +209,13 @@ PROBES = (
             "study=retrieval",
             f"study.top_k={o.top_k}",
             "study.n_random=1",
+            # a screen, not Wu et al.'s protocol (minutes per 1K-token prompt on a CPU): 0.2's short cue
+            # prompt, needle-length greedy answers scored on tokens, masking teacher-forced, no induction overlap
+            "task.prompt=cue",
+            "study.max_new_tokens=0",
+            "study.recall=tokens",
+            "study.masking=teacher_forced",
+            "study.overlap_sequences=0",
         ],
         True,
         score_rows({"retrieval_score": "retrieval_score"}),
