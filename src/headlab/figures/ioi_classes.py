@@ -1,5 +1,7 @@
-"""IOI head classes (Wang et al. 2022, arXiv 2211.00593): the heads headlab's scores put in each of the
-paper's classes, beside the paper's GPT-2 small heads; drawn from the tidy table alone.
+"""IOI head classes (Wang et al. 2022, arXiv 2211.00593): the heads in each of the paper's classes, beside the
+paper's GPT-2 small heads; drawn from the tidy table alone. A table of study=ioi_classes gives its classes
+(the paper's procedure, analysis/ioi_classes.py), with each head's class share and the heads left
+unclassed; any other table's heads are put in classes by their scores, as follows.
 
   ioi_head_classes.png   left: layer x head grid labelled with the classes found; right: per class the
                          paper's GPT-2 small heads, the heads found, and (on GPT-2 small) precision / recall
@@ -11,8 +13,9 @@ A head is put in a class by its scores (analysis/scores.py), with the thresholds
   negative name mover                            END attends to IO >= ATTN and negative copy score >= COPY
   backup name mover                              a name mover by its scores whose direct effect (path patching
                                                  to the logits) is under BACKUP x the strongest name mover's
-The paper finds backup name movers by knocking out the name movers; the direct-effect split is a stand-in
-that needs path-patching rows (without them every head with name-mover scores is a name mover).
+The paper finds backup name movers by knocking out the name movers (study=ioi_classes does); the direct-
+effect split is a stand-in that needs path-patching rows (without them every head with name-mover scores is
+a name mover).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..analysis.ioi_classes import CLASS_METHOD, CLASSES, rules  # noqa: E402
+from ..analysis.ioi_classes import CLASS_METHOD, CLASSES, UNCLASSED, rules  # noqa: E402
 from ..tables import score_grids  # noqa: E402
 from . import ioi_diagram  # noqa: E402
 
@@ -71,6 +74,8 @@ def direct_effect(df: pd.DataFrame, shape: tuple[int, int]) -> np.ndarray | None
     clean = df[(df["intervention"] == "none") & (df["method"] == "none") & (df["metric"] == "logit_diff")]
     rows = df[(df["intervention"] == "path_patch") & (df["metric"] == "logit_diff")]
     rows = rows[(rows["receivers"] == "logits").fillna(False)].dropna(subset=["layer", "head"])
+    if "group" in rows:  # a round with heads knocked out is no direct effect of the model's own
+        rows = rows[rows["group"].isna()]
     if rows.empty or clean.empty:
         return None
     drop = rows["seed"].map(clean.groupby("seed")["value"].mean()) - rows["value"]
@@ -112,6 +117,17 @@ def procedure_classes(df: pd.DataFrame) -> dict[str, list[str]]:
     return found
 
 
+def procedure_shares(df: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """class (or unclassed group) -> head -> its class share, from study=ioi_classes' class rows."""
+    if not {"method", "group"} <= set(df.columns):
+        return {}
+    rows = df[(df["method"] == CLASS_METHOD) & (df["metric"] == "class_share")].dropna(subset=["layer", "head"])
+    return {
+        str(cls): {f"{int(r.layer)}.{int(r.head)}": float(r.value) for r in part.itertuples()}
+        for cls, part in rows.groupby("group")
+    }
+
+
 def _layer(head: str) -> int:
     return int(head.split(".")[0])
 
@@ -150,6 +166,9 @@ def draw(df: pd.DataFrame, out: Path, shape: tuple[int, int], model: str | None)
     found = procedure_classes(df)
     if found:
         numbers: dict = {"procedure": "path patching, Wang et al. Sec. 3 (study=ioi_classes)", "rules": rules()}
+        shares = procedure_shares(df)
+        numbers["class_shares"] = {cls: heads for cls, heads in shares.items() if cls in CLASSES}
+        numbers["unclassed"] = {cls: list(heads) for cls, heads in shares.items() if cls in UNCLASSED.values()}
     else:
         found = classify(score_grids(df, shape), direct_effect(df, shape))
         numbers = {

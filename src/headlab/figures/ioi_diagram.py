@@ -23,10 +23,19 @@ TOKEN = {  # the position each class acts from, as in the paper's Fig. 2
     "induction": "S2",
     "S-inhibition": "END",
     "name mover": "END",
+    "backup name mover": "END",
     "negative name mover": "END",
 }
 # left to right in circuit order, one column a class, so that no two boxes share a place
-ORDER = ("previous token", "duplicate token", "induction", "S-inhibition", "name mover", "negative name mover")
+ORDER = (
+    "previous token",
+    "duplicate token",
+    "induction",
+    "S-inhibition",
+    "name mover",
+    "backup name mover",
+    "negative name mover",
+)
 # (from, to, how the first enters the second): the composition each path-patching round measured
 ARROWS = (
     ("previous token", "induction", "K"),
@@ -34,9 +43,10 @@ ARROWS = (
     ("duplicate token", "S-inhibition", "V"),
     ("S-inhibition", "name mover", "Q"),
     ("name mover", "logits", ""),
+    ("backup name mover", "logits", ""),
     ("negative name mover", "logits", ""),
 )
-COLOURS = dict(zip(CLASSES, ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")))
+COLOURS = dict(zip(CLASSES, ("#1f77b4", "#d62728", "#17becf", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")))
 HEADS_PER_LINE = 4
 
 

@@ -12,7 +12,8 @@ layer, each on one site (z, pattern, q, k, v, mlp or neurons):
   ablate_neurons                           the MLP hidden units `neurons` <- zero | mean | resample value
                                            (`group` labels the set in the table, e.g. recall_top8)
   path_patch                               the head's z <- its reference-run value, seen only by the
-                                           receivers (interventions/path.py)
+                                           receivers (interventions/path.py), at `token` or `position`
+                                           (sender and receivers alike), else at every position
   calibrate_sink                           the head's pattern: each query's attention on the prompt's
                                            first token (method calibration_hidden: on the head's hidden
                                            sinks, by alpha = scale[1]) times scale[0], what it gives up
