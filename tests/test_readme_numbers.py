@@ -8,6 +8,7 @@ import re
 from headlab.report import numbers as readme_numbers
 from headlab.report.readme_tables import TABLES
 
+INDEX = ("| name | paper | experiment configs |", "| --- | --- | --- |")
 SECTION = re.compile(r"^## Paper reproductions\n(.*?)^## ", re.S | re.M)
 
 
@@ -21,12 +22,14 @@ def test_every_table_of_the_reproductions_section_is_rendered_from_a_numbers_fil
     section = SECTION.search(readme_numbers.README.read_text())
     assert section is not None
     outside = readme_numbers.BLOCK.sub("", section.group(1))
-    typed = [line for line in outside.splitlines() if line.startswith("|")]
-    assert typed == [], f"a table typed by hand in the README's reproductions: {typed[0]}"
+    # the index of reproductions names them and their configs: it holds no measured number
+    index = [line for line in outside.splitlines() if line.startswith("| `") or line.startswith(INDEX)]
+    typed = [line for line in outside.splitlines() if line.startswith("|") and line not in index]
+    assert len(index) > 3 and typed == [], f"a table typed by hand in the README's reproductions: {typed[:1]}"
 
 
 def test_a_changed_number_in_a_file_shows_as_a_differing_table(tmp_path):
-    (name, table), render = next(iter(TABLES.items()))
+    name, table = next((n, t) for n, t in TABLES if (readme_numbers.NUMBERS / f"{n}.json").is_file())
     source = json.loads((readme_numbers.NUMBERS / f"{name}.json").read_text())
     (tmp_path / f"{name}.json").write_text(json.dumps(source))
     text = f"x\n<!-- numbers: {name}/{table} -->\nstale\n<!-- /numbers -->\ny\n"

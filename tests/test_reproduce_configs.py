@@ -67,9 +67,9 @@ def ioi_runs(quick: bool) -> list[list[str]]:
     fast = ["task.n_prompts=6", "output.n_boot=50"] if quick else []
     smol = "model=smollm2-135m"
     out = [
-        ["study=ioi_classes", smol, "task.n_prompts=16", *fast],
+        ["study=ioi_classes", smol, "task.n_prompts=64", *fast],
         [smol, "task=ioi", "ablate=heads", "ablate.method=mean", "task.n_prompts=16", *fast],
-        [smol, "task=ioi", "circuit=eap_ig", "task.n_prompts=16", *fast],
+        [smol, "task=ioi", "circuit=eap_ig", "study.convergence=true", "task.n_prompts=16", *fast],
     ]
     gpt2 = os.environ.get("HEADLAB_GPT2_DIR")
     if gpt2:

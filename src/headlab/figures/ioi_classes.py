@@ -117,11 +117,12 @@ def procedure_classes(df: pd.DataFrame) -> dict[str, list[str]]:
     return found
 
 
-def procedure_shares(df: pd.DataFrame) -> dict[str, dict[str, float]]:
-    """class (or unclassed group) -> head -> its class share, from study=ioi_classes' class rows."""
+def procedure_shares(df: pd.DataFrame, metric: str = "class_share") -> dict[str, dict[str, float]]:
+    """class (or unclassed group) -> head -> its class share (or, metric="path_effect", the path-patching
+    effect of the round that put it there), from study=ioi_classes' class rows."""
     if not {"method", "group"} <= set(df.columns):
         return {}
-    rows = df[(df["method"] == CLASS_METHOD) & (df["metric"] == "class_share")].dropna(subset=["layer", "head"])
+    rows = df[(df["method"] == CLASS_METHOD) & (df["metric"] == metric)].dropna(subset=["layer", "head"])
     return {
         str(cls): {f"{int(r.layer)}.{int(r.head)}": float(r.value) for r in part.itertuples()}
         for cls, part in rows.groupby("group")
@@ -169,6 +170,7 @@ def draw(df: pd.DataFrame, out: Path, shape: tuple[int, int], model: str | None)
         shares = procedure_shares(df)
         numbers["class_shares"] = {cls: heads for cls, heads in shares.items() if cls in CLASSES}
         numbers["unclassed"] = {cls: list(heads) for cls, heads in shares.items() if cls in UNCLASSED.values()}
+        numbers["path_effects"] = procedure_shares(df, "path_effect")
     else:
         found = classify(score_grids(df, shape), direct_effect(df, shape))
         numbers = {

@@ -46,12 +46,23 @@ def blocks(text: str) -> list[tuple[str, str, str]]:
 
 
 def rewritten(text: str, numbers_dir: Path = NUMBERS) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2), m.group(3), numbers_dir) + m.group(5), text)
+    """Every block rendered from its numbers file; a block whose file is not there yet is left as it is."""
+
+    def block(m: re.Match) -> str:
+        if not (numbers_dir / f"{m.group(2)}.json").is_file():
+            return m.group(0)
+        return m.group(1) + render(m.group(2), m.group(3), numbers_dir) + m.group(5)
+
+    return BLOCK.sub(block, text)
 
 
 def differing(text: str, numbers_dir: Path = NUMBERS) -> list[str]:
-    """The blocks whose text is not what their numbers file renders."""
-    return [f"{n}/{t}" for n, t, body in blocks(text) if body != render(n, t, numbers_dir)]
+    """The blocks whose text is not what their numbers file renders (or that have no numbers file)."""
+    return [
+        f"{n}/{t}"
+        for n, t, body in blocks(text)
+        if not (numbers_dir / f"{n}.json").is_file() or body != render(n, t, numbers_dir)
+    ]
 
 
 def keep(name: str, source: Path | None = None, numbers_dir: Path = NUMBERS) -> Path:
@@ -74,7 +85,7 @@ def main(argv: list[str]) -> int:
     if command == "check":
         bad = differing(text)
         for name in bad:
-            print(f"README table {name} differs from docs/numbers/{name.split('/')[0]}.json")
+            print(f"README table {name} is not what docs/numbers/{name.split('/')[0]}.json renders")
         return 1 if bad else 0
     print("usage: python -m headlab.report.numbers keep NAME [DIR] | write | check", file=sys.stderr)
     return 2

@@ -94,7 +94,7 @@ def seeds_cell(numbers: Numbers, keys: tuple[str, ...]) -> str:
     """Each number pooled over seeds, then the mean over seeds with its 95% t interval in brackets."""
     parts = []
     for key in keys:
-        over = get(numbers, f"over_seeds.{key}")
+        over = (numbers.get("over_seeds") or {}).get(key)  # keys hold dots ("..._ge_0.9_zero")
         spread = f" [{fmt(over['ci_low'])}, {fmt(over['ci_high'])}]" if over else ""
         parts.append(fmt(numbers.get(key)) + spread)
     return " / ".join(parts)
@@ -181,11 +181,159 @@ def ioi_circuit(numbers: Numbers) -> str:
     return "\n".join(lines)
 
 
+# Wang et al.'s GPT-2 small heads per class (figures/ioi_classes.py PAPER), in the paper's order
+IOI_CLASSES = (
+    "name mover",
+    "negative name mover",
+    "backup name mover",
+    "S-inhibition",
+    "induction",
+    "duplicate token",
+    "previous token",
+)
+
+
+def ioi_classes(numbers: Numbers) -> str:
+    """Each class's heads with their path-patching effect and the share of prompt resamples keeping them."""
+    n = ioi_model(numbers)
+    classes = n.get("head_classes", {})
+    effects, shares = classes.get("path_effects", {}), classes.get("class_shares", {})
+    paper = get(n, "headline.paper_gpt2_small.classes") or {}
+
+    def heads(cls: str) -> str:
+        found = (classes.get("found") or {}).get(cls) or list(effects.get(cls, {}))
+        cells = [f"{h} ({fmt(effects.get(cls, {}).get(h), 2)}; {fmt(shares.get(cls, {}).get(h), 2)})" for h in found]
+        return ", ".join(cells) or "none"
+
+    lines = [
+        header(
+            "class",
+            "smollm2-135m: head (path effect; share of resamples keeping the class)",
+            "GPT-2 small (Wang et al.)",
+        )
+    ]
+    lines.append(row("clean logit difference IO - S", fmt(get(n, "headline.clean_logit_diff"), 2), "3.56"))
+    for cls in IOI_CLASSES:
+        lines.append(row(cls, heads(cls), ", ".join(paper.get(cls, [])) or ""))
+    for group in sorted(g for g in effects if g.startswith("unclassed")):
+        lines.append(row(group + ": effect past tau, no class's attention", heads(group), ""))
+    ablated = get(n, "ablation_mean.z@all") or []
+    moved = ", ".join(f"{a['head']} ({fmt(a['value'], 2)})" for a in ablated)
+    lines.append(
+        row(
+            "mean ablation (ABC means per template): the 5 heads moving it most",
+            moved or "n/a",
+            "9.9, 9.6, 10.0 among the largest (Fig. 3)",
+        )
+    )
+    return "\n".join(lines)
+
+
 def _int(x: Any) -> Any:
     return int(x) if isinstance(x, float) and x.is_integer() else x
 
 
+# --- markov -------------------------------------------------------------------------------------------
+
+MARKOV_ROWS = (
+    ("markov_paths", "theory", "four paths: theory"),
+    ("markov_paths", "sample", "four paths: HMC samples"),
+    ("markov_paths", "gd", "four paths: gradient descent"),
+    ("markov_paths", "u_rel_error_sample_vs_theory", "four paths: \\|U_sample - U_theory\\| / \\|U_theory\\|"),
+    ("markov_two_paths", "theory", "two paths, noisier: theory"),
+    ("markov_two_paths", "sample", "two paths, noisier: HMC samples"),
+)
+
+
+def markov_accuracy(numbers: Numbers) -> str:
+    """Accuracy against width (figures/markov.py's numbers; JSON keeps the widths as strings)."""
+    widths = sorted({int(w) for e, m, _ in MARKOV_ROWS for w in (get(numbers, f"{e}.{m}") or {})})
+    lines = [header("width N", *map(str, widths))]
+    for experiment, method, label in MARKOV_ROWS:
+        by_width = get(numbers, f"{experiment}.{method}") or {}
+        lines.append(row(label, *(fmt(by_width.get(str(w)), 3) for w in widths)))
+    gp = [
+        row(f"{name}: GP limit, {what}", fmt(get(numbers, f"{experiment}.{method}"), 3))
+        for experiment, name in (("markov_paths", "four paths"), ("markov_two_paths", "two paths, noisier"))
+        for method, what in (
+            ("gp", "all paths"),
+            ("gp_good", "good path alone"),
+            ("gp_good_denoising", "good + denoising paths"),
+        )
+        if get(numbers, f"{experiment}.{method}") is not None
+    ]
+    return "\n".join(lines) + "\n\n" + header("limit", "test accuracy") + "\n" + "\n".join(gp)
+
+
+def markov_pruning(numbers: Numbers) -> str:
+    """Kernel-label alignment, then pruning by score against random orders (theory accuracy)."""
+    lines = [header("measure", "value")]
+    for method in ("theory", "sample"):
+        top5 = get(numbers, f"alignment.{method}.top5_sum_sq")
+        if top5 is not None:
+            lines.append(
+                row(
+                    f"alignment at N = {get(numbers, 'alignment.width')} ({method}): top-5 PCs' share of the label",
+                    fmt(top5, 3),
+                )
+            )
+    gp5 = get(numbers, "alignment.gp.top5_sum_sq")
+    if gp5 is not None:
+        lines.append(row("alignment, GP kernel: top-5 PCs' share of the label", fmt(gp5, 3)))
+    pruning = numbers.get("pruning") or {}
+    for method in ("theory", "sample", "gd"):
+        part = pruning.get(method)
+        if not isinstance(part, dict):
+            continue
+        by_score, random = part.get("acc_by_score", {}), part.get("acc_random_mean", {})
+        for k in sorted(by_score, key=int):
+            if int(k) > 0:
+                lines.append(
+                    row(
+                        f"pruning at N = {pruning.get('width')}, {method}: {k} lowest-scored heads out / random order",
+                        f"{fmt(by_score[k], 3)} / {fmt(random.get(k), 3)}",
+                    )
+                )
+        lines.append(
+            row(f"pruning, {method}: Spearman of score vs accuracy drop", fmt(part.get("score_vs_drop_spearman"), 2))
+        )
+    return "\n".join(lines)
+
+
+# --- attn_sae -----------------------------------------------------------------------------------------
+
+SAE_COLUMNS = (
+    ("l0", "L0", 1),
+    ("explained_variance", "EV", 3),
+    ("ce_loss_recovered", "CE recovered", 3),
+    ("dead_fraction", "dead", 2),
+    ("polysemantic_head_fraction", "polysemantic", 2),
+    ("polysemantic_dominated_head_fraction", "polysemantic (dominance rule)", 2),
+)
+
+
+def attn_sae_layers(numbers: Numbers) -> str:
+    """Per layer, each architecture's SAE metrics (figures/attn_sae.py's <arch>_L<layer> numbers)."""
+    keys = [k for k in numbers if "_L" in k and k.rsplit("_L", 1)[1].isdigit() and isinstance(numbers[k], dict)]
+    archs = sorted({k.rsplit("_L", 1)[0] for k in keys if not k.startswith(("head_roles", "features"))})
+    layers = sorted({int(k.rsplit("_L", 1)[1]) for k in keys})
+    names = [f"{arch} {label}" for arch in archs for _, label, _ in SAE_COLUMNS]
+    lines = [header("layer", *names)]
+    for layer in layers:
+        cells = [
+            fmt(get(numbers, f"{arch}_L{layer}.{metric}"), digits)
+            for arch in archs
+            for metric, _, digits in SAE_COLUMNS
+        ]
+        lines.append(row(str(layer), *cells))
+    return "\n".join(lines)
+
+
 TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
+    ("attn_sae", "layers"): attn_sae_layers,
+    ("markov", "pruning"): markov_pruning,
+    ("markov", "accuracy"): markov_accuracy,
     ("count01", "claims"): count01_claims,
     ("ioi", "circuit"): ioi_circuit,
+    ("ioi", "classes"): ioi_classes,
 }
