@@ -170,9 +170,8 @@ def _draw_faithfulness(curve: pd.DataFrame, summary: pd.DataFrame, path: Path, n
             label += "".join(f", {m.upper()} {s[m]:.3g}" for m in ("cpr", "cmd") if m in s)
             if "target_edges" in s:
                 label += f", {int(s['target_edges'])} edges to target"
-            numbers.update(
-                {f"{m}_{key}": s[m] for m in ("cpr", "cmd", "target_edges", "target_edges_ungrouped") if m in s}
-            )
+            shown = ("cpr", "cmd", "target_edges", "target_edges_ungrouped", *GRAPH, *CONVERGENCE)
+            numbers.update({f"{m}_{key}": s[m] for m in shown if m in s})
             numbers.update({f"{m}_ci_{key}": ci for m, ci in _intervals(summary, method, ("cpr", "cmd")).items()})
             ls, marker = ("-", "o") if ranking == "signed" else ("-.", "s")
             ax.plot(line.index, line.values, ls=ls, marker=marker, ms=3, color=f"C{k}", label=label)

@@ -209,9 +209,12 @@ def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
     shape = (int(layers) + 1 if pd.notna(layers) else 1, int(heads) + 1 if pd.notna(heads) else 1)
     numbers["n_layers"], numbers["n_heads"] = shape
     clean = df[(df["intervention"] == "none") & (df["method"] == "none")]
+    # runs on different prompt counts (a reproduction's) read different prompts: the one on the most speaks
+    clean = clean[clean["n"] == clean["n"].max()] if len(clean) else clean
     numbers["clean"] = {
         m: _f(clean.loc[clean["metric"] == m, "value"].mean()) for m in METRICS if (clean["metric"] == m).any()
     }
+    numbers["clean_n_prompts"] = int(clean["n"].max()) if len(clean) else None
 
     kind = df["intervention"]
     for method in _ordered(df.loc[kind == "ablate_head", "method"], ("mean", "zero", "resample")):

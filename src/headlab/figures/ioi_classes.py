@@ -169,7 +169,7 @@ def draw(df: pd.DataFrame, out: Path, shape: tuple[int, int], model: str | None)
         numbers: dict = {"procedure": "path patching, Wang et al. Sec. 3 (study=ioi_classes)", "rules": rules()}
         shares = procedure_shares(df)
         numbers["class_shares"] = {cls: heads for cls, heads in shares.items() if cls in CLASSES}
-        numbers["unclassed"] = {cls: list(heads) for cls, heads in shares.items() if cls in UNCLASSED.values()}
+        numbers["unclassed"] = {cls: heads for cls, heads in shares.items() if cls in UNCLASSED.values()}
         numbers["path_effects"] = procedure_shares(df, "path_effect")
     else:
         found = classify(score_grids(df, shape), direct_effect(df, shape))

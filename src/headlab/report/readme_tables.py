@@ -19,6 +19,10 @@ def fmt(x: Any, digits: int = 2) -> str:
     return f"{x:,.{digits}f}" if isinstance(x, float) else f"{x:,}"
 
 
+def signed(x: Any, digits: int = 2) -> str:
+    return f"{x:+.{digits}f}" if isinstance(x, float) and math.isfinite(x) else fmt(x, digits)
+
+
 def get(numbers: Numbers, path: str) -> Any:
     """numbers["a"]["b"] for "a.b"; None where a key is missing."""
     node: Any = numbers
@@ -197,12 +201,13 @@ def ioi_classes(numbers: Numbers) -> str:
     """Each class's heads with their path-patching effect and the share of prompt resamples keeping them."""
     n = ioi_model(numbers)
     classes = n.get("head_classes", {})
-    effects, shares = classes.get("path_effects", {}), classes.get("class_shares", {})
+    effects = classes.get("path_effects", {})
+    shares = {**classes.get("class_shares", {}), **classes.get("unclassed", {})}
     paper = get(n, "headline.paper_gpt2_small.classes") or {}
 
     def heads(cls: str) -> str:
         found = (classes.get("found") or {}).get(cls) or list(effects.get(cls, {}))
-        cells = [f"{h} ({fmt(effects.get(cls, {}).get(h), 2)}; {fmt(shares.get(cls, {}).get(h), 2)})" for h in found]
+        cells = [f"{h} ({signed(effects.get(cls, {}).get(h))}; {fmt(shares.get(cls, {}).get(h), 2)})" for h in found]
         return ", ".join(cells) or "none"
 
     lines = [
@@ -212,7 +217,10 @@ def ioi_classes(numbers: Numbers) -> str:
             "GPT-2 small (Wang et al.)",
         )
     ]
-    lines.append(row("clean logit difference IO - S", fmt(get(n, "headline.clean_logit_diff"), 2), "3.56"))
+    prompts = n.get("clean_n_prompts")
+    lines.append(
+        row(f"clean logit difference IO - S ({prompts} prompts)", fmt(get(n, "headline.clean_logit_diff"), 2), "3.56")
+    )
     for cls in IOI_CLASSES:
         lines.append(row(cls, heads(cls), ", ".join(paper.get(cls, [])) or ""))
     for group in sorted(g for g in effects if g.startswith("unclassed")):
