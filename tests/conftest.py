@@ -139,7 +139,8 @@ def trained_count01(demo_root):
     from headlab.models.toy import hooked_toy, load_toy
     from headlab.tasks.counting import CountingTask
 
-    model, saved = load_toy(next(demo_root.glob("checkpoints/toy-attn-1l-counting-*")))
+    # the checkpoint's directory, not the lock file that sits beside it under the same name
+    model, saved = load_toy(next(p for p in demo_root.glob("checkpoints/toy-attn-1l-counting-*") if p.is_dir()))
     return hooked_toy(model, "toy-attn-1l"), CountingTask(counting_cfg()), saved["curve"]
 
 

@@ -320,7 +320,8 @@ def summary(df: pd.DataFrame, max_rows: int) -> None:
     faithfulness = df[(df["intervention"] == "circuit") & (df["metric"] != "faithfulness")]
     for method, rows in faithfulness.groupby("method", sort=False):
         values = dict(zip(rows["metric"], rows["value"]))
-        ci = {r.metric: f" [{r.ci_low:.3f}, {r.ci_high:.3f}]" if pd.notna(r.ci_low) else "" for r in rows.itertuples()}
+        bounds = rows.reindex(columns=["metric", "ci_low", "ci_high"])  # a summarised table may hold no interval
+        ci = {m: f" [{lo:.3f}, {hi:.3f}]" if pd.notna(lo) else "" for m, lo, hi in bounds.itertuples(index=False)}
         console.print(
             f"{method}: CPR {values['cpr']:.3f}{ci['cpr']}, CMD {values['cmd']:.3f}{ci['cmd']}; "
             f"{int(values['target_edges'])} edges "
