@@ -1113,3 +1113,17 @@ def test_quick_attn_sae_reproduction_draws_from_the_table_and_reuses_its_runs(tm
     assert logs[0].startswith("[1/1] run")
     run_all("attn_sae", tmp_path, quick=True, log=logs.append)
     assert logs[1].startswith("[1/1] skip (done)")
+
+
+@pytest.mark.parametrize("arch", ["relu_l1", "topk"])
+def test_the_exported_metadata_holds_l1_coeff_only_for_an_architecture_that_has_one(arch):
+    from types import SimpleNamespace
+
+    from headlab.door import compose
+    from headlab.studies.sae import export_meta
+
+    cfg = compose([f"sae={arch}", "sae.layer=1"])
+    model = SimpleNamespace(sites=SimpleNamespace(n_heads=H, d_head=DH))
+    meta = export_meta(cfg, model)  # type: ignore[arg-type]
+    assert meta["hook_name"] == "blocks.1.attn.hook_z" and meta["n_heads"] == H
+    assert ("l1_coeff" in meta) == (arch == "relu_l1")

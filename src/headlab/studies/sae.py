@@ -150,6 +150,15 @@ def _fitted_sae(cfg: Config, model: HookedModel, passes, show_progress: bool, da
     record = fit(sae, scaled, sc, directory, show_progress, label=f"sae {option(sc.architecture)} L{sc.layer}")
     sae.fold_input_scale(scale)
     record["input_scale"] = scale
+    save_sae(sae, directory, export_meta(cfg, model, dataset))
+    atomic_write_bytes(directory / DONE, json.dumps({"complete": True, **record}).encode())  # last
+    return sae.eval(), record
+
+
+def export_meta(cfg: Config, model: HookedModel, dataset: str = "") -> dict:
+    """The metadata saved beside the SAE's weights (SAELens's cfg.json); l1_coeff only where the
+    architecture has one (topk has none)."""
+    sc = cfg.sae
     meta = {
         "model_name": cfg.model.name,
         "hook_name": hook_name(sc.layer),
@@ -157,11 +166,10 @@ def _fitted_sae(cfg: Config, model: HookedModel, passes, show_progress: bool, da
         "dataset_path": dataset or sc.corpus or f"task:{cfg.task.name}",
         "n_heads": model.sites.n_heads,
         "d_head": model.sites.d_head,
-        "l1_coeff": sc.l1_coeff,
     }
-    save_sae(sae, directory, meta)
-    atomic_write_bytes(directory / DONE, json.dumps({"complete": True, **record}).encode())  # last
-    return sae.eval(), record
+    if hasattr(sc, "l1_coeff"):
+        meta["l1_coeff"] = sc.l1_coeff
+    return meta
 
 
 def input_scale(model: HookedModel, layer: int, corpus: Corpus, model_batch: int) -> float:
