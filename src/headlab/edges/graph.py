@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,9 +119,10 @@ class EdgeGraph:
     def n_edges(self) -> int:
         return int(self.real.sum())
 
-    @property
+    @cached_property
     def multiplicity(self) -> Tensor:
-        """[senders, receivers] int64: the ungrouped graph's edges each edge stands for (0 off the graph)."""
+        """[senders, receivers] int64: the ungrouped graph's edges each edge stands for (0 off the graph);
+        read by every circuit a faithfulness curve builds, so computed once."""
         group = self.n_heads // self.n_kv_heads
         per_receiver = torch.tensor([group if r.kind in ("k", "v") else 1 for r in self.receivers])
         return self.real.long() * per_receiver[None, :]

@@ -88,10 +88,11 @@ def run(ctx: RunContext) -> pd.DataFrame:
     graph = EdgeGraph.of(model)
     method, info = option(c.method), run_info(cfg)
     info.update(metric=task.smooth_quantity, n=data.n)
+    n_ungrouped = graph.total(ungrouped=True)
     ctx.meta.update(
         n_prompts=data.n,
         n_edges=graph.n_edges,
-        n_edges_ungrouped=graph.total(ungrouped=True),
+        n_edges_ungrouped=n_ungrouped,
         n_nodes=len(graph.senders),
         model_family=model.family,
     )
@@ -107,8 +108,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
         return results.conform(node_rows(graph, node_scores, method, info))
     with ctx.timed(method):
         scores = edge_scores(ctx, graph, method)
-    base = {**info, "intervention": "circuit", "method": method, "layer": None, "head": None, "position": None}
-    sizes = (("graph_edges", graph.n_edges), ("graph_edges_ungrouped", graph.total(ungrouped=True)))
+    base = circuit_row(info, method)
+    sizes = (("graph_edges", graph.n_edges), ("graph_edges_ungrouped", n_ungrouped))
     tables = [
         edge_rows(graph, scores, method, info),
         pd.DataFrame([{**base, "metric": m, "value": v} for m, v in sizes]),
@@ -269,8 +270,13 @@ def node_rows(graph: EdgeGraph, scores: Tensor, method: str, info: dict) -> pd.D
     return pd.DataFrame(rows)
 
 
+def circuit_row(info: dict, method: str) -> dict:
+    """What every row about the circuit as a whole (intervention "circuit") shares."""
+    return {**info, "intervention": "circuit", "method": method, "layer": None, "head": None, "position": None}
+
+
 def faithfulness_rows(f: Faithfulness, method: str, info: dict) -> pd.DataFrame:
-    base = {**info, "intervention": "circuit", "method": method, "layer": None, "head": None, "position": None}
+    base = circuit_row(info, method)
     rows = [
         {
             **base,
