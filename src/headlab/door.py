@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from .config import GROUPS, OPTION_SOURCES, Config, EngineConfig, OutputConfig, config_dir
 from .config_rules import check_device, clipped, validate
 from .errors import UsageError
+from .models.loading import model_name
 
 
 def is_schema_option(name: str) -> bool:
@@ -128,6 +129,7 @@ def typed(cfg: DictConfig, device: bool = True) -> Config:
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except Exception as e:  # a value no override gave (MISSING) or that cannot take its type
         raise UsageError(f"invalid configuration: {_one_line(e)}") from None
+    config.model.name = model_name(config.model)
     validate(config, device)
     return config
 

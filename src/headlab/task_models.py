@@ -70,7 +70,7 @@ def can_be_had(model: ModelConfig) -> bool:
         from .models.gguf import locate
 
         try:
-            locate(model.gguf_file, model.path, model.package)
+            locate(model.gguf_file, model.path, model.package, model.gguf_parts, model.sha256)
         except HeadlabError:
             return False
         return True

