@@ -525,28 +525,47 @@ def test_json_has_eap_igs_layout_and_round_trips(case):
         g.from_json(doc)
 
 
-# --- 7. models whose edges are not defined ---------------------------------------------------------
+# --- 7. models with norms on their components' outputs, and models whose edges are not defined ------------
 
 
-@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
-def test_a_post_normed_model_is_hooked_and_its_edges_refused(family):
+def _tiny_post_normed(family: str):
     import transformers
 
     register_attention()
-    config_class = {"gemma2": transformers.Gemma2Config, "olmo2": transformers.Olmo2Config}[family]
+    config_class = {
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
+        "olmo2": transformers.Olmo2Config,
+    }[family]
     shape = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64, vocab_size=128)
-    extra = dict(num_key_value_heads=2, head_dim=8) if family == "gemma2" else {}
+    extra = dict(num_key_value_heads=2, head_dim=8) if family.startswith("gemma") else {}
     cfg = config_class(**shape, **extra, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="headlab").eval()
-    hooked = hook_hf(hf, f"tiny-{family}", FAMILIES[family], None)
-    with pytest.raises(UsageError, match="normalises each component's output") as caught:
-        EdgeGraph.of(hooked)
-    assert "\n" not in str(caught.value)
+    return hook_hf(hf, f"tiny-{family}", FAMILIES[family], None)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_a_post_normed_model_builds_its_graph_under_either_rule(family):
+    # the graph of a Llama of the same shape; what its edges carry is postnorm.py's rule (tests/test_edges_postnorm.py)
+    hooked = _tiny_post_normed(family)
+    assert not hooked.residual_sum
+    assert EdgeGraph.of(hooked).post_norm == "mib"  # MIB's code, by default
+    for rule in ("mib", "shares"):
+        g = EdgeGraph.of(hooked, rule)
+        assert g.post_norm == rule and g.n_edges == N_EDGES["llama"] and g.n_kv_heads == 2
+        assert g.to_json(torch.zeros(g.real.shape))["cfg"]["post_norm"] == rule
+    _refused(lambda: EdgeGraph.of(hooked, "frozen"), "post_norm=frozen: choose one of mib, shares")
+
+
+def test_olmo2_is_hooked_and_its_edges_refused():
+    _refused(lambda: EdgeGraph.of(_tiny_post_normed("olmo2")), "edges do not cover olmo2: .*q/k norms span every head")
 
 
 def test_a_model_without_a_residual_sum_or_known_attention_inputs_is_refused(gpt2_case, monkeypatch):
     model = gpt2_case.model
-    monkeypatch.setattr(model, "residual_sum", False)
+    assert EdgeGraph.of(model, "shares").post_norm is None  # the rule is a post-norm model's alone
+    _refused(lambda: EdgeGraph.of(model, "frozen"), "post_norm=frozen")
+    monkeypatch.setattr(model, "residual_sum", False)  # a post-norm model of a family postnorm.py does not know
     with pytest.raises(UsageError, match="its edges are not defined"):
         EdgeGraph.of(model)
     monkeypatch.setattr(model, "residual_sum", True)

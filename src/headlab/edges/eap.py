@@ -11,6 +11,9 @@ private copy), so its gradient is that of the receiver alone:
                       MIB sum it: the corrupted endpoint in, the clean one out);
   eap_ig_activations  its mean over runs in which one node at a time (the input, a layer's attention,
                       a layer's MLP) outputs the interpolation of its clean and corrupted outputs.
+On a post-norm model the senders' outputs are postnorm.py's: under mib (MIB's code) a head's difference
+is taken before its layer's norm; an MLP node's output is after its norm, and under shares so is an
+attention node's.
 
 Gradients are taken one layer at a time, from the logits down: the forward pass keeps only each block's
 input (the clean run's own trace where the run edits nothing: eap runs no extra forward pass); each block
@@ -33,6 +36,7 @@ from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import Site
 from .graph import EdgeGraph
+from .postnorm import attn_output, mlp_output
 from .record import Recording, check_pairs, metric, metric_column, record, sender_outputs
 
 METHODS = ("eap", "eap_ig", "eap_ig_activations")
@@ -126,7 +130,7 @@ def _accumulate(
             h = corrupt.trace.resid_pre[0] + run.alpha * (h - corrupt.trace.resid_pre[0])
         for layer in range(first, model.n_layers):
             cache.append(h)
-            with _interpolated(model, run, layer, clean, corrupt):
+            with _interpolated(model, graph, run, layer, clean, corrupt):
                 h = model.run_blocks(h, layer, trace, stop=layer + 1)
     with torch.enable_grad():
         final = h.detach().requires_grad_()
@@ -193,7 +197,7 @@ def _layer_gradients(
         )
         for i, module in enumerate(projs):
             stack.callback(module.register_forward_hook(keep(f"proj{i}")).remove)
-        stack.enter_context(_interpolated(model, run, layer, clean, corrupt))
+        stack.enter_context(_interpolated(model, graph, run, layer, clean, corrupt))
         out = model.run_blocks(x, layer, trace, stop=layer + 1)
     outs = [kept[f"proj{i}"] for i in range(len(projs))]
     wanted = [x, *outs] + ([kept["mlp_in"]] if has_mlp else [])
@@ -225,15 +229,24 @@ def _through_norm(norm: nn.Module, reader: Tensor, cotangents: Tensor) -> Tensor
 
 @contextmanager
 def _interpolated(
-    model: HookedModel, run: Interpolation, layer: int, clean: Recording, corrupt: Recording
+    model: HookedModel, graph: EdgeGraph, run: Interpolation, layer: int, clean: Recording, corrupt: Recording
 ) -> Iterator[None]:
     """Hooks that make the run's node output its interpolated value, where it is in this layer."""
     if run.what not in ("attn", "mlp") or run.layer != layer:
         yield
         return
-    site, store_clean, store_corrupt = (
-        (Site.z, clean.z, corrupt.z) if run.what == "attn" else (Site.mlp, clean.mlp, corrupt.mlp)
-    )
-    value = store_corrupt[layer] + run.alpha * (store_clean[layer] - store_corrupt[layer])
-    with model.hooks(layer, **{site: lambda _t: value}):
+
+    def between(old: Tensor, new: Tensor) -> Tensor:
+        return old + run.alpha * (new - old)
+
+    if run.what == "mlp":
+        value = between(corrupt.mlp[layer], clean.mlp[layer])
+        context = mlp_output(model, graph, layer, lambda _t: value)
+    elif graph.post_norm == "shares":  # the node's output is its layer's normalised output
+        value = between(corrupt.attn[layer][1], clean.attn[layer][1])
+        context = attn_output(model, layer, lambda _a, _out: value)
+    else:  # z, as MIB's hook_result: linear in z, before any norm
+        value = between(corrupt.z[layer], clean.z[layer])
+        context = model.hooks(layer, **{Site.z: lambda _t: value})
+    with context:
         yield

@@ -11,6 +11,9 @@ the logits' copies add the difference to the final residual.
 receiver reads the current residual stream plus, for each sender whose edge into it is not in the
 circuit, out_U(corrupt) - out_U(current run). Each layer runs one copy per attention receiver (its own
 input), and each head takes its query from its q copy and its key and value from its kv head's copies.
+
+On a post-norm model an edge's patch is postnorm.py's: record.patch_deltas for one edge, and under mib
+the cut heads of one layer pass through its norm together into each receiver (postnorm.received).
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from .graph import QKV, EdgeGraph
-from .record import Recording, check_pairs, head_outputs, metric, metric_column, record, sender_outputs
+from .postnorm import attn_output, mlp_output, received
+from .record import (
+    Recording,
+    check_pairs,
+    head_senders,
+    metric,
+    metric_column,
+    patch_deltas,
+    record,
+    sender_outputs,
+)
 
 Hook = Callable[[Tensor], Tensor]
 
@@ -47,7 +60,7 @@ def exact_scores(
     out = torch.full(graph.real.shape, float("nan"), dtype=torch.float64)
     with torch.inference_mode():
         clean, corrupt_out = clean_and_corrupted(model, graph, data)
-        delta = corrupt_out - sender_outputs(model, graph, clean)
+        delta = patch_deltas(model, graph, clean, corrupt_out)
         trace = clean.trace
         base = metric(model, task, data, trace.resid_final, column)
         n = data.n
@@ -158,12 +171,11 @@ def circuit_metric(
         current = torch.zeros_like(corrupt_out)
         current[0] = trace.resid_pre[0]
         cut = (graph.real & ~circuit.cpu()).to(corrupt_out.device, corrupt_out.dtype)  # [senders, receivers]
-        index = {s.name: i for i, s in enumerate(graph.senders)}
+        before: dict[int, Tensor] = {}  # post-norm models: each layer's A in this run
         h = trace.resid_pre[0]
         for layer in range(graph.n_layers):
-            h = _circuit_layer(model, graph, trace, layer, h, corrupt_out, current, cut, index)
-        logits = len(graph.receivers) - 1
-        final = h + torch.einsum("s,snpd->npd", cut[:, logits], corrupt_out - current)
+            h = _circuit_layer(model, graph, trace, layer, h, corrupt_out, current, cut, before)
+        final = h + received(model, graph, cut[:, -1:], corrupt_out - current, before)[0]  # the logits
         return metric(model, task, data, final, column)
 
 
@@ -184,7 +196,7 @@ def _circuit_layer(
     corrupt_out: Tensor,
     current: Tensor,
     cut: Tensor,
-    index: dict[str, int],
+    before: dict[int, Tensor],
 ) -> Tensor:
     """Block `layer` with each receiver reading its own input; fills in current[] for its senders.
 
@@ -193,15 +205,15 @@ def _circuit_layer(
     heads get a copy; the rest read copy 0."""
     cols = graph.layer_receivers(layer)
     attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
-    first = index[f"a{layer}.h0"]
-    heads = slice(first, first + graph.n_heads)
+    heads = graph.head_rows(layer)
     live = (graph.real[heads] & (cut[heads] == 0).cpu()).any(1)  # heads with an edge out in the circuit
     owned = graph.owners()[heads]
     kept = [c for c in attn_cols if (owned[:, c] & live).any()] or attn_cols[:1]
     copy_of = {c: i for i, c in enumerate(kept)}
     copies, n = len(kept), h.shape[0]
-    deltas = torch.einsum("sr,snpd->rnpd", cut[:, kept], corrupt_out - current)
+    deltas = received(model, graph, cut[:, kept], corrupt_out - current, before)
     z_now: list[Tensor] = []
+    attn_now: list[tuple[Tensor, Tensor]] = []
 
     def assemble(kind: str) -> Hook:
         sources = torch.tensor([copy_of.get(c, 0) for c in attn_cols if graph.receivers[c].kind == kind])
@@ -218,38 +230,44 @@ def _circuit_layer(
         z_now.append(t[:n])
         return t
 
+    def keep_attn(a: Tensor, out: Tensor) -> Tensor:
+        attn_now.append((a[:n], out[:n]))
+        before[layer] = a[:n]
+        return out
+
+    def heads_now() -> Tensor:
+        return head_senders(model, graph, layer, z_now[0], attn_now[0] if attn_now else None)
+
     def mlp_input(t: Tensor) -> Tensor:
-        current[heads] = head_outputs(model, layer, z_now[0])
+        current[heads] = heads_now()
         mlp_col = next(c for c in cols if graph.receivers[c].kind == "mlp")
-        return t + torch.einsum("s,snpd->npd", cut[:, mlp_col], corrupt_out - current).repeat(copies, 1, 1)
+        return t + received(model, graph, cut[:, [mlp_col]], corrupt_out - current, before)[0].repeat(copies, 1, 1)
 
     def keep_mlp(t: Tensor) -> Tensor:
-        current[index[f"m{layer}"]] = t[:n]
+        current[heads.stop] = t[:n]  # the MLP follows its layer's heads
         return t
 
     has_mlp = layer in graph.mlp_layers
-    fns: dict[str, Hook] = {
-        "q": assemble("q"),
-        "k": assemble("k"),
-        "v": assemble("v"),
-        "z": keep_z,
-    }
-    if has_mlp:
-        fns["mlp"] = keep_mlp
+    fns: dict[str, Hook] = {"q": assemble("q"), "k": assemble("k"), "v": assemble("v"), "z": keep_z}
     with ExitStack() as stack:
         stack.enter_context(
             model.input_hooks(layer, attn_in=lambda t: t + deltas.flatten(0, 1), mlp_in=mlp_input if has_mlp else None)
         )
         stack.enter_context(model.hooks(layer, **fns))
+        if has_mlp:
+            stack.enter_context(mlp_output(model, graph, layer, keep_mlp))
+        if graph.post_norm is not None:
+            stack.enter_context(attn_output(model, layer, keep_attn))
         out = model.run_blocks(h.repeat(copies, 1, 1), layer, trace, copies=copies, stop=layer + 1)
-    current[heads] = head_outputs(model, layer, z_now[0])
+    current[heads] = heads_now()
     return out[:n]
 
 
 def exact_node_scores(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph) -> Tensor:
     """[senders] float64: the change in the mean metric when each node's output is patched from the
-    corrupted run into every receiver at once (activation patching of the node): heads through z, MLPs
-    through their output, the input node by the whole corrupted run."""
+    corrupted run into every receiver at once (activation patching of the node): heads through z (on a
+    post-norm model, their patch added to the layer's normalised output), MLPs through their output, the
+    input node by the whole corrupted run."""
     check_pairs(data)
     column = metric_column(task)
     out = torch.full((len(graph.senders),), float("nan"), dtype=torch.float64)
@@ -257,6 +275,7 @@ def exact_node_scores(model: HookedModel, task: Task, data: TaskData, graph: Edg
     with torch.inference_mode():
         clean = record(model, graph, data.inputs)
         corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
+        deltas = patch_deltas(model, graph, clean, sender_outputs(model, graph, corrupt)) if graph.post_norm else None
         trace, n = clean.trace, data.n
         base = metric(model, task, data, trace.resid_final, column)
         out[0] = float((metric(model, task, data, corrupt.trace.resid_final, column) - base).mean())
@@ -270,13 +289,23 @@ def exact_node_scores(model: HookedModel, task: Task, data: TaskData, graph: Edg
                 stacked[heads, :, :, heads] = corrupt.z[layer].permute(2, 0, 1, 3)
                 return stacked.flatten(0, 1)
 
+            def patch_attn(_a: Tensor, out: Tensor, layer: int = layer) -> Tensor:
+                stacked = out.unflatten(0, (-1, n)).clone()
+                stacked[: graph.n_heads] += deltas[graph.head_rows(layer)]  # type: ignore[index]
+                return stacked.flatten(0, 1)
+
             def patch_mlp(t: Tensor, layer: int = layer) -> Tensor:
                 stacked = t.unflatten(0, (-1, n)).clone()
                 stacked[-1] = corrupt.mlp[layer]
                 return stacked.flatten(0, 1)
 
-            fns: dict[str, Hook] = {"z": patch_z, **({"mlp": patch_mlp} if has_mlp else {})}
-            with model.hooks(layer, **fns):
+            with ExitStack() as stack:
+                if graph.post_norm is None:
+                    stack.enter_context(model.hooks(layer, z=patch_z))
+                else:
+                    stack.enter_context(attn_output(model, layer, patch_attn))
+                if has_mlp:
+                    stack.enter_context(mlp_output(model, graph, layer, patch_mlp))
                 h = model.run_blocks(trace.resid_pre[layer].repeat(copies, 1, 1), layer, trace, copies=copies)
             values = (metric(model, task, data, h, column).view(copies, n) - base).mean(1).double().cpu()
             out[index[f"a{layer}.h0"] : index[f"a{layer}.h0"] + graph.n_heads] = values[: graph.n_heads]

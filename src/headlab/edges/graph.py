@@ -14,6 +14,9 @@ Counting edges: MIB and auto-circuit give every query head key and value inputs 
 their graph is larger (smollm2-135m: 123,211 edges against this graph's 70,651). `multiplicity` says how
 many of their edges each of ours stands for (the query heads sharing a key/value head; 1 elsewhere), so
 circuit sizes can be counted either way (`ungrouped=True`: theirs).
+
+A model that normalises each component's output before the residual sum (Gemma 2 and 3) has the same
+graph; `post_norm` names the rule that says what its edges carry (postnorm.py; None elsewhere).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
+from .postnorm import check_rule
 
 if TYPE_CHECKING:
     from ..models.hooked import HookedModel
@@ -64,6 +68,7 @@ class EdgeGraph:
     d_model: int
     parallel: bool
     mlp_layers: tuple[int, ...]
+    post_norm: str | None = None  # mib | shares on a post-norm model (postnorm.py); None: a residual sum
     senders: list[Sender] = field(init=False)
     receivers: list[Receiver] = field(init=False)
     real: Tensor = field(init=False)  # [senders, receivers] bool: which entries are edges
@@ -90,12 +95,10 @@ class EdgeGraph:
         self.real = orders[:, None] < reads[None, :]
 
     @classmethod
-    def of(cls, model: HookedModel) -> EdgeGraph:
-        if not model.residual_sum:
-            raise UsageError(
-                f"{model.name} normalises each component's output before the residual sum ({model.family}): "
-                "its edges are not defined"
-            )
+    def of(cls, model: HookedModel, post_norm: str = "mib") -> EdgeGraph:
+        """The model's graph; `post_norm`: the rule for a model with norms on its components' outputs
+        (postnorm.py: mib, MIB's code, or shares), unused elsewhere."""
+        rule = check_rule(model, post_norm)
         if any(module is None for module in model.attn_inputs):
             raise UsageError(f"{model.name}: headlab does not know where its attention reads the residual stream")
         if model.sites.qkv_projs is None or model.sites.qkv_split is None:
@@ -106,7 +109,7 @@ class EdgeGraph:
             for layer, (norm, mlp) in enumerate(zip(model.mlp_inputs, model.mlps))
             if norm is not None and mlp is not None
         )
-        return cls(model.n_layers, sites.n_heads, sites.n_kv_heads, sites.d_model, model.parallel, mlps)
+        return cls(model.n_layers, sites.n_heads, sites.n_kv_heads, sites.d_model, model.parallel, mlps, rule)
 
     def _reads_below(self, r: Receiver) -> int:
         if r.kind == "logits":
@@ -114,6 +117,11 @@ class EdgeGraph:
         if r.kind == "mlp" and not self.parallel:
             return 2 * r.layer + 1  # the heads of its own layer come first
         return 2 * r.layer
+
+    def head_rows(self, layer: int) -> slice:
+        """The rows of layer's heads among the senders."""
+        first = 1 + sum(self.n_heads + (lower in self.mlp_layers) for lower in range(layer))
+        return slice(first, first + self.n_heads)
 
     @property
     def n_edges(self) -> int:
@@ -251,6 +259,8 @@ class EdgeGraph:
         }
         if self.n_kv_heads != self.n_heads:
             cfg["n_key_value_heads"] = self.n_kv_heads
+        if self.post_norm is not None:
+            cfg["post_norm"] = self.post_norm
         nodes = {s.name: {"in_graph": bool(in_graph[i])} for i, s in enumerate(self.senders)}
         nodes["logits"] = {"in_graph": True}
         rows, cols = self.real.nonzero(as_tuple=True)

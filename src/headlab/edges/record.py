@@ -3,12 +3,15 @@
 A sender's output is what it adds to the residual stream: the input node, the residual entering block 0;
 head h of layer l, z[:, :, h] @ W_O[h] (the output bias is the same in every run and cancels from every
 difference); an MLP, its block's output. The residual stream is their sum plus those constant biases.
+On a post-norm model (postnorm.py) the MLP's output is taken after its norm, and a head's is r_h =
+z_h W_O[h] before its layer's norm (mib) or its share of the normalised output (shares); what one edge
+alone then adds to its receiver is `patch_deltas`.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -18,6 +21,7 @@ from ..models.hooked import HookedModel, Trace
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import Site
 from .graph import EdgeGraph
+from .postnorm import attn_norm, attn_output, mlp_output, renormed, shares
 
 
 @dataclass
@@ -25,11 +29,14 @@ class Recording:
     trace: Trace
     z: dict[int, Tensor]  # layer -> [n, pos, head, d_head]
     mlp: dict[int, Tensor]  # layer -> [n, pos, d_model]
+    # post-norm models: layer -> (A, its normalised output), the attention's output before and after its norm
+    attn: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 def record(model: HookedModel, graph: EdgeGraph, inputs: Inputs) -> Recording:
-    """One forward pass keeping every block's input, every layer's z and every MLP's output."""
+    """One forward pass keeping every block's input, every layer's z and every MLP node's output."""
     mlp: dict[int, Tensor] = {}
+    attn: dict[int, tuple[Tensor, Tensor]] = {}
 
     def keep(layer: int):
         def hook(t: Tensor) -> Tensor:
@@ -38,27 +45,61 @@ def record(model: HookedModel, graph: EdgeGraph, inputs: Inputs) -> Recording:
 
         return hook
 
+    def keep_attn(layer: int):
+        def hook(before: Tensor, after: Tensor) -> Tensor:
+            attn[layer] = (before.detach(), after.detach())
+            return after
+
+        return hook
+
     with ExitStack() as stack:
         z = stack.enter_context(model.sites.record((Site.z,)))
         for layer in graph.mlp_layers:
-            stack.enter_context(model.hooks(layer, mlp=keep(layer)))
+            stack.enter_context(mlp_output(model, graph, layer, keep(layer)))
+        if graph.post_norm is not None:
+            for layer in range(graph.n_layers):
+                stack.enter_context(attn_output(model, layer, keep_attn(layer)))
         trace = model.trace(inputs)
-    return Recording(trace, {layer: t.detach() for (_, layer), t in z.items()}, mlp)
+    return Recording(trace, {layer: t.detach() for (_, layer), t in z.items()}, mlp, attn)
 
 
 def head_outputs(model: HookedModel, layer: int, z: Tensor) -> Tensor:
-    """[head, n, pos, d_model]: each head's output into the residual stream."""
+    """[head, n, pos, d_model]: each head's z_h W_O[h] (its output into the residual stream, but on a
+    post-norm model: head_senders)."""
     return torch.einsum("bphd,hdm->hbpm", z, model.sites.W_O(layer).to(z.dtype))
+
+
+def head_senders(
+    model: HookedModel, graph: EdgeGraph, layer: int, z: Tensor, attn: tuple[Tensor, Tensor] | None
+) -> Tensor:
+    """[head, n, pos, d_model]: the heads' sender outputs; `attn`, the layer's (A, normalised A) in the
+    same run, is read under shares."""
+    heads = head_outputs(model, layer, z)
+    if graph.post_norm != "shares":
+        return heads
+    assert attn is not None
+    return shares(attn_norm(model, layer), *attn, heads)
 
 
 def sender_outputs(model: HookedModel, graph: EdgeGraph, rec: Recording) -> Tensor:
     """[senders, n, pos, d_model] in the graph's sender order."""
     parts = [rec.trace.resid_pre[0].detach().unsqueeze(0)]
     for layer in range(graph.n_layers):
-        parts.append(head_outputs(model, layer, rec.z[layer]))
+        parts.append(head_senders(model, graph, layer, rec.z[layer], rec.attn.get(layer)))
         if layer in graph.mlp_layers:
             parts.append(rec.mlp[layer].unsqueeze(0))
     return torch.cat(parts)
+
+
+def patch_deltas(model: HookedModel, graph: EdgeGraph, clean: Recording, corrupt_out: Tensor) -> Tensor:
+    """[senders, n, pos, d_model]: what each sender's edge, patched alone, adds to its receiver's clean
+    input: out(corrupt) - out(clean), but under mib a head's goes through its layer's norm on the clean A."""
+    delta = corrupt_out - sender_outputs(model, graph, clean)
+    if graph.post_norm == "mib":
+        for layer in range(graph.n_layers):
+            rows = graph.head_rows(layer)
+            delta[rows] = renormed(attn_norm(model, layer), clean.attn[layer][0], delta[rows])
+    return delta
 
 
 def metric_column(task: Task) -> int:

@@ -1,0 +1,149 @@
+"""Edges on a model that normalises each component's output before the residual sum (Gemma 2, Gemma 3).
+
+There the residual stream is input + sum_l [post_attn_l(A_l) + post_mlp_l(mlp_l)], A_l = sum_h r_h + b_O with
+r_h = z_h W_O[h]: no sum of the heads' outputs. MIB (2504.13151) scores Gemma 2 with hannamw/EAP-IG on
+TransformerLens, whose TransformerBlock (transformer_lens/components/transformer_block.py, forward and
+apply_mlp, `use_normalization_before_and_after`) applies ln1_post to the attention's summed output and
+ln2_post to the MLP's before hook_attn_out and hook_mlp_out. EAP-IG (src/eap/graph.py: AttentionNode,
+MLPNode, InputNode, LogitNode; the same in the commit MIB-circuit-track pins, 7af394a) reads:
+  senders    a head: attn.hook_result, r_h before ln1_post (abstract_attention.py: per-head z W_O, no
+             b_O); an MLP: hook_mlp_out, after ln2_post; the input: hook_embed (Gemma's scaled embedding);
+  receivers  hook_{q,k,v}_input, hook_mlp_in and blocks.{L-1}.hook_resid_post: the residual stream as
+             read, as for every other model.
+Two rules for what patching an edge means follow (EdgeGraph.post_norm, EdgeGraph.of's argument):
+
+`mib` (default): MIB's code. Patching (src/eap/evaluate.py, evaluate_graph's `use_normalization_before_
+and_after` branch; get_scores_exact patches one edge with it): a receiver whose edges from heads of
+layer i are cut reads, in place of layer i's post_attn_i(A_i), post_attn_i(A_i + sum over those heads of
+r_h(corrupt) - r_h(this run)): the norm is run again on each receiver's mixture, so cut heads of one
+layer act together, not as a sum; MLP and input edges add their differences. The full circuit is the
+clean run and the empty one the corrupted run. Attribution (src/eap/utils.py, make_hooks_and_matrices
+with scores: separate_activations is False) multiplies the gradient at the receiver's input by
+r_h(corrupt) - r_h(clean), the difference before the norm, with no factor for the norm between r_h and
+the residual stream: on this rule EAP and EAP-IG scores are not the first-order change of the exact
+score (they miss post_attn's Jacobian, its weight and 1/rms). headlab reproduces both, as MIB does.
+
+`shares`: the post-norm's scale held per run. A head's output is its share of its layer's normalised
+output, g * r_h / rms(A_l) of the run it comes from (g the norm's weight, 1 + w for Gemma's), so the
+senders of every run sum to its residual stream exactly (an o_proj bias would be nobody's: refused) and
+edges patch by adding differences, as on any other model: EAP is then the first-order term of exact
+patching, and eap_ig_activations interpolates the attention's normalised output. Where MIB renormalises
+a receiver's mixture, this rule adds g * (r_h(corrupt)/rms_corrupt - r_h(clean)/rms_clean).
+
+On both rules the MLP node's output is the normalised one, the input node the residual entering block 0,
+and node patching (exact_node_scores) adds a head's patch at its layer's normalised output. OLMo 2 is
+refused: its attention reads the residual stream with no norm in front (headlab has no hook there) and its
+q and k norms span every head, so a head's receiver is not its own projection columns, as EAP's per-head
+gradient assumes; MIB has no OLMo 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UsageError
+from ..models.norms import norm_factors
+
+if TYPE_CHECKING:
+    from ..models.hooked import HookedModel
+    from .graph import EdgeGraph
+
+POST_NORM_RULES = ("mib", "shares")
+# family -> (the norm on the attention's output, the norm on the MLP's output): attributes of a block
+_POST_NORMS = {
+    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+_REFUSED = {
+    "olmo2": "its attention reads the residual stream through no norm and its q/k norms span every head, "
+    "so a head's query and key inputs are not its own"
+}
+
+
+def check_rule(model: HookedModel, rule: str) -> str | None:
+    """The rule `model`'s graph takes (None: a residual sum), refused in one line where edges are not
+    defined; an unknown rule is refused for every model."""
+    if rule not in POST_NORM_RULES:
+        raise UsageError(f"post_norm={rule}: choose one of {', '.join(POST_NORM_RULES)}")
+    if model.residual_sum:
+        return None
+    if model.family in _REFUSED:
+        raise UsageError(f"{model.name}: headlab's edges do not cover {model.family}: {_REFUSED[model.family]}")
+    if model.family not in _POST_NORMS:
+        raise UsageError(
+            f"{model.name} normalises each component's output before the residual sum ({model.family}): "
+            "its edges are not defined"
+        )
+    if rule == "shares" and any(getattr(m, "bias", None) is not None for m in model.sites.out_projs or []):
+        raise UsageError(f"{model.name}: post_norm=shares needs an attention output with no bias")
+    return rule
+
+
+def attn_norm(model: HookedModel, layer: int) -> nn.Module:
+    module: nn.Module = getattr(model.blocks[layer], _POST_NORMS[model.family][0])
+    return module
+
+
+def mlp_norm(model: HookedModel, layer: int) -> nn.Module:
+    module: nn.Module = getattr(model.blocks[layer], _POST_NORMS[model.family][1])
+    return module
+
+
+@contextmanager
+def attn_output(model: HookedModel, layer: int, fn: Callable[[Tensor, Tensor], Tensor]) -> Iterator[None]:
+    """fn(A, post_attn(A)) -> what the attention of `layer` adds to the residual stream."""
+    handle = attn_norm(model, layer).register_forward_hook(lambda _m, args, out: fn(args[0], out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def mlp_output(model: HookedModel, graph: EdgeGraph, layer: int, fn: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """A hook on the MLP node's output, what the MLP adds to the residual stream (after its norm)."""
+    if graph.post_norm is None:
+        with model.hooks(layer, mlp=fn):
+            yield
+        return
+    handle = mlp_norm(model, layer).register_forward_hook(lambda _m, _a, out: fn(out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def shares(norm: nn.Module, before: Tensor, after: Tensor, heads: Tensor) -> Tensor:
+    """[head, n, pos, d]: g * r_h * c, where after = norm(before) = g * before * c (c one number per
+    position): c is fitted to the module's own output, so its epsilon and rounding are the norm's (the fit
+    in float32 at least: a half-precision sum over d_model would lose the scale's digits)."""
+    g = norm_factors(norm).scale
+    wide = torch.promote_types(before.dtype, torch.float32)
+    gained = before.to(wide) if g is None else before.to(wide) * g.to(wide)
+    c = (after.to(wide) * gained).sum(-1, keepdim=True) / (gained * gained).sum(-1, keepdim=True).clamp_min(1e-30)
+    return (heads if g is None else heads * g.to(heads.dtype)) * c.to(heads.dtype)
+
+
+def renormed(norm: nn.Module, before: Tensor, added: Tensor) -> Tensor:
+    """norm(before + added) - norm(before), for added [..., n, pos, d] over before [n, pos, d]."""
+    return norm(before + added) - norm(before)
+
+
+def received(model: HookedModel, graph: EdgeGraph, cut: Tensor, diff: Tensor, before: dict[int, Tensor]) -> Tensor:
+    """[k, n, pos, d]: what k receivers read beyond this run's residual stream when the edges cut[:, j]
+    ([senders, k], 0/1) are patched, diff [senders, n, pos, d] being out(corrupt) - out(this run). Under
+    mib the cut heads of a layer go through its norm together, on this run's A (`before`, per layer)."""
+    if graph.post_norm != "mib":
+        return torch.einsum("sk,snpd->knpd", cut, diff)
+    others = torch.tensor([s.kind != "head" for s in graph.senders], device=cut.device, dtype=cut.dtype)
+    out = torch.einsum("sk,snpd->knpd", cut * others[:, None], diff)
+    for layer, a in before.items():
+        rows = graph.head_rows(layer)
+        if bool(cut[rows].any()):
+            out += renormed(attn_norm(model, layer), a, torch.einsum("hk,hnpd->knpd", cut[rows], diff[rows]))
+    return out
