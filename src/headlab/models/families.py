@@ -89,7 +89,7 @@ class Family:
     attn_norm: str | None = "input_layernorm"  # the norm the attention reads the residual stream through
     mlp_norm: str | None = "post_attention_layernorm"  # the same for the MLP; None: the block has none
     # a norm on each component's output before the residual sum: the residual stream is then no sum of
-    # the components' outputs, and edges between them (circuit=...) are not defined
+    # the components' outputs, and edges between them (circuit=...) follow a rule of edges/postnorm.py
     post_norm: bool = False
     # the blocks take positions only through the arguments a Trace keeps (masks [batch, 1, query, key],
     # rotary tables [batch, pos, d], position ids), so a sweep may run them on a suffix of positions;

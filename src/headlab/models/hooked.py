@@ -154,8 +154,8 @@ class HookedModel:
         self.attn_inputs = attn_inputs or [None] * len(blocks)
         self.mlp_inputs = mlp_inputs or [None] * len(blocks)
         self.parallel = parallel  # attention and MLP both read the block's input (GPT-NeoX, GPT-J)
-        # False where a norm sits on a component's output (Gemma 2, OLMo 2): the residual stream is then
-        # no sum of the components' outputs, and edges between them are not defined
+        # False where a norm sits on a component's output (Gemma 2 and 3, OLMo 2): the residual stream is
+        # then no sum of the components' outputs, and edges between them follow edges/postnorm.py's rules
         self.residual_sum = residual_sum
         # run_blocks may run its blocks on a suffix of positions: they take positions only through the
         # extra arguments a Trace keeps (Family.suffix_runs; toy models)

@@ -24,6 +24,7 @@ from ..edges.eap import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
 from ..edges.graph import EdgeGraph, Receiver, Sender, write_json
+from ..edges.postnorm import POST_NORM_RULES
 from ..edges.record import metric_column
 from ..vocabulary import Site, hook_name
 from .context import RunContext
@@ -75,6 +76,11 @@ class CircuitOptions(StudyOptions):
     edge_count: str = setting("ungrouped", OneOf(("ungrouped", "grouped")))
     # eap_ig*: also score at twice the steps and report how far the scores moved (meta.json convergence)
     convergence: bool = False
+    # a model that norms each component's output (Gemma 2 and 3): what a head's edge carries; mib: its
+    # output before the norm, the norm run again on each receiver's mixture (hannamw/EAP-IG's code, MIB's
+    # numbers); shares: its share of the normed output, so that EAP is exact patching's first-order term
+    # (edges/postnorm.py)
+    post_norm: str = setting("mib", OneOf(POST_NORM_RULES))
     # also patch this many edges exactly (the top half by |score|, the rest at random)
     exact_check: int = setting(0, NATURAL)
     # prompts per gradient pass: bounds the memory of the activation differences
@@ -85,7 +91,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     cfg, c = ctx.cfg, ctx.options
     metric_column(ctx.get_task())  # a task without a smooth metric is refused before any model is trained
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
-    graph = EdgeGraph.of(model)
+    graph = EdgeGraph.of(model, c.post_norm)
     method, info = option(c.method), run_info(cfg)
     info.update(metric=task.smooth_quantity, n=data.n)
     n_ungrouped = graph.total(ungrouped=True)
