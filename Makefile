@@ -33,8 +33,12 @@ lint: $(STAMP)  # what CI enforces besides the tests: ruff's lint and format, my
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
+# one pytest worker per core, each on one torch thread: most tests are too small for torch to use a
+# second thread well, and two files at once keep both cores busy
+TEST_WORKERS ?= 2
+
 test: lint browser
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Debian's chromium, so that the HTML report's test runs in a real browser: installed where we are root and
 # apt can fetch it; elsewhere that one test is skipped, saying why.

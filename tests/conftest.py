@@ -44,11 +44,22 @@ def tiny_configs() -> dict:
 HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")  # one of each q/k/v layout, MHA and GQA: the heavier tests
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory every worker of this session sees (pytest-xdist runs one per core, `make test`): what
+    goes in is made once under headlab's own file locks, whichever worker asks first."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / name
+        shared.mkdir(exist_ok=True)
+        return shared
+    return tmp_path_factory.mktemp(name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def headlab_cache(tmp_path_factory):
-    """The per-user cache of this session (HEADLAB_CACHE, inherited by every headlab subprocess): smollm2's
-    float32 copy is made once per session, whatever a home cache holds, and none is written there."""
-    cache = tmp_path_factory.mktemp("headlab-cache")
+    """The per-user cache of this session (HEADLAB_CACHE, inherited by every headlab subprocess): the real
+    models' float32 copies are made once per session, whatever a home cache holds, and none is written
+    there."""
+    cache = shared_dir(tmp_path_factory, "headlab-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HEADLAB_CACHE", str(cache))
         yield cache
@@ -128,7 +139,7 @@ def demo_root(tmp_path_factory) -> Path:
     and the default model, task and train settings reuse it."""
     import headlab
 
-    root = tmp_path_factory.mktemp("demo")
+    root = shared_dir(tmp_path_factory, "demo")
     headlab.load_model("toy-attn-1l", root=str(root))
     return root
 
