@@ -63,6 +63,7 @@ def _hydra_run(overrides: list[str], task_function: Callable) -> None:
         )
         if jobs["done"] or jobs["skipped"]:
             out.print(f"heatmaps and tables of all jobs: headlab report {sweep_dir}", highlight=False, soft_wrap=True)
+            _compare_models(sweep_dir, jobs)
         for job in jobs["failed"]:
             err.print(
                 f"failed: {job['dir']}: {job.get('error')} (log: {job.get('log')})", highlight=False, soft_wrap=True
@@ -70,6 +71,24 @@ def _hydra_run(overrides: list[str], task_function: Callable) -> None:
         code = code or (1 if jobs["failed"] else 0)
     if code:
         raise SystemExit(code)
+
+
+def _compare_models(sweep_dir: Path, jobs: dict[str, list[dict]]) -> None:
+    """A sweep over `model=`: its models side by side (headlab compare), or the command once all jobs ran."""
+    from .report import compare as comparison
+
+    if len(comparison.swept_models(jobs)) < 2:
+        return
+    if jobs["failed"]:
+        said = f"models side by side, once every job ran: headlab compare {sweep_dir}"
+        out.print(said, highlight=False, soft_wrap=True)
+        return
+    try:
+        target, _ = comparison.write(sweep_dir)
+    except Exception as e:  # the jobs' results stand: a comparison that fails must not fail the sweep
+        out.print(f"models not compared: {e}", highlight=False, soft_wrap=True)
+        return
+    out.print(f"models side by side (headlab compare): {target / comparison.FIGURE}", highlight=False, soft_wrap=True)
 
 
 def run_task(cfg: DictConfig) -> str:
@@ -271,6 +290,27 @@ def collect(
     atomic_write_bytes(target, df.to_parquet(index=False))
     atomic_write_bytes(target.with_suffix(".csv"), df.to_csv(index=False).encode())
     out.print(f"{len(df)} rows from {df['run_dir'].nunique()} runs -> {target}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def compare(
+    directory: Path = typer.Argument(..., help="A sweep over model= (or any directory of runs of one study)."),
+    output: Path | None = typer.Option(None, "--out", "-o", help="Output dir (default DIR/compare)."),
+) -> None:
+    """The same study on several models side by side, head class by head class: one row per model and class
+    in compare.parquet + csv, and compare.png."""
+    from .report import compare as comparison
+
+    target, compared = comparison.write(directory, output)
+    shown = Table(title=f"{compared['study'].iloc[0]}: heads per class (share of the model's heads), mean depth")
+    wide = comparison.side_by_side(compared)
+    shown.add_column("class")
+    for model in wide.columns:
+        shown.add_column(str(model), justify="right")
+    for cls, cells in wide.iterrows():
+        shown.add_row(Text(str(cls)), *(Text(str(c)) for c in cells))
+    out.print(shown)
+    out.print(f"compare.parquet, compare.csv, compare.png: {target}", highlight=False, soft_wrap=True)
 
 
 @app.command()
