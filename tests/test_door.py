@@ -256,3 +256,20 @@ def test_a_controller_that_fails_or_hangs_is_named_with_what_failed(tmp_path, mo
     fake_sinfo(tmp_path, "echo debug")
     multirun.check_cluster(*launcher_of(raw))  # a controller that answers: the sweep goes on
     assert launcher_of(validate_overrides(["seed=0,1"])[0])[1] == ""  # the basic launcher probes nothing
+
+
+def test_a_job_that_hydra_runs_composes_further_configs_and_keeps_its_own():
+    """A multirun's job runs inside Hydra's initialized GlobalHydra; a study that composes more configs in
+    it (the atlas's probes) must not fail there, and the job's Hydra is the same after."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from headlab.config import config_dir
+    from headlab.door import compose, group_options
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        group_options.cache_clear()
+        assert "gemma3-270m" in group_options("model")
+        assert compose(["model=hf", "model.path=/data/my-model"]).model.name == "my-model"
+        assert GlobalHydra.instance().is_initialized()
+        assert "gemma3-270m" in GlobalHydra.instance().config_loader().get_group_options("model")

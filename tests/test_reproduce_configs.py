@@ -199,3 +199,17 @@ def test_a_malformed_file_fails_in_one_line_that_names_it(tmp_path: Path, text: 
         reproduce.load(path)
     message = str(info.value)
     assert "\n" not in message and message.startswith(str(path)) and needle in message, message
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_a_reproduction_with_a_model_runs_its_runs_on_the_model_a_user_names(quick, monkeypatch):
+    monkeypatch.delenv("HEADLAB_GPT2_DIR", raising=False)
+    repro = reproduce.get("ioi")
+    assert repro.model == "smollm2-135m" and repro.runs(quick, "smollm2-135m") == ioi_runs(quick)
+    on_gemma = [[o.replace("smollm2-135m", "gemma3-270m") for o in run] for run in ioi_runs(quick)]
+    assert repro.runs(quick, "gemma3-270m") == on_gemma
+    assert reproduce.model_override(("model=gemma3-270m", "output.n_boot=5")) == ("gemma3-270m", ("output.n_boot=5",))
+    with pytest.raises(UsageError, match="one model= per reproduction"):
+        reproduce.model_override(("model=a", "model=b"))
+    with pytest.raises(UsageError, match="reproduction count01 runs on the models it names"):
+        reproduce.get("count01").runs(quick, "gemma3-270m")

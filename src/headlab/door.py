@@ -6,9 +6,10 @@ reads them (config.OPTION_SOURCES lists them), each rule with its field (config_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import Any
 
@@ -96,14 +97,32 @@ def expand_short_forms(overrides: Sequence[str]) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def _configs() -> Iterator[None]:
+    """Hydra's compose API on configs/, also inside a job that Hydra's own main runs (a multirun's job whose
+    study composes further configs, as the atlas's probes do): that job's Hydra is set aside and put back."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    schemas()
+    outer = get_gh_backup() if GlobalHydra.instance().is_initialized() else None
+    if outer is not None:
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            yield
+    finally:
+        if outer is not None:
+            restore_gh_from_backup(outer)
+
+
 @cache
 def group_options(group: str) -> tuple[str, ...]:
     """The options of a config group (the YAML files of configs/<group>/), schemas left out."""
-    from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    schemas()
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+    with _configs():
         names = GlobalHydra.instance().config_loader().get_group_options(group)
     return tuple(sorted(n for n in names if not is_schema_option(n)))
 
@@ -111,10 +130,8 @@ def group_options(group: str) -> tuple[str, ...]:
 def compose_raw(overrides: Sequence[str] = (), hydra_config: bool = False) -> DictConfig:
     """The config Hydra composes from configs/ and the overrides (untyped, as a Hydra job sees it)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
 
-    schemas()
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+    with _configs():
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
 
 

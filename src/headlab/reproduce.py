@@ -3,6 +3,9 @@
 Each reproduction is a file configs/reproduce/<name>.yaml:
 
     paper: <citation>                  shown by `headlab reproduce --list`
+    model: <model config name>         optional: the model that {model} in a run stands for;
+                                       `headlab reproduce NAME model=X` runs those runs on X instead,
+                                       into <output.root>/reproduce/NAME-X/
     command: run                       the headlab command behind each run: run | sae
     figures: <set>                     the figure set (headlab.figures.FIGURES) drawn from the runs' table
     runs:                              in this order, each item one run or a grid block:
@@ -56,11 +59,17 @@ class Reproduction:
     paper: str
     command: str  # one of COMMANDS
     figures: str  # a key of FIGURES
-    full: list[list[str]]  # override lists, one per run
+    full: list[list[str]]  # override lists, one per run, on the reproduction's own model
     quick: list[list[str]]
+    model: str | None = None  # what {model} in a run stands for, where the file names one
+    spec: Any = None  # the file's runs and quick sections, to expand again for another model
 
-    def runs(self, quick: bool) -> list[list[str]]:
-        return self.quick if quick else self.full
+    def runs(self, quick: bool, model: str | None = None) -> list[list[str]]:
+        if model is None or model == self.model:
+            return self.quick if quick else self.full
+        if self.model is None:
+            raise UsageError(f"reproduction {self.name} runs on the models it names: it takes no model=")
+        return _expanded(self.spec, quick, {"model": model})
 
 
 def registry() -> dict[str, Reproduction]:
@@ -83,25 +92,35 @@ def load(path: Path) -> Reproduction:
     try:
         spec = _mapping(raw, "the file")
         required = frozenset({"paper", "command", "figures", "runs"})
-        _check_keys(spec, {*required, "quick"}, "the file", required)
+        _check_keys(spec, {*required, "quick", "model"}, "the file", required)
         if not isinstance(spec["paper"], str):
             raise ValueError("paper: must be a string")
         if spec["command"] not in COMMANDS:
             raise ValueError(f"command: must be one of {', '.join(COMMANDS)}")
         if spec["figures"] not in FIGURES:
             raise ValueError(f"figures: must be one of {', '.join(sorted(FIGURES))}")
-        quick = spec.get("quick") or {}
-        _check_keys(quick, {"runs", "grid", "append"}, "quick")
-        full = expand(spec["runs"])
-        short = expand(quick.get("runs", spec["runs"]), quick.get("grid", {}), quick.get("append", ""))
+        _check_keys(spec.get("quick") or {}, {"runs", "grid", "append"}, "quick")
+        model = spec.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError("model: must be a model config's name")
+        fixed = {"model": model} if model else {}
+        full, short = _expanded(spec, False, fixed), _expanded(spec, True, fixed)
     except ValueError as e:
         raise HeadlabError(f"{path}: {e}") from e
-    return Reproduction(path.stem, spec["paper"], spec["command"], spec["figures"], full, short)
+    return Reproduction(path.stem, spec["paper"], spec["command"], spec["figures"], full, short, model, spec)
 
 
-def expand(items: Any, values: Any = None, append: Any = "") -> list[list[str]]:
+def _expanded(spec: dict, quick: bool, fixed: dict[str, Any]) -> list[list[str]]:
+    if not quick:
+        return expand(spec["runs"], fixed=fixed)
+    short = spec.get("quick") or {}
+    return expand(short.get("runs", spec["runs"]), short.get("grid", {}), short.get("append", ""), fixed)
+
+
+def expand(items: Any, values: Any = None, append: Any = "", fixed: dict[str, Any] | None = None) -> list[list[str]]:
     """The override lists a `runs:` list stands for; `values` replace the grid variables' values of those
-    names and `append` ends every run (as `quick:` asks). ValueError says what is malformed."""
+    names and `append` ends every run (as `quick:` asks); `fixed` are variables every run sees (the
+    reproduction's model). ValueError says what is malformed."""
     values = _grid(values or {}, "quick: grid")
     replaced: set[str] = set()
     out = []
@@ -112,7 +131,7 @@ def expand(items: Any, values: Any = None, append: Any = "") -> list[list[str]]:
         replaced |= grid.keys() & values.keys()
         grid |= {k: v for k, v in values.items() if k in grid}
         for point in itertools.product(*grid.values()):
-            env = dict(zip(grid, point))
+            env = {**(fixed or {}), **dict(zip(grid, point))}
             for run in _sequence(block["runs"], "a grid block's runs"):
                 run = run if isinstance(run, dict) else {"run": run}
                 _check_keys(run, {"run", "unless", "env"}, "a run", frozenset({"run"}))
@@ -130,6 +149,14 @@ def expand(items: Any, values: Any = None, append: Any = "") -> list[list[str]]:
     if not out:
         raise ValueError("runs: expands to no run")
     return out
+
+
+def model_override(extra: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
+    """The model a `model=X` among a reproduction's overrides names (its runs' {model}), and the rest."""
+    chosen = [o.split("=", 1)[1] for o in extra if o.startswith("model=")]
+    if len(chosen) > 1:
+        raise UsageError(f"one model= per reproduction, not {', '.join(chosen)}")
+    return (chosen[0] if chosen else None), tuple(o for o in extra if not o.startswith("model="))
 
 
 def provenance(name: str, quick: bool, extra: tuple[str, ...], base: Path, runs: list[list[str]]) -> dict:
@@ -221,8 +248,10 @@ def run_all(
     from .studies.registry import named_study
 
     repro = get(name)
-    base = root / "reproduce" / (name + ("-quick" if quick else ""))
-    runs = repro.runs(quick)
+    model, extra = model_override(extra)
+    on = f"-{model}" if model and model != repro.model else ""
+    base = root / "reproduce" / (name + on + ("-quick" if quick else ""))
+    runs = repro.runs(quick, model)
     for i, overrides in enumerate(runs, 1):
         cfg = compose([*overrides, f"output.root={root}", *extra])
         run_dir = base / _slug(overrides)
@@ -236,7 +265,7 @@ def run_all(
     figures = base / "figures"
     figures.mkdir(exist_ok=True)
     numbers = FIGURES[repro.figures](table, figures)
-    numbers["provenance"] = provenance(name, quick, extra, base, runs)
+    numbers["provenance"] = provenance(name, quick, (*([f"model={model}"] if model else []), *extra), base, runs)
     atomic_write_bytes(base / "numbers.json", json.dumps(numbers, indent=2).encode())
     atomic_write_bytes(base / "collected.parquet", table.to_parquet(index=False))
     return {"dir": str(base), "figures": sorted(str(p) for p in figures.rglob("*.png")), "numbers": numbers}
