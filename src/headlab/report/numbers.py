@@ -8,6 +8,9 @@ In README.md each table sits between two markers naming its file and its table (
     | ... rendered, never edited ... |
     <!-- /numbers -->
 
+A block may name several files joined by "+" (`ioi+ioi-gemma3-270m/models`): its table then reads each,
+as {file name: numbers}, to set models side by side.
+
     python -m headlab.report.numbers keep NAME [DIR]   copy DIR/numbers.json (default outputs/reproduce/NAME)
     python -m headlab.report.numbers write             rewrite every block from its file
     python -m headlab.report.numbers check             name every block that differs (exit 1)
@@ -23,21 +26,32 @@ import shutil
 import sys
 from pathlib import Path
 
-from .readme_tables import TABLES
+from .readme_tables import TABLES, TABLES_OF_FILES
 
 ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 NUMBERS = ROOT / "docs" / "numbers"
-BLOCK = re.compile(r"(<!-- numbers: ([\w-]+)/([\w-]+) -->\n)(.*?)(<!-- /numbers -->)", re.S)
+BLOCK = re.compile(r"(<!-- numbers: ([\w+-]+)/([\w-]+) -->\n)(.*?)(<!-- /numbers -->)", re.S)
+
+
+def present(name: str, numbers_dir: Path = NUMBERS) -> bool:
+    """Every numbers file a block's name names is there."""
+    return all((numbers_dir / f"{part}.json").is_file() for part in name.split("+"))
 
 
 def render(name: str, table: str, numbers_dir: Path = NUMBERS) -> str:
-    path = numbers_dir / f"{name}.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no numbers file (python -m headlab.report.numbers keep {name})")
-    if (name, table) not in TABLES:
-        raise KeyError(f"no README table {name}/{table}; known: {', '.join(f'{n}/{t}' for n, t in TABLES)}")
-    return TABLES[name, table](json.loads(path.read_text())).rstrip("\n") + "\n"
+    parts = name.split("+")
+    for part in parts:
+        if not (numbers_dir / f"{part}.json").is_file():
+            raise FileNotFoundError(
+                f"{numbers_dir / part}.json: no numbers file (python -m headlab.report.numbers keep {part})"
+            )
+    known = [*TABLES, *TABLES_OF_FILES]
+    if (name, table) not in known:
+        raise KeyError(f"no README table {name}/{table}; known: {', '.join(f'{n}/{t}' for n, t in known)}")
+    loaded = {part: json.loads((numbers_dir / f"{part}.json").read_text()) for part in parts}
+    text = TABLES_OF_FILES[name, table](loaded) if len(parts) > 1 else TABLES[name, table](loaded[name])
+    return text.rstrip("\n") + "\n"
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:
@@ -49,7 +63,7 @@ def rewritten(text: str, numbers_dir: Path = NUMBERS) -> str:
     """Every block rendered from its numbers file; a block whose file is not there yet is left as it is."""
 
     def block(m: re.Match) -> str:
-        if not (numbers_dir / f"{m.group(2)}.json").is_file():
+        if not present(m.group(2), numbers_dir):
             return m.group(0)
         return m.group(1) + render(m.group(2), m.group(3), numbers_dir) + m.group(5)
 
@@ -59,9 +73,7 @@ def rewritten(text: str, numbers_dir: Path = NUMBERS) -> str:
 def differing(text: str, numbers_dir: Path = NUMBERS) -> list[str]:
     """The blocks whose text is not what their numbers file renders (or that have no numbers file)."""
     return [
-        f"{n}/{t}"
-        for n, t, body in blocks(text)
-        if not (numbers_dir / f"{n}.json").is_file() or body != render(n, t, numbers_dir)
+        f"{n}/{t}" for n, t, body in blocks(text) if not present(n, numbers_dir) or body != render(n, t, numbers_dir)
     ]
 
 
@@ -85,7 +97,8 @@ def main(argv: list[str]) -> int:
     if command == "check":
         bad = differing(text)
         for name in bad:
-            print(f"README table {name} is not what docs/numbers/{name.split('/')[0]}.json renders")
+            files = ", ".join(f"docs/numbers/{part}.json" for part in name.split("/")[0].split("+"))
+            print(f"README table {name} is not what {files} renders")
         return 1 if bad else 0
     print("usage: python -m headlab.report.numbers keep NAME [DIR] | write | check", file=sys.stderr)
     return 2

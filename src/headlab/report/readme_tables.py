@@ -237,6 +237,49 @@ def ioi_classes(numbers: Numbers) -> str:
     return "\n".join(lines)
 
 
+def ioi_models(files: dict[str, Numbers]) -> str:
+    """The IOI reproduction of each numbers file (one model each) beside Wang et al.'s GPT-2 small and MIB."""
+    models = {get(ioi_model(n), "model") or name: ioi_model(n) for name, n in files.items()}
+    lines = [header("", *models, "GPT-2 small (Wang et al.; MIB for CPR / CMD)")]
+
+    def per_model(label: str, cell: Callable[[Numbers], str], paper: str = "") -> None:
+        lines.append(row(label, *(cell(n) for n in models.values()), paper))
+
+    per_model(
+        "clean logit difference IO - S (prompts)",
+        lambda n: f"{fmt(get(n, 'headline.clean_logit_diff'))} ({fmt(n.get('clean_n_prompts'))})",
+        "3.56",
+    )
+    paper = next((get(n, "headline.paper_gpt2_small.classes") for n in models.values()), None) or {}
+    for cls in IOI_CLASSES:
+
+        def heads(n: Numbers, cls: str = cls) -> str:
+            classes = n.get("head_classes", {})
+            effects = classes.get("path_effects", {}).get(cls, {})
+            found = (classes.get("found") or {}).get(cls) or list(effects)
+            return ", ".join(f"{h} ({signed(effects.get(h))})" for h in found) or "none"
+
+        per_model(f"{cls}: heads (path effect)", heads, ", ".join(paper.get(cls, [])))
+    gpt2 = MIB_IOI["GPT-2"]
+    per_model(
+        "EAP-IG CPR / CMD [95% interval]",
+        lambda n: (
+            with_ci(get(n, "headline.cpr_eap_ig"), get(n, "headline.cpr_ci_eap_ig"), 2)
+            + " / "
+            + with_ci(get(n, "headline.cmd_eap_ig"), get(n, "headline.cmd_ci_eap_ig"), 2)
+        ),
+        f"{gpt2[0]} / {gpt2[1]}",
+    )
+
+    def target(n: Numbers) -> str:
+        k, total = get(n, "headline.target_edges_ungrouped_eap_ig"), get(n, "headline.graph_edges_ungrouped_eap_ig")
+        share = f" ({fmt(100 * k / total, 1)}%)" if isinstance(k, (int, float)) and total else ""
+        return f"{fmt(_int(k))} of {fmt(_int(total))}{share}"
+
+    per_model("EAP-IG: smallest circuit reaching 80%, ungrouped edges of the graph", target)
+    return "\n".join(lines)
+
+
 def _int(x: Any) -> Any:
     return int(x) if isinstance(x, float) and x.is_integer() else x
 
@@ -344,4 +387,8 @@ TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
     ("count01", "claims"): count01_claims,
     ("ioi", "circuit"): ioi_circuit,
     ("ioi", "classes"): ioi_classes,
+}
+# tables that set several numbers files side by side (a block named "a+b/table")
+TABLES_OF_FILES: dict[tuple[str, str], Callable[[dict[str, Numbers]], str]] = {
+    ("ioi+ioi-gemma3-270m", "models"): ioi_models,
 }
