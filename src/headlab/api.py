@@ -54,8 +54,14 @@ log = logging.getLogger("headlab")
 
 @dataclass(frozen=True)
 class RunResult:
-    """What `headlab run` leaves: the tidy table, the run dir it was written to, whether an earlier run
-    of the same config was reused instead (`skipped`), and the config it ran."""
+    """What `headlab run` leaves, as `headlab.run` returns it.
+
+    Attributes:
+        table: the tidy table (one row per observation; see `sweep`).
+        run_dir: the run dir it was written to, or the earlier one that was reused.
+        skipped: True where an earlier run of the same config was reused instead of run again.
+        config: the typed config it ran.
+    """
 
     table: pd.DataFrame
     run_dir: Path
@@ -76,18 +82,42 @@ def load_plugins() -> list[str]:
 
 
 def compose(*overrides: str) -> Config:
-    """The typed, validated config of `headlab run <overrides>` (config.py's dataclasses).
+    """The typed, validated config of `headlab run <overrides>`, composed as the CLI composes it.
 
-    >>> headlab.compose("model=toy-attn-2l", "ablate.method=mean").ablate.method.value
-    'mean'"""
+    Args:
+        *overrides: Hydra overrides, as typed after `headlab run` (`"task=ioi"`, `"ablate.method=mean"`).
+
+    Returns:
+        The config as config.py's dataclasses, every option checked against its rule.
+
+    Raises:
+        UsageError: an unknown group option or key, a wrong type, a value outside its rule.
+
+    Example:
+        ```python
+        cfg = headlab.compose("model=toy-attn-2l", "ablate.method=mean")
+        assert cfg.ablate.method.value == "mean"
+        ```
+    """
     return compose_config(overrides)
 
 
 def load_task(name: str, **options: Any) -> Task:
-    """A built-in task by name (`headlab list task`): counting, ioi, recall_reasoning, markov.
+    """A task by name, with its config file's defaults and your options.
 
-    Options are the task's config keys, e.g. `load_task("ioi", n_prompts=200, templates="baba")`. The
-    task's config is `task.cfg`; `task.build(n, seed, model)` draws prompts (TaskData)."""
+    Args:
+        name: a task config (`headlab list task`): counting, ioi, recall_reasoning, markov, prompts, text,
+            needle, or one you added.
+        **options: the task's config keys, e.g. `n_prompts=200`, `templates="baba"`.
+
+    Returns:
+        The task: its config is `task.cfg`; `task.build(n, seed, model)` draws prompts (TaskData).
+
+    Example:
+        ```python
+        task = headlab.load_task("counting", n_prompts=64)
+        ```
+    """
     cfg = compose_config([f"task={name}", *option_overrides(options, prefer=("task",))])
     return build_task(cfg.task)
 
@@ -95,14 +125,29 @@ def load_task(name: str, **options: Any) -> Task:
 def load_model(
     name_or_path: str, task: str | Task | None = None, show_progress: bool = False, **options: Any
 ) -> HookedModel:
-    """A model ready for sweeps: a config name (`headlab list model`, e.g. smollm2-135m), a local
-    directory, a GGUF file (dequantised once per user to float32, into locations.cache_dir()) or a hub id.
+    """A model ready for sweeps, with headlab's hooks on every head.
 
-    Models trained here (toy models, `gpt2-ioi`) are trained on `task` (default: the config's task,
-    counting for the toy models) exactly as `headlab run` trains them, into output.root/checkpoints,
-    and reused when trained before. Options are model, train and top-level config keys, e.g.
-    `load_model("toy-attn-2l", n_heads=8, train__steps=500, seed=1, root="outputs")`. The model's
-    config is `model.config`; `model.n_layers`, `model.n_heads`, `model.sites` (HeadSites) describe it."""
+    Models trained here (toy models, `gpt2-ioi`) are trained on `task` exactly as `headlab run` trains
+    them, into output.root/checkpoints, and reused when trained before.
+
+    Args:
+        name_or_path: a model config (`headlab list model`, e.g. smollm2-135m), a local directory, a GGUF
+            file (dequantised once per user to float32, into locations.cache_dir()) or a hub id.
+        task: the task a model trained here is trained on (a name or a Task; default: the config's task,
+            counting for the toy models).
+        show_progress: draw progress bars.
+        **options: model, train and top-level config keys, e.g. `n_heads=8`, `train__steps=500`,
+            `seed=1`, `root="outputs"`.
+
+    Returns:
+        The model: its config is `model.config`; `model.n_layers`, `model.n_heads` and `model.sites`
+        (HeadSites) describe it.
+
+    Example:
+        ```python
+        model = headlab.load_model("toy-attn-1l")   # trained on counting on first use, then reused
+        ```
+    """
     cfg = compose_config(model_overrides(name_or_path, task, options))
     if isinstance(task, Task):
         cfg.task = task.cfg
@@ -143,12 +188,25 @@ def model_overrides(name_or_path: str, task: str | Task | None, options: dict[st
 
 
 def check(model: HookedModel | str | Config, show_progress: bool = False, **options: Any) -> list[Verdict]:
-    """Does headlab's view of `model` agree with the model itself? One Verdict per check
-    (models/check.py): idle hooks against transformers' eager and default attention, zeroing a head's z
-    against zeroing its slice of W_O, k/v edits against the query heads that share the kv head.
+    """Does headlab's view of `model` agree with the model itself? (`headlab check`)
 
-    `model`: a HookedModel; a name or path, chosen as load_model chooses it (with `options`); or a
-    composed config (`headlab.compose("model=hf", "model.path=...")`), which `headlab check` passes."""
+    The checks (models/check.py): idle hooks against transformers' eager and default attention, zeroing a
+    head's z against zeroing its slice of W_O, k/v edits against the query heads that share the kv head.
+
+    Args:
+        model: a loaded model; a name or path, chosen as `load_model` chooses it (with `options`); or a
+            composed config (`headlab.compose("model=hf", "model.path=...")`), which `headlab check` passes.
+        show_progress: draw progress bars.
+        **options: as `load_model`'s, where `model` is a name or path.
+
+    Returns:
+        One Verdict per check (`ok`, `max_abs_diff`, `tolerance`, `detail`; `line()` as the CLI prints it).
+
+    Example:
+        ```python
+        assert all(v.ok for v in headlab.check(model))
+        ```
+    """
     if isinstance(model, str):
         model = compose_config(model_overrides(model, None, options))
     if isinstance(model, Config):
@@ -168,21 +226,36 @@ def sweep(
     show_progress: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
-    """Run the sweep study on `model` and `task` and return its tidy table; nothing is written to disk.
-    (`study(model, task, "sweep", ...)`; a task or model that is another study's, task=markov, is refused.)
+    """Ablate or patch every head (or layer, or component) and return the tidy table; nothing is written.
 
-    ablate: an ablate option (`headlab list ablate`: heads, layers, keep_heads, components, none, ...;
-    circuits is study=recall_reasoning);
-    method: zero | mean | resample; patch: a patch option (activation, path, attribution) or
-    a list of patching kinds; n_prompts: prompts drawn (default: the task's n_prompts); seed: draws the
-    prompts and the bootstrap. Other options: config keys, e.g. `positions=["END"]`, `sites=["z","v"]`,
-    `n_boot=200`, `per_prompt=True`, `head_scores=True`, `device="cuda"`.
+    This is `study(model, task, "sweep", ...)`; it equals the table `headlab run` writes for the same
+    config and seed. A task or model that belongs to another study (task=markov) is refused.
 
-    The table has one row per (intervention, metric): columns experiment, model, task, seed,
-    intervention, method, layer, head, position, metric, value, n, ci_low, ci_high, hook (the site's
-    TransformerLens hook name, e.g. blocks.0.attn.hook_z; results.py) (+ extras such as site, token,
-    prompt_id); the row with intervention "none" is the clean baseline. It equals the table `headlab
-    run` writes for the same config and seed."""
+    Args:
+        model: a model from `load_model`.
+        task: a task from `load_task`.
+        ablate: an ablate option (`headlab list ablate`: heads, layers, keep_heads, components, none, ...;
+            circuits is study=recall_reasoning).
+        method: zero | mean | resample.
+        patch: a patch option (activation, path, attribution) or a list of patching kinds.
+        n_prompts: prompts drawn (default: the task's n_prompts).
+        seed: draws the prompts and the bootstrap.
+        show_progress: draw progress bars.
+        **options: config keys, e.g. `positions=["END"]`, `sites=["z","v"]`, `n_boot=200`,
+            `per_prompt=True`, `head_scores=True`, `device="cuda"`.
+
+    Returns:
+        One row per (intervention, metric): experiment, model, task, seed, intervention, method, layer,
+        head, position, metric, value, n, ci_low, ci_high, hook (the site's TransformerLens hook name, e.g.
+        blocks.0.attn.hook_z), and extras such as site, token, prompt_id. The row with intervention "none"
+        is the clean baseline.
+
+    Example:
+        ```python
+        table = headlab.sweep(model, task, ablate="heads", method="mean")
+        patched = headlab.sweep(model, task, ablate="none", patch="activation")
+        ```
+    """
     patching = (
         {"patch": patch or "none"}
         if patch is None or isinstance(patch, str)
@@ -212,18 +285,34 @@ def execute(
     show_progress: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
-    """Run these interventions on `task`'s prompts and return the tidy table `sweep` returns: the clean
-    row (intervention "none") first, then one per intervention, batched and started from the cached
-    residual streams as every sweep is. Nothing is written.
+    """Run your own list of interventions, batched as every sweep is; nothing is written.
 
     An Intervention is a built-in kind (`Intervention("ablate_head", "mean", layer=0, head=1)`) or your
     own: a name and `edit`, a function from the site's values where it touches them to their
-    replacement, e.g. `Intervention("half", layer=0, head=1, position=3, edit=lambda z: 0.5 * z)`, with
-    `site` one of z (default), pattern, q, k, v (interventions/user.py says what `edit` receives).
-    data: the prompts (`task.build(n, seed, model)`); default: those `sweep` draws for n_prompts and
-    seed. Options: config keys, e.g. `per_prompt=True` (rows per prompt, with prompt_id), `n_boot=200`,
-    `naive=True` (one full forward pass per intervention: the reference). Bad input is refused in one
-    line (UsageError) before anything runs."""
+    replacement, with `site` one of z (default), pattern, q, k, v (interventions/user.py says what
+    `edit` receives). Bad input is refused in one line (UsageError) before anything runs.
+
+    Args:
+        model: a model from `load_model`.
+        task: a task from `load_task`.
+        interventions: what to run, each on the clean prompts.
+        data: the prompts (`task.build(n, seed, model)`); default: those `sweep` draws for n_prompts and seed.
+        n_prompts: prompts drawn where `data` is not given.
+        seed: draws the prompts and the bootstrap.
+        show_progress: draw progress bars.
+        **options: config keys, e.g. `per_prompt=True` (rows per prompt, with prompt_id), `n_boot=200`,
+            `naive=True` (one full forward pass per intervention: the reference).
+
+    Returns:
+        The tidy table `sweep` returns: the clean row (intervention "none") first, then one per
+        intervention and metric.
+
+    Example:
+        ```python
+        half = headlab.Intervention("half", layer=0, head=1, edit=lambda z: 0.5 * z)
+        table = headlab.execute(model, task, [half])
+        ```
+    """
     if data is not None and n_prompts is not None:
         raise UsageError("give the prompts (data=) or how many to draw (n_prompts=), not both")
     overrides = [
@@ -249,21 +338,36 @@ def circuit(
     show_progress: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
-    """Circuit discovery on `task`'s clean and counterfactual prompts; its tidy table, nothing written.
+    """Edge (or node) circuit discovery on `task`'s clean and counterfactual prompts; nothing is written.
 
-    method: eap | eap_ig | eap_ig_activations | exact; level: edges | nodes. Other options: circuit
-    options (studies/circuit.py's CircuitOptions), e.g. `steps=10`, `selection="greedy"`, `target=0.9`,
-    `faithfulness=False`, `exact_check=500`.
+    It equals the table `headlab run task=... circuit=<method>` writes for the same config and seed.
 
-    Edge rows (intervention "edge") hold each edge's score, the change in the task's smooth metric
-    (IOI: logit_diff) when that edge alone is patched from the counterfactual run (estimated, or exact
-    for method=exact), with columns edge, sender, receiver, receiver_input and in_circuit; rows with
-    intervention "circuit" hold the faithfulness curve (fraction, n_edges, n_edges_ungrouped, ranking), cpr
-    and cmd (with 95% bootstrap intervals over prompts in ci_low / ci_high), target_edges and
-    target_edges_ungrouped (`edge_count="grouped"` takes the fractions over this graph's grouped key/value
-    edges instead of MIB's ungrouped count), and with `convergence=True` how far the scores moved at twice
-    the steps. Node rows (level="nodes", intervention "node") hold each node's score. It equals the
-    table `headlab run task=... circuit=<method>` writes for the same config and seed."""
+    Args:
+        model: a model from `load_model` (a pretrained one, or one trained on a task with a smooth metric).
+        task: a task with counterfactual prompts and a smooth metric (ioi, prompts, recall_reasoning).
+        method: eap | eap_ig | eap_ig_activations | exact.
+        level: edges | nodes.
+        n_prompts: prompts drawn (default: the task's n_prompts).
+        seed: draws the prompts and the bootstrap.
+        show_progress: draw progress bars.
+        **options: the circuit study's options (studies/circuit.py's CircuitOptions), e.g. `steps=10`,
+            `selection="greedy"`, `target=0.9`, `faithfulness=False`, `exact_check=500`.
+
+    Returns:
+        Edge rows (intervention "edge"): each edge's score, the change in the task's smooth metric (IOI:
+        logit_diff) when that edge alone is patched from the counterfactual run (estimated, or exact for
+        method=exact), with columns edge, sender, receiver, receiver_input and in_circuit. Rows with
+        intervention "circuit": the faithfulness curve (fraction, n_edges, n_edges_ungrouped, ranking), cpr
+        and cmd (95% bootstrap intervals over prompts in ci_low / ci_high), target_edges and
+        target_edges_ungrouped (`edge_count="grouped"` takes the fractions over this graph's grouped
+        key/value edges instead of MIB's ungrouped count), and with `convergence=True` how far the scores
+        moved at twice the steps. Node rows (level="nodes", intervention "node"): each node's score.
+
+    Example:
+        ```python
+        edges = headlab.circuit(model, headlab.load_task("ioi"), method="eap_ig", steps=5)
+        ```
+    """
     return study(model, task, "circuit", n_prompts, seed, show_progress, method=method, level=level, **options)
 
 
@@ -276,20 +380,38 @@ def scores(
     show_progress: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
-    """Per-head scores from the attention-head literature on `model` (and `task`'s prompts); the tidy
-    table `headlab run scores=<kind>` writes, nothing written here.
+    """Per-head scores from the attention-head literature; the table `headlab run scores=<kind>` writes,
+    nothing written here.
 
-    kind: sinks (per head, the share of the prompts' queries with more than `epsilon` of their attention on the
-    first token, its mean attention there, and the hidden sinks of Yu et al. 2024: later tokens that receive
-    more than `alpha` / N; Gu et al. 2024's mean over all queries and the share of sink heads, Sink_1^epsilon,
-    on prompts cut to `seq_len` tokens) | composition (Q-, K-, V-composition scores of every pair of heads in
-    different layers, from the weights, and each pair's `channels` largest normalised singular values) |
-    retrieval (task needle: each head's retrieval score of Wu et al. 2024, then needle recall with the `top_k`
-    best heads masked against `n_random` draws of as many other heads) | induction (repeated random tokens: each
-    head's induction, duplicate- and previous-token score, the repeat loss per copy, and that loss with the
-    `top_k` best induction heads zero-ablated against `n_random` draws). Options: the study's own
-    (studies/sinks.py's SinksOptions, composition.py's CompositionOptions, ...), e.g. `epsilon=0.5`,
-    `seq_len=64`, `channels=8`, `fold_norms=False`, `top_k=2`."""
+    Args:
+        model: a model from `load_model`.
+        task: the prompts the scores read (composition reads the weights alone; retrieval needs task needle).
+        kind: sinks (per head, the share of the prompts' queries with more than `epsilon` of their
+            attention on the first token, its mean attention there, and the hidden sinks of Yu et al. 2024:
+            later tokens that receive more than `alpha` / N; Gu et al. 2024's mean over all queries and the
+            share of sink heads, Sink_1^epsilon, on prompts cut to `seq_len` tokens) | composition (Q-, K-,
+            V-composition scores of every pair of heads in different layers, from the weights, and each
+            pair's `channels` largest normalised singular values) | retrieval (task needle: each head's
+            retrieval score of Wu et al. 2024, then needle recall with the `top_k` best heads masked against
+            `n_random` draws of as many other heads) | induction (repeated random tokens: each head's
+            induction, duplicate- and previous-token score, the repeat loss per copy, and that loss with the
+            `top_k` best induction heads zero-ablated against `n_random` draws).
+        n_prompts: prompts drawn (default: the task's n_prompts).
+        seed: draws the prompts and the bootstrap.
+        show_progress: draw progress bars.
+        **options: the study's own (studies/sinks.py's SinksOptions, composition.py's
+            CompositionOptions, ...), e.g. `epsilon=0.5`, `seq_len=64`, `channels=8`, `fold_norms=False`,
+            `top_k=2`.
+
+    Returns:
+        The study's tidy table: one row per head and score, with 95% bootstrap intervals where the score
+        is a mean over prompts.
+
+    Example:
+        ```python
+        sinks = headlab.scores(model, task, kind="sinks", epsilon=0.5)
+        ```
+    """
     return study(model, task, kind, n_prompts, seed, show_progress, **options)
 
 
@@ -302,11 +424,27 @@ def atlas(
     show_progress: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
-    """Every head of `model` on one page: the table `headlab atlas` writes, one row per head and score
-    (studies/atlas.py), and, where `out` names a folder, atlas.html there. scores: a subset of the
-    atlas's (default all); `task`: the one a model trained here was trained on (default counting).
-    Options: the atlas's probe sizes (studies/atlas_probes.py's AtlasOptions, e.g. `ioi_prompts=8`) and
-    config keys (`root=...`: each probe's table is cached under root/atlas/<model>/)."""
+    """Every head of `model` on one page: the table `headlab atlas` writes, and atlas.html where `out`
+    names a folder.
+
+    Args:
+        model: a model from `load_model`.
+        task: the one a model trained here was trained on (default counting).
+        scores: a subset of the atlas's scores (default all).
+        out: a folder for atlas.html (default: none is written).
+        seed: draws the probes' prompts.
+        show_progress: draw progress bars.
+        **options: the atlas's probe sizes (studies/atlas_probes.py's AtlasOptions, e.g. `ioi_prompts=8`)
+            and config keys (`root=...`: each probe's table is cached under root/atlas/<model>/).
+
+    Returns:
+        One row per head and score (studies/atlas.py).
+
+    Example:
+        ```python
+        heads = headlab.atlas(model, out="atlas")   # atlas/atlas.html
+        ```
+    """
     task = task or build_task(compose_config([]).task)
     overrides = _study_overrides("atlas", task, seed, {**options, "scores": list(scores)})
     ctx = _context(model, task, overrides, None, show_progress)
@@ -323,14 +461,30 @@ def study(
     show_progress: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
-    """Run study `name` (`headlab list study`) on `model` and `task` and return its tidy table, the one
-    `headlab run study=<name>` writes for the same config and seed; nothing written here.
+    """Run any study by name on `model` and `task` and return its tidy table; nothing is written.
 
-    Options are config keys, a bare name looked up first in the study's own options (`study.<option>`,
-    its options dataclass), then in the sections it reads (Study.sections: ablate and patch for the
-    sweep), then everywhere: e.g.
-    `headlab.study(m, t, "circuit", method="eap", steps=10)`, `headlab.study(m, t, "sinks", epsilon=0.5)`.
-    A study that cannot run this task or model (the sweep on task=markov) is refused in one line."""
+    It is the table `headlab run study=<name>` writes for the same config and seed. A study that cannot
+    run this task or model (the sweep on task=markov) is refused in one line.
+
+    Args:
+        model: a model from `load_model`.
+        task: a task from `load_task`.
+        name: a study (`headlab list study`).
+        n_prompts: prompts drawn (default: the task's n_prompts).
+        seed: draws the prompts and the bootstrap.
+        show_progress: draw progress bars.
+        **options: config keys, a bare name looked up first in the study's own options
+            (`study.<option>`, its options dataclass), then in the sections it reads (Study.sections:
+            ablate and patch for the sweep), then everywhere.
+
+    Returns:
+        The study's tidy table.
+
+    Example:
+        ```python
+        sinks = headlab.study(model, task, "sinks", epsilon=0.5)
+        ```
+    """
     return _run_study(model, task, name, _study_overrides(name, task, seed, options), n_prompts, show_progress)
 
 
@@ -358,15 +512,30 @@ def reuse(
     panel: str | None = None,
     panel_second: str | None = None,
 ) -> pd.DataFrame:
-    """Do two tasks use the same heads? (circuit reuse, Merullo et al. 2024.) Each side is a finished
-    table (a DataFrame, a results.parquet, a run dir or a sweep dir): a head sweep, whose `k` heads of
-    largest |value - clean| are its important ones, or a circuit (`headlab run circuit=...`), whose heads
-    are those its edges touch. `metric` and `panel` choose among several (the error lists them); the
-    second side takes the first side's unless given its own.
+    """Do two tasks use the same heads? Circuit reuse (Merullo et al. 2024), as `headlab reuse A B`.
 
-    The table: per side and head its effect and `important`, then intervention "reuse" rows with
-    shared_heads, jaccard, expected_shared_by_chance, p_value (hypergeometric), spearman_importance,
-    pearson_effect and, for two circuits, shared_edges and edge_jaccard."""
+    Each side is a finished table: a head sweep, whose `k` heads of largest |value - clean| are its
+    important ones, or a circuit (`headlab run circuit=...`), whose heads are those its edges touch.
+
+    Args:
+        first: a DataFrame, a results.parquet, a run dir or a sweep dir.
+        second: the other task's, on a model of the same shape.
+        k: a sweep's important heads: its k of largest |effect|.
+        metric: the metric, where a table has several (the error lists them).
+        metric_second: the second table's metric (default: `metric`).
+        panel: e.g. "ablate_head zero", where a table has several.
+        panel_second: the second table's panel (default: `panel`).
+
+    Returns:
+        Per side and head its effect and `important`, then intervention "reuse" rows with shared_heads,
+        jaccard, expected_shared_by_chance, p_value (hypergeometric), spearman_importance,
+        pearson_effect and, for two circuits, shared_edges and edge_jaccard.
+
+    Example:
+        ```python
+        overlap = headlab.reuse(table, patched, k=5)
+        ```
+    """
     from .analysis.reuse import reuse_table, side_of
 
     a = side_of(_table_of(first), k, metric, panel)
@@ -431,12 +600,27 @@ def _unused(run_dir: Path) -> Path:
 
 
 def run(*overrides: str, command: str = "run", show_progress: bool = False) -> RunResult:
-    """Exactly what `headlab <command> <overrides>` does for one run (command: run | train | sae): the
-    config composed from configs/ and the overrides, the run dir Hydra would choose
-    (output.root/runs/<date>/<time>-<name>, suffixed -2, -3, ... when a run in the same second took it),
-    the study run, results.parquet, results.csv, meta.json and .hydra/config.yaml written there. A run
-    dir given by hydra.run.dir=... that already holds this config's complete result is reused
-    (`skipped`)."""
+    """Exactly what `headlab <command> <overrides>` does for one run, from Python.
+
+    The config is composed from configs/ and the overrides; the run dir is the one Hydra would choose
+    (output.root/runs/<date>/<time>-<name>, suffixed -2, -3, ... when a run in the same second took it);
+    the study runs and results.parquet, results.csv, meta.json and .hydra/config.yaml are written there.
+    A run dir given by hydra.run.dir=... that already holds this config's complete result is reused.
+
+    Args:
+        *overrides: as typed after `headlab run`.
+        command: run | train | sae.
+        show_progress: draw progress bars.
+
+    Returns:
+        The table, the run dir, whether it was reused (`skipped`) and the config.
+
+    Example:
+        ```python
+        result = headlab.run("ablate=layers", "output.n_boot=100")
+        print(result.run_dir, result.skipped)
+        ```
+    """
     raw, cfg = compose_checked(overrides, hydra_config=True)
     chosen, note = choose_model(overrides, cfg)
     if note:

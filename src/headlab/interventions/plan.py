@@ -56,6 +56,26 @@ class Edit:
 
 @dataclass(frozen=True)
 class Intervention:
+    """One edit of a run: a built-in kind, or your own function of a site's values.
+
+    Attributes:
+        intervention: a built-in kind (`ablate_head`, `patch_head`, `path_patch`, `ablate_mlp`, ...), or the
+            name your own edit goes by in the table.
+        method: how a built-in kind replaces a value (zero, mean, resample, ...).
+        layer: the layer edited.
+        head: the head edited (None: every head of the layer).
+        position: a token index (negative: from the end); None with no `token`: every position.
+        token: a role whose position the task gives per prompt, e.g. IOI's END.
+        site: z (default), pattern, q, k or v.
+        edit: your own edit: the site's values where it touches them -> their replacement (same shape).
+
+    Example:
+        ```python
+        headlab.Intervention("ablate_head", "mean", layer=0, head=1)
+        headlab.Intervention("half", layer=0, head=1, position=5, edit=lambda z: 0.5 * z)
+        ```
+    """
+
     intervention: str  # a Kind
     method: str = Method.none  # a Method
     layer: int | None = None
