@@ -38,7 +38,7 @@ lint: $(STAMP)  # what CI enforces besides the tests: ruff's lint and format, my
 TEST_WORKERS ?= 2
 
 test: lint browser docs
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	HEADLAB_SITE=site OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The docs site (mkdocs.yml), built offline into site/ with --strict: a broken link, a missing page or a
 # docstring mkdocstrings cannot read fails the build. The generated pages come from docs/gen_ref_pages.py.
