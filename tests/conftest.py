@@ -41,7 +41,8 @@ def tiny_configs() -> dict:
     }
 
 
-HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2")  # one of each q/k/v layout, MHA and GQA: the heavier tests
+# one of each q/k/v layout, MHA and GQA, and post-norms with QK-norm and windows: the heavier tests
+HF_FAMILIES = ("gpt2", "gpt_neox", "llama", "qwen2", "gemma3_text")
 
 
 def shared_dir(tmp_path_factory, name: str) -> Path:

@@ -35,12 +35,23 @@ def explicit(model, mode: str, l1: int, h1: int, l2: int, h2: int) -> tuple[floa
 def test_head_weights_give_the_q_k_v_the_model_computes(tiny_hf_dir, family):
     model = load_hf(str(tiny_hf_dir(family)), name=family, need_tokenizer=False)
     ids = torch.randint(0, 1000, (2, 1), generator=torch.Generator().manual_seed(0))  # position 0: no rotation
+    attn = model.sites.attn_modules[1]
+    projected = {}  # a per-head q or k norm (Gemma 3, Qwen3) comes after W_Q and W_K: read q and k before it
+    handles = [
+        getattr(attn, f"{site}_proj").register_forward_hook(
+            lambda _m, _a, out, site=site: projected.__setitem__(site, out.unflatten(-1, (-1, model.sites.d_head)))
+        )
+        for site in ("q", "k")
+        if getattr(attn, f"{site}_norm", None) is not None
+    ]
     with torch.no_grad(), model.sites.record(sites=("q", "k", "v")) as seen:
         model.forward({"input_ids": ids})
         x = model.attn_inputs[1](model.trace({"input_ids": ids}).resid_pre[1])  # layer 1's normed input
+    for handle in handles:
+        handle.remove()
     for site, w in zip(("q", "k", "v"), model.sites.W_QKV(1)):
-        got = seen[(site, 1)][:, :, 0]  # [batch, head, d_head]
-        bias = seen[(site, 1)][:, :, 0] - torch.einsum("bm,hmd->bhd", x[:, 0], w)
+        got = projected[site][:, 0] if site in projected else seen[(site, 1)][:, :, 0]  # [batch, head, d_head]
+        bias = got - torch.einsum("bm,hmd->bhd", x[:, 0], w)
         assert torch.allclose(bias[0], bias[1], atol=1e-5), f"{family} {site}: not x @ W + a constant"
         assert got.shape[1] == w.shape[0]
 
@@ -216,3 +227,33 @@ def test_the_study_writes_one_row_per_pair_mode_and_channel(tiny_hf_dir, tmp_pat
     assert (result.run_dir / "figures" / "composition_k_composition.png").is_file()
     meta = json.loads((result.run_dir / "meta.json").read_text())
     assert meta["weights"].startswith("raw")  # study.fold_norms=false: the processing is named with the numbers
+
+
+def test_gemma_folds_its_qk_norms_and_its_attention_output_norm(tiny_hf_dir):
+    """Gemma 3: each reader's W_Q, W_K, W_V scaled by (1 + its input norm's weight), W_Q and W_K's d_head
+    columns by (1 + q_norm's and k_norm's), each W_O's d_model columns by (1 + post_attention_layernorm's),
+    all by hand on full d_model x d_model products."""
+    model = load_hf(str(tiny_hf_dir("gemma3_text")), name="gemma3_text", need_tokenizer=False)
+    randomise_norms(model.module)
+    folded, sites = composition(model, fold_norms=True), model.sites
+    group = sites.n_heads // sites.n_kv_heads
+    layers = model.module.model.layers
+
+    def weights(layer: int):
+        block = layers[layer]
+        scale = 1 + block.input_layernorm.weight.double()[:, None]
+        q, k, v = (w.double() * scale for w in sites.W_QKV(layer))
+        q, k = q * (1 + block.self_attn.q_norm.weight.double()), k * (1 + block.self_attn.k_norm.weight.double())
+        o = sites.W_O(layer).double() * (1 + block.post_attention_layernorm.weight.double())
+        return q, k, v, o
+
+    for mode in ("q", "k", "v"):
+        for l1, h1, l2, h2 in ((0, 0, 1, 3), (0, 3, 2, 1), (1, 2, 2, 2)):
+            _, _, v1, o1 = weights(l1)
+            q2, k2, v2, o2 = weights(l2)
+            left = v1[h1 // group] @ o1[h1]
+            right = {"q": q2[h2] @ k2[h2 // group].T, "k": k2[h2 // group] @ q2[h2].T, "v": v2[h2 // group] @ o2[h2]}
+            norms = torch.linalg.matrix_norm(left) * torch.linalg.matrix_norm(right[mode])
+            want = (torch.linalg.matrix_norm(left @ right[mode]) / norms).item()
+            # 1 + w is formed in the weights' float32, as Gemma's RMSNorm forms it
+            assert folded.scores[mode][l1, h1, l2, h2].item() == pytest.approx(want, rel=1e-6)

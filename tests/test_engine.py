@@ -78,7 +78,7 @@ class _LastTokenTask(Task):
         return (logits[..., 0, self.good] - logits[..., 0, self.bad]).unsqueeze(-1)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_batched_sweep_equals_naive_loop_on_hf(family, tiny_hf_dir):
     model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def test_chunks_are_read_out_together_in_whole_readouts(bound, tiny_hf_dir, monk
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_walk_gives_back_the_full_trace_block_by_block(family, tiny_hf_dir):
     """A sweep walks the clean pass layer by layer instead of keeping every block's input: the walk's
     inputs and z equal the full trace's to the bit, and the sweep's cache holds the first input alone.

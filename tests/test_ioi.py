@@ -101,7 +101,7 @@ def _ioi_cfg(**patch):
     )
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_ioi_sweeps_equal_the_naive_loop(family, tiny_hf_dir, gpt2_tokenizer):
     model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
     model.tokenizer = gpt2_tokenizer

@@ -103,7 +103,7 @@ def _down_proj(net: torch.nn.Module, family: str, layer: int) -> torch.nn.Module
     return net.model.layers[layer].mlp.down_proj
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_zeroing_neurons_equals_zeroing_their_down_projection_weights_on_hf(family, tiny_hf_dir):
     path = tiny_hf_dir(family)
     model = load_hf(str(path), need_tokenizer=False)

@@ -78,7 +78,7 @@ def _path_by_hand(module, family: str, tokenizer, record: dict, n_heads: int) ->
     return {sender: float(last[j, answer] - last[j, wrong]) for j, sender in enumerate(senders)}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_path_patching_on_a_file_without_references_patches_from_the_corrupted_prompts(
     family, tiny_hf_dir, gpt2_tokenizer, tmp_path
 ):

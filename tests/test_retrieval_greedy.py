@@ -62,11 +62,13 @@ def plain_loop(plain, ids, prompt_len, steps, stop, masked):
     for layer in {layer for layer, _ in masked}:
         masking.append(projections[layer].register_forward_hook(zero([h for m, h in masked if m == layer])))
     token, tokens, tops = ids[prompt_len - 1], [], []
-    for _ in range(steps):
+    for step in range(steps):
         out = plain(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True, output_attentions=True)
         cache, token = out.past_key_values, out.logits[0, -1].argmax()
         tokens.append(int(token))
-        tops.append([int(a[0, h, -1].argmax()) for a in out.attentions for h in range(a.shape[1])])
+        # a sliding-window layer's cache keeps only its window's keys: its argmax counts from the window's start
+        seen = prompt_len + step
+        tops.append([int(a[0, h, -1].argmax()) + seen - a.shape[-1] for a in out.attentions for h in range(a.shape[1])])
         if int(token) in stop:
             break
     for handle in masking:
@@ -74,7 +76,9 @@ def plain_loop(plain, ids, prompt_len, steps, stop, masked):
     return tokens, tops
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])  # rotary and grouped keys; learned positions
+@pytest.mark.parametrize(
+    "family", ["llama", "gpt2", "gemma3_text"]
+)  # rotary and grouped keys; learned positions; windows
 def test_greedy_decoding_masked_and_stopped_equals_a_plain_transformers_loop_with_a_cache(family, tiny_hf_dir):
     from transformers import AutoModelForCausalLM
 
@@ -88,7 +92,12 @@ def test_greedy_decoding_masked_and_stopped_equals_a_plain_transformers_loop_wit
         expected = [plain_loop(plain, ids[i], prompt_len, steps, stop, MASKED) for i in range(2)]
         unmasked = plain_loop(plain, ids[0], prompt_len, steps, set(), [])[1]
     masked_rows = [4 * layer + head for layer, head in MASKED]  # a zero query: uniform attention, key 0 first
-    assert all(top[r] == 0 for top in free_tops for r in masked_rows)
+    window = getattr(plain.config, "sliding_window", None) or 10**9
+    layer_types = getattr(plain.config, "layer_types", None) or ["full_attention"] * 3
+    for step, top in enumerate(free_tops):  # where a window hides key 0, the first key the window holds
+        seen = prompt_len + step
+        first = [max(0, seen - window) if layer_types[r // 4] == "sliding_attention" else 0 for r in masked_rows]
+        assert [top[r] for r in masked_rows] == first
     assert any(top[r] != 0 for top in unmasked for r in masked_rows)
     stops = torch.zeros(model.vocab_size, dtype=torch.bool)
     stops[list(stop)] = True

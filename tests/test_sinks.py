@@ -214,7 +214,7 @@ def test_the_calibration_sweep_batched_equals_naive_and_factor_one_equals_clean(
     torch.testing.assert_close(unchanged[1:], unchanged[:1].expand_as(unchanged[1:]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_the_calibration_sweep_batched_equals_naive_on_hf(family, tiny_hf_dir):
     from test_engine import _LastTokenTask
 

@@ -31,7 +31,11 @@ DOCS = [
     "Numbers: 1, 2, 3, 4, 5.",
 ]
 # where z enters the attention output projection, and the MLP, in each family's blocks
-MODULES = {"gpt2": ("transformer.h", "attn.c_proj", "mlp"), "llama": ("model.layers", "self_attn.o_proj", "mlp")}
+MODULES = {
+    "gpt2": ("transformer.h", "attn.c_proj", "mlp"),
+    "llama": ("model.layers", "self_attn.o_proj", "mlp"),
+    "gemma3_text": ("model.layers", "self_attn.o_proj", "mlp"),
+}
 
 
 def _get(root, dotted: str):
@@ -64,7 +68,7 @@ def _hf_losses(model_dir: Path, family: str, docs: list[list[int]], method: str)
     blocks = list(_get(hf, blocks_at))
     projs, mlps = [_get(b, proj_at) for b in blocks], [_get(b, mlp_at) for b in blocks]
     n_heads = hf.config.num_attention_heads
-    d_head = hf.config.hidden_size // n_heads
+    d_head = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // n_heads
 
     def mean_loss() -> float:
         total, count = 0.0, 0
@@ -123,7 +127,7 @@ def _losses(table: pd.DataFrame) -> dict[tuple, float]:
     return dict(zip(key, rows.value))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 @pytest.mark.parametrize("method", ["zero", "mean"])
 def test_text_loss_equals_plain_hf_forward_with_hooks(family, method, tiny_hf_dir, gpt2_tokenizer, corpus):
     model_dir = tiny_hf_dir(family)

@@ -11,7 +11,9 @@ and the score is ||left @ right||_F / (||left||_F ||right||_F), as TransformerLe
 rotary stay out); with fold_norms, on the weights TransformerLens's from_pretrained gives by default
 (fold_ln, center_writing_weights): each reader's W_Q, W_K, W_V scaled row by row by its attention norm's
 scale (1 + weight for Gemma's RMSNorm) and, behind a LayerNorm, centred over d_model, and every W_O centred
-over d_model where every attention reads through a LayerNorm (TransformerLens centres LayerNorm models only;
+over d_model where every attention reads through a LayerNorm; beyond TransformerLens, which leaves them as
+modules, the per-head q and k norms' scales (Qwen3, Gemma 3) folded into W_Q and W_K and the attention's
+output norm's scale (Gemma 2 and 3) into W_O (TransformerLens centres LayerNorm models only;
 an RMSNorm does not remove the mean, so centring would change what the reader sees). Biases never enter the
 scores, so folding the LayerNorm bias changes nothing here. Under grouped-query attention a reader's W_K and
 W_V are those of its key/value head.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..edges.postnorm import attn_out_norm
 from ..models.hooked import HookedModel
 from ..models.norms import norm_factors
 
@@ -61,6 +64,17 @@ def _head_factors(model: HookedModel, layer: int, fold_norms: bool, centre_write
             w_q, w_k, w_v = (w - w.mean(1, keepdim=True) for w in (w_q, w_k, w_v))
         if centre_writes:
             w_o = w_o - w_o.mean(-1, keepdim=True)
+        # Gemma 3 and Qwen3 norm each head's q and k, Gemma 2 and 3 each attention's output: their scales
+        # (the 1/rms that moves with the input stays out, as the input norm's does)
+        attn = sites.attn_modules[layer]
+        for norm_name, i in (("q_norm", 0), ("k_norm", 1)):
+            qk = norm_factors(getattr(attn, norm_name, None)).scale
+            if qk is not None:
+                scaled = (w_q, w_k)[i] * qk.double().to(w_q.device)
+                w_q, w_k = (scaled, w_k) if i == 0 else (w_q, scaled)
+        out = norm_factors(attn_out_norm(model, layer)).scale
+        if out is not None:
+            w_o = w_o * out.double().to(w_o.device)
     group = sites.n_heads // sites.n_kv_heads
     w_k, w_v = w_k.repeat_interleave(group, 0), w_v.repeat_interleave(group, 0)
     return {"q": w_q, "k": w_k, "v": w_v, "o": w_o}

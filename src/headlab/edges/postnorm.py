@@ -84,6 +84,11 @@ def check_rule(model: HookedModel, rule: str) -> str | None:
     return rule
 
 
+def attn_out_norm(model: HookedModel, layer: int) -> nn.Module | None:
+    """The norm on the attention's output of `layer` (Gemma 2 and 3), None where the family has none."""
+    return None if model.residual_sum or model.family not in _POST_NORMS else attn_norm(model, layer)
+
+
 def attn_norm(model: HookedModel, layer: int) -> nn.Module:
     module: nn.Module = getattr(model.blocks[layer], _POST_NORMS[model.family][0])
     return module
