@@ -368,5 +368,5 @@ def pages() -> dict[str, str]:
         "reference/studies.md": studies_page(),
         "models/families.md": families_page(),
         "benchmarks/outputs.md": benchmarks_outputs_page(),
-        "changelog.md": (ROOT / "CHANGELOG.md").read_text(),
+        "changelog.md": (ROOT / "CHANGELOG.md").read_text().replace("](docs/", "]("),  # links from the root
     }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
+import types
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -94,6 +96,21 @@ def commands(page: Path, text: str | None = None) -> list[Command]:
                 continue
             where = f"{page.relative_to(ROOT)}:{block.line + 1 + n}"
             found.append(Command(where, tuple(w for w in words[1:] if w != PLACEHOLDER)))
+    return found + table_commands(page, text)
+
+
+def table_commands(page: Path, text: str | None = None) -> list[Command]:
+    """The `headlab ...` code spans of table rows ("I want to ... -> command"), outside fenced blocks;
+    a span with a <placeholder> or an ellipsis stands for a family of commands and is left out."""
+    lines = (page.read_text() if text is None else text).splitlines()
+    fenced = {n for b in blocks(page, text) for n in range(b.line - 1, b.line + b.text.count("\n") + 2)}
+    found = []
+    for n, line in enumerate(lines):
+        if n in fenced or not line.lstrip().startswith("|"):
+            continue
+        for span in re.findall(r"`(headlab [^`]+)`", line):
+            if "<" not in span and PLACEHOLDER not in span:
+                found.append(Command(f"{page.relative_to(ROOT)}:{n + 1}", tuple(shlex.split(span)[1:])))
     return found
 
 
@@ -208,10 +225,19 @@ def workdir(tmp_path_factory, demo_root):
 def test_python_blocks_run_on_the_toy_model(page, found, workdir, monkeypatch):
     """A page's Python blocks run in order in one namespace, which starts with the toy model of the demo
     (`model`), its task (`task`, 32 prompts) and a head sweep's table (`table`)."""
+    from headlab.sae import registry as saes
+    from headlab.studies import registry as studies
+    from headlab.tasks import registry as tasks
+
     monkeypatch.chdir(workdir)
+    for registry, name in ((saes, "ARCHITECTURES"), (studies, "REGISTERED"), (tasks, "REGISTERED")):
+        monkeypatch.setattr(registry, name, dict(getattr(registry, name)))  # what a page registers goes with it
     model = headlab.load_model("toy-attn-1l")
     task = headlab.load_task("counting", n_prompts=32)
-    scope = {"headlab": headlab, "model": model, "task": task, "__name__": "docs"}
+    module = types.ModuleType("docs_page")  # a module of its own: dataclasses look their class's module up
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    scope = module.__dict__
+    scope.update(headlab=headlab, model=model, task=task)
     scope["table"] = headlab.sweep(model, task, ablate="heads", n_boot=0)
     ran = 0
     for block in found:

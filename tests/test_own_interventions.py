@@ -227,10 +227,9 @@ def test_a_bad_built_in_intervention_or_argument_is_refused_in_one_line():
 
 
 def test_the_readme_recipe_runs_as_written():
-    """README's "Your own intervention" block, executed on a toy model: it stays true."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Your own intervention") :]
-    block = section[section.index("```python\n") + len("```python\n") : section.index("\n```\n")]
+    """The docs' "Your own intervention" block (docs/concepts/interventions.md), executed on a toy model."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "concepts" / "interventions.md").read_text()
+    block = page[page.index("```python\n") + len("```python\n") : page.index("\n```\n")]
     scope = {"headlab": headlab, "model": _toy(), "task": headlab.load_task("counting", n_prompts=32)}
     exec(block, scope)
     table = scope["table"]

@@ -1,31 +1,36 @@
-"""The README's reproduction tables are the numbers files the reproductions wrote (headlab.report.numbers)."""
+"""The reproduction tables of README.md and the docs pages are the numbers files the reproductions wrote
+(headlab.report.numbers)."""
 
 from __future__ import annotations
 
 import json
-import re
 
 from headlab.report import numbers as readme_numbers
 from headlab.report.readme_tables import TABLES
 
+REPRODUCTIONS = readme_numbers.ROOT / "docs" / "reproductions"
+# the index of reproductions names them and their configs: it holds no measured number
 INDEX = ("| name | paper | experiment configs |", "| --- | --- | --- |")
-SECTION = re.compile(r"^## Paper reproductions\n(.*?)^## ", re.S | re.M)
 
 
-def test_every_readme_table_is_what_its_numbers_file_renders():
-    text = readme_numbers.README.read_text()
-    assert readme_numbers.blocks(text), "the README marks no table as rendered from a numbers file"
-    assert readme_numbers.differing(text) == []
+def test_every_table_is_what_its_numbers_file_renders():
+    marked = {page: readme_numbers.blocks(page.read_text()) for page in readme_numbers.pages()}
+    assert any(marked.values()), "no page marks a table as rendered from a numbers file"
+    assert any(marked[page] for page in REPRODUCTIONS.glob("*.md")), "the reproductions pages render no table"
+    differing = {page: readme_numbers.differing(page.read_text()) for page in marked}
+    assert {page: bad for page, bad in differing.items() if bad} == {}
 
 
-def test_every_table_of_the_reproductions_section_is_rendered_from_a_numbers_file():
-    section = SECTION.search(readme_numbers.README.read_text())
-    assert section is not None
-    outside = readme_numbers.BLOCK.sub("", section.group(1))
-    # the index of reproductions names them and their configs: it holds no measured number
-    index = [line for line in outside.splitlines() if line.startswith("| `") or line.startswith(INDEX)]
-    typed = [line for line in outside.splitlines() if line.startswith("|") and line not in index]
-    assert len(index) > 3 and typed == [], f"a table typed by hand in the README's reproductions: {typed[:1]}"
+def test_every_table_of_the_reproductions_pages_is_rendered_from_a_numbers_file():
+    pages = sorted(REPRODUCTIONS.glob("*.md"))
+    assert len(pages) > 3
+    index = []
+    for page in pages:
+        outside = readme_numbers.BLOCK.sub("", page.read_text())
+        index += [line for line in outside.splitlines() if line.startswith("| `") or line.startswith(INDEX)]
+        typed = [line for line in outside.splitlines() if line.startswith("|") and line not in index]
+        assert typed == [], f"a table typed by hand in {page.name}: {typed[:1]}"
+    assert len(index) > 3
 
 
 def test_a_changed_number_in_a_file_shows_as_a_differing_table(tmp_path):

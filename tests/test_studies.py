@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,53 +136,21 @@ def test_list_study_names_each_study_with_its_line(tmp_path):
     assert set(group_options("study")) == {s.name for s in registry.builtin()}
 
 
-# ---------------------------------------------------------------- the README's "Adding a study", kept true
+# ---------------------------------------------------------------- the docs' "Adding a study", kept true
 
 
-# The README's "Adding a study": a module (its options, its run and its Study record, registered) and a
-# YAML; no file of headlab's is edited.
-TALLY_MODULE = """
-from dataclasses import dataclass
-
-import pandas as pd
-
-from headlab import results
-from headlab.config import run_info
-from headlab.config_rules import COUNT, setting
-from headlab.studies import Study, StudyOptions, register
-from headlab.studies.summary import console
-
-
-@dataclass
-class TallyOptions(StudyOptions):
-    name: str = "tally"
-    copies: int = setting(2, COUNT)
-    label: str = "tally"
-
-
-def tally(ctx):
-    \"\"\"One row per copy: the task's prompt count, from the config alone (no model).\"\"\"
-    opts = ctx.options
-    rows = [
-        {**run_info(ctx.cfg), "intervention": "none", "method": opts.label, "metric": f"copy{i}", "value": 1.0 * i}
-        for i in range(opts.copies)
-    ]
-    ctx.meta["copies"] = opts.copies
-    return results.conform(pd.DataFrame(rows).assign(n=ctx.cfg.task.n_prompts))
-
-
-def summary(table, max_rows):
-    console.print(f"tally of {len(table)} rows: {', '.join(table['metric'][:max_rows])}", highlight=False)
-
-
-STUDY = register(Study("tally", "counts to copies", tally, summary, schema=TallyOptions))
-"""
-TALLY_YAML = "# Counts to copies.\ndefaults: [base_tally]\ncopies: 2\n"
+# The docs' "Adding a study" (docs/extending/study.md): its module (its options, its run and its Study record,
+# registered) and its YAML, run as the page holds them; no file of headlab's is edited.
+ADDING_A_STUDY = (ROOT / "docs" / "extending" / "study.md").read_text()
+TALLY_MODULE, TALLY_YAML = (
+    re.search(rf"```{lang}\n(.*?)\n```", ADDING_A_STUDY, re.S)[1] + "\n"  # type: ignore[index]
+    for lang in ("python", "yaml")
+)
 
 
 @pytest.fixture
 def tally_study(tmp_path, monkeypatch):
-    """The tally study added as the README says, in two files outside headlab: its module (on the path,
+    """The tally study added as the docs say, in two files outside headlab: its module (on the path,
     named by HEADLAB_PLUGINS for a `headlab` process) and its YAML (in a config dir of the user's)."""
     configs, plugins = tmp_path / "configs", tmp_path / "plugins"
     shutil.copytree(ROOT / "configs", configs)

@@ -1,8 +1,10 @@
-"""The README's reproduction tables, rendered from numbers files: no number in them is typed by hand.
+"""The reproduction tables of README.md and the docs pages, rendered from numbers files: no number in them
+is typed by hand.
 
 A numbers file is the numbers.json a reproduction writes (`headlab reproduce NAME` ->
 outputs/reproduce/NAME/numbers.json, with its provenance), kept in the repository as docs/numbers/NAME.json.
-In README.md each table sits between two markers naming its file and its table (readme_tables.py):
+In README.md and every docs/**/*.md page each table sits between two markers naming its file and its table
+(readme_tables.py):
 
     <!-- numbers: count01/claims -->
     | ... rendered, never edited ... |
@@ -12,7 +14,7 @@ A block may name several files joined by "+" (`ioi+ioi-gemma3-270m/models`): its
 as {file name: numbers}, to set models side by side.
 
     python -m headlab.report.numbers keep NAME [DIR]   copy DIR/numbers.json (default outputs/reproduce/NAME)
-    python -m headlab.report.numbers write             rewrite every block from its file
+    python -m headlab.report.numbers write             rewrite every block of every page from its file
     python -m headlab.report.numbers check             name every block that differs (exit 1)
 
 tests/test_readme_numbers.py runs `check`, so a table and its file cannot disagree on main.
@@ -31,6 +33,13 @@ from .readme_tables import TABLES, TABLES_OF_FILES
 ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 NUMBERS = ROOT / "docs" / "numbers"
+
+
+def pages() -> list[Path]:
+    """README.md and every Markdown page of the docs site: where numbers blocks may sit."""
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 BLOCK = re.compile(r"(<!-- numbers: ([\w+-]+)/([\w-]+) -->\n)(.*?)(<!-- /numbers -->)", re.S)
 
 
@@ -90,15 +99,18 @@ def main(argv: list[str]) -> int:
     if command == "keep" and rest:
         print(keep(rest[0], Path(rest[1]) if len(rest) > 1 else None))
         return 0
-    text = README.read_text()
     if command == "write":
-        README.write_text(rewritten(text))
+        for page in pages():
+            text = page.read_text()
+            fresh = rewritten(text)
+            if fresh != text:
+                page.write_text(fresh)
         return 0
     if command == "check":
-        bad = differing(text)
-        for name in bad:
+        bad = [(page, name) for page in pages() for name in differing(page.read_text())]
+        for page, name in bad:
             files = ", ".join(f"docs/numbers/{part}.json" for part in name.split("/")[0].split("+"))
-            print(f"README table {name} is not what {files} renders")
+            print(f"{page.relative_to(ROOT)}: table {name} is not what {files} renders")
         return 1 if bad else 0
     print("usage: python -m headlab.report.numbers keep NAME [DIR] | write | check", file=sys.stderr)
     return 2
