@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..interventions import Intervention
 from ..interventions.edits import Sources, edit_hooks
+from ..interventions.readout import CHUNK_MB, prompts_per_readout
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData
 from ..vocabulary import Kind, Method, Site, Source, hook_name
@@ -41,18 +42,32 @@ def uniform_scales(norms: dict[int, Tensor]) -> dict[int, list[float]]:
     return {layer: (n.mean() / n.clamp_min(1e-12)).tolist() for layer, n in norms.items()}
 
 
-def mean_head_logits(model: HookedModel, task: Task, data: TaskData, layer: int) -> Tensor:
+def mean_head_logits(model: HookedModel, task: Task, data: TaskData, layer: int, chunk_mb: float = CHUNK_MB) -> Tensor:
     """Task quantities [n, Q] of the mean of the logits of each head of `layer` alone (the layer's other
     heads zero-ablated): the heads as an ensemble of equals. With a final LayerNorm this is not the model
-    with every head's output scaled by 1/heads, and unlike uniform_scales it keeps each head's own norm."""
+    with every head's output scaled by 1/heads, and unlike uniform_scales it keeps each head's own norm.
+
+    Each head's run keeps its last hidden states at the read positions (d_model a position); their logits
+    are read out and averaged a slice of prompts at a time, at most `chunk_mb` of them for all heads together
+    (one prompt at least), not heads x prompts x positions x vocabulary at once."""
     sources = Sources(model, data, [(Source.zero, Site.z)])
-    per_head = []
+    rows = torch.arange(data.n).unsqueeze(1)
+    hidden = []
     with torch.inference_mode():
         for head in range(model.n_heads):
             alone = Intervention(Kind.keep_head, Method.zero, layer, head)
             with model.hooks(layer, **edit_hooks([alone], sources, data.n, model.n_heads)):
-                per_head.append(model.readout(model.forward_blocks(data.inputs), data.positions))
-    return task.per_prompt(torch.stack(per_head).mean(0), data)
+                h = model.forward_blocks(data.inputs)
+            hidden.append(h[rows.to(h.device), data.positions.to(h.device)])  # [n, P, d_model]
+        read = torch.arange(data.positions.shape[1]).expand(data.n, -1)
+        step = prompts_per_readout(model, read.shape[1], hidden[0], chunk_mb / model.n_heads)  # every head's
+        parts = []
+        for first in range(0, data.n, step):
+            part = slice(first, first + step)
+            logits = torch.stack([model.readout(h[part], read[part]) for h in hidden]).mean(0)
+            parts.append(task.per_prompt(logits, data.take(part)))
+            del logits
+    return torch.cat(parts)
 
 
 def attention_by_token(model: HookedModel, data: TaskData, tokens: dict[int, str]) -> tuple[np.ndarray, list[dict]]:

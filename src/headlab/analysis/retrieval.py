@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..interventions import Intervention
 from ..interventions.engine import execute_joint
+from ..interventions.readout import CHUNK_MB, in_slices
 from ..models.hooked import HookedModel
 from ..tasks import Task, TaskData
 from ..tasks.needle import copy_role, needle_role
@@ -266,7 +267,7 @@ def teacher_forced_retrieval(model: HookedModel, data: TaskData, batch_size: int
         batch = {k: v[rows] for k, v in data.inputs.items()}
         with _copy_step_patterns(model, steps[rows]) as seen:
             h = model.forward_blocks(batch)
-        predicted = model.readout(h, data.positions[rows]).argmax(-1)  # [b, L]
+        predicted = in_slices(model, h, data.positions[rows], CHUNK_MB, lambda _, logits: logits.argmax(-1))  # [b, L]
         hits = [
             retrieval_hits(seen[layer], predicted, needle[rows], ids[rows], needle_positions[rows])
             for layer in range(model.n_layers)

@@ -43,9 +43,11 @@ from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_patte
 from .options import MeanOver
 from .path import run_path
 from .plan import Intervention
-from .readout import Readouts
+from .readout import Readouts, read_quantities
 
 log = logging.getLogger("headlab")
+
+GPU_MEMORY_SHARE = 0.5  # execute's default gpu_memory_share (config.py's engine.gpu_memory_share)
 
 # the sources read from other prompts, as a refusal or a note names them per prompt
 OTHER_PROMPTS: dict[str, str] = {
@@ -91,7 +93,7 @@ def execute(
     show_progress: bool = False,
     seed: int = 0,
     mean_over: str = "positions",
-    gpu_memory_share: float = 0.5,
+    gpu_memory_share: float = GPU_MEMORY_SHARE,
     report: dict | None = None,
 ) -> Tensor:
     """Per-prompt task quantities for every intervention: [n_interventions, n_prompts, n_quantities].
@@ -129,7 +131,7 @@ def execute(
         exact_ivs = [interventions[i] for i in exact]
         results: list[Tensor] = []
         if naive:
-            results = _run_naive(model, task, data, exact_ivs, sources, show_progress)
+            results = _run_naive(model, task, data, exact_ivs, sources, show_progress, chunk_mb)
         elif exact_ivs:
             results = _run_stacked(
                 model, task, data, exact_ivs, sources, chunk_mb, gpu_memory_share, show_progress, report
@@ -183,7 +185,7 @@ def _run_stacked(
     by_layer: dict[int, list[int]] = defaultdict(list)
     for i, iv in enumerate(interventions):
         if iv.intervention == Kind.none:
-            out[i] = task.per_prompt(model.readout(trace.resid_final, data.positions), data)
+            out[i] = read_quantities(model, task, trace.resid_final, data.positions, data, chunk_mb)[0]
         else:
             by_layer[iv.layer].append(i)  # type: ignore[index]
     chunks = []
@@ -229,8 +231,10 @@ def _run_naive(
     interventions: Sequence[Intervention],
     sources: Sources,
     show_progress: bool,
+    chunk_mb: float = 32.0,
 ) -> list[Tensor]:
-    return _run_groups(model, task, data, [[iv] for iv in interventions], sources, "sweep (naive)", show_progress)
+    groups = [[iv] for iv in interventions]
+    return _run_groups(model, task, data, groups, sources, "sweep (naive)", show_progress, chunk_mb)
 
 
 def _run_groups(
@@ -241,9 +245,12 @@ def _run_groups(
     sources: Sources,
     label: str,
     show_progress: bool,
+    chunk_mb: float = 32.0,
 ) -> list[Tensor]:
     """One full forward pass per group, with the hooks of every layer the group edits installed at once
-    (several interventions on one layer all apply, in order); logits only at the read positions."""
+    (several interventions on one layer all apply, in order); logits only at the read positions, at most
+    `chunk_mb` of them at a time on a CPU (readout.read_quantities: a slice of the prompts where all of theirs
+    would not fit; on a GPU, runtime.chunk_budget_mb's share of its free memory)."""
     out = []
     with progress_bar(label, total=len(groups), enabled=show_progress) as bar:
         for done, group in enumerate(groups, 1):
@@ -255,7 +262,8 @@ def _run_groups(
                 for layer, ivs in sorted(by_layer.items()):
                     stack.enter_context(model.hooks(layer, **copy_edit_hooks([ivs], sources, data.n, model.n_heads)))
                 h = model.forward_blocks(data.inputs)
-            out.append(task.per_prompt(model.readout(h, data.positions), data))
+            budget = chunk_budget_mb(h.device, chunk_mb, GPU_MEMORY_SHARE)
+            out.append(read_quantities(model, task, h, data.positions, data, budget)[0])
             bar.update(done)
     return out
 
@@ -267,11 +275,13 @@ def execute_joint(
     groups: Sequence[Sequence[Intervention]],
     show_progress: bool = False,
     seed: int = 0,
+    chunk_mb: float = 32.0,
 ) -> Tensor:
     """Per-prompt task quantities [len(groups), n_prompts, n_quantities], each group's interventions
     applied together in one full forward pass (a circuit knockout): hooks go on every layer the group
     touches at once, and several interventions on one layer all apply, in the group's order. An empty
-    group is the clean run. Replacement values come from one Sources, as in execute()."""
+    group is the clean run. Replacement values come from one Sources, as in execute(). `chunk_mb` bounds
+    the logits held at once on a CPU (_run_groups)."""
     data = _through_last_read(data)
     for group in groups:
         for iv in group:
@@ -284,7 +294,8 @@ def execute_joint(
     with torch.inference_mode():
         needed = {(e.source, e.site) for group in groups for iv in group for e in iv.edits(model.n_heads)}
         sources = Sources(model, data, needed, seed)
-        return torch.stack(_run_groups(model, task, data, groups, sources, "joint interventions", show_progress))
+        label = "joint interventions"
+        return torch.stack(_run_groups(model, task, data, groups, sources, label, show_progress, chunk_mb))
 
 
 def own_sources(

@@ -58,7 +58,7 @@ from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import KV_SITES, Site, Source
 from .edits import Sources, chunk_size
 from .plan import LOGITS, Intervention, receiver_heads
-from .readout import Readouts
+from .readout import Readouts, read_quantities
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def path_patch(
         with holding(model, held, torch.arange(data.n), 1, 0):
             sources = Sources(model, data, {(Source.reference, Site.z)}, seed)
             trace = model.trace(data.inputs, every_input=False)
-            clean = task.per_prompt(model.readout(trace.resid_final, data.positions), data)
+            clean = read_quantities(model, task, trace.resid_final, data.positions, data, chunk_mb)[0]
         del trace
         return clean, run_path(model, task, data, senders, sources, chunk_mb, show_progress, held)
 
@@ -223,7 +223,7 @@ class _Run:
             self.trace_b = (
                 self.trace_a if part.a is part.b else model.trace(part.b.inputs, keep_kv=keep_kv, inputs_from=start)
             )
-        self.clean = task.per_prompt(model.readout(self.trace_b.resid_final, part.b.positions), part.b)
+        self.clean = read_quantities(model, task, self.trace_b.resid_final, part.b.positions, part.b, chunk_mb)[0]
         self.rep = model.n_heads // model.sites.n_kv_heads
         self.expand = site in KV_SITES and self.rep > 1
         if self.expand and self.trace_b.kv is not None:  # the receivers' prefix keys and values: one per query head

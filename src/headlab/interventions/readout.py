@@ -6,11 +6,18 @@ smollm2), which is read from memory however few rows it has. For a chunk of a fe
 that read costs more than the arithmetic, so `Readouts` keeps each chunk's last hidden states at the read
 positions (d_model numbers a position, where the logits are vocabulary) and reads them out together,
 READOUT_ROWS rows at a time on a CPU, where `chunk_mb` holds their logits (on a GPU, as many as it holds).
+
+Where one copy's logits (prompts x read positions x vocabulary) do not fit in `chunk_mb`, its prompts are read
+out a slice at a time (`in_slices`), one prompt at least: a task's quantities are per prompt, so the slices'
+quantities are the whole copy's. gemma3-270m's atlas reads its text probe (3 documents of 63 read positions,
+262,144-token vocabulary: 198 MB of float32 logits a copy) one document at a time, 63 MB, and the induction
+probe's repeat loss (25 sequences x 98 reads: 2,450 MB of logits, and as much again for their log-softmax) one
+sequence at a time, 98 MB; a single prompt's read positions are never split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -23,6 +30,8 @@ from ..tasks import Task, TaskData
 # hold more logits at once. A GPU gathers as many as its budget holds: there each readout's cost is its
 # kernel launches.
 READOUT_ROWS = 64
+# Logits held at once by a readout given no budget of its own (engine.chunk_mb's default)
+CHUNK_MB = 32.0
 
 
 def copies_per_readout(model: HookedModel, data: TaskData, positions: int, h: Tensor, chunk_mb: float) -> int:
@@ -33,13 +42,43 @@ def copies_per_readout(model: HookedModel, data: TaskData, positions: int, h: Te
     return max(1, fit if h.device.type == "cuda" else min(fit, -(-READOUT_ROWS // rows)))
 
 
+def prompts_per_readout(model: HookedModel, positions: int, h: Tensor, chunk_mb: float) -> int:
+    """How many prompts' logits (`positions` x vocabulary each, in h's dtype) fit in `chunk_mb`; one at least."""
+    return max(1, int(chunk_mb * 2**20 // (positions * model.vocab_size * h.element_size())))
+
+
+def in_slices(
+    model: HookedModel, h: Tensor, read: Tensor, chunk_mb: float, fn: Callable[[slice, Tensor], Tensor]
+) -> Tensor:
+    """fn(rows, logits [rows, P, vocab]) over the logits of hidden states h [m, pos, d] at `read` [m, P], a slice
+    of rows at a time with at most `chunk_mb` of logits each (one row at least, all of its P positions); the
+    results joined along their first dimension."""
+    step = prompts_per_readout(model, read.shape[1], h, chunk_mb)
+    parts: list[Tensor] = []
+    for first in range(0, h.shape[0], step):
+        rows = slice(first, first + step)
+        logits = model.readout(h[rows], read[rows])
+        parts.append(fn(rows, logits))
+        del logits  # before the next slice's are made
+    return torch.cat(parts)
+
+
 def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:
     """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read` [copies*n, P]: the
     logits of as many copies as fit in `chunk_mb` at a time (copies x prompts x positions x vocabulary would not
-    fit when a task reads every position, as next-token loss does)."""
+    fit when a task reads every position, as next-token loss does); where one copy's do not fit, that copy's
+    prompts a slice at a time (in_slices), their quantities joined."""
     n, copies = data.n, h.shape[0] // data.n
     step = copies_per_readout(model, data, read.shape[1], h, chunk_mb)
     parts: list[Tensor] = []
+    if prompts_per_readout(model, read.shape[1], h, chunk_mb) < n:  # not even one copy at once: prompt slices
+        for first in range(0, copies * n, n):
+            copy = slice(first, first + n)
+            quantities = in_slices(
+                model, h[copy], read[copy], chunk_mb, lambda rows, logits: task.per_prompt(logits, data.take(rows))
+            )
+            parts.append(quantities[None])
+        return torch.cat(parts)
     for first in range(0, copies, step):
         rows = slice(first * n, (first + step) * n)
         logits = model.readout(h[rows], read[rows]).unflatten(0, (-1, n))

@@ -57,7 +57,8 @@ def cards_of(model: HookedModel, data: Any, tokenizer_text: bool, seed: int) -> 
     patterns = example_patterns(model, ids)  # [heads, pos, pos]
     values, written = logit_lens_top(model, profile.output.float(), TOP_TOKENS)
     share = profile.received / profile.received.sum(-1, keepdim=True).clamp(min=1e-30)
-    top_share, attended = share.topk(min(TOP_TOKENS, share.shape[-1]), dim=-1)
+    top_share, columns = share.topk(min(TOP_TOKENS, share.shape[-1]), dim=-1)
+    attended = profile.tokens[columns]  # [heads, k] token ids
     heads = model.n_layers * model.n_heads
     names = [head_name(*divmod(i, model.n_heads)) for i in range(heads)]
     cards = {

@@ -13,11 +13,13 @@ of the corpus), so the bootstrap resamples documents. The reference set of mean 
 is the corpus itself, in a shuffled cyclic order (document i's resample source is another document).
 Mean ablation for text wants `ablate.mean_over=tokens` (one mean per head over every real token).
 
-Memory: the metric reads logits at every position, seq_len - 1 per document. The engine reads out one
-intervention's copy of the corpus at a time when they do not fit in `engine.chunk_mb` together, so a
-sweep holds about n_documents x (seq_len - 1) x vocabulary x 4 bytes of logits at once (64 documents
-of 128 GPT-2 tokens: 1.6 GB), besides the stacked activations that `engine.chunk_mb` bounds. Lower
-`task.n_prompts` or `task.seq_len` where that is too much; the loss itself is computed a slice at a time.
+Memory: the metric reads logits at every position, seq_len - 1 per document. The engine reads out as many
+interventions' copies of the corpus at once as fit in `engine.chunk_mb` of logits, and where one copy's do not,
+a slice of its documents at a time (interventions/readout.py), one document at least: a sweep holds at most
+max(engine.chunk_mb, (seq_len - 1) x vocabulary x 4 bytes) of logits at once (64-token documents of
+gemma3-270m, 262,144 tokens: one document's 63 MB, where the atlas's 3 documents together were 198 MB and
+64 documents of 128 tokens would be 8,128 MB), besides the stacked activations that `engine.chunk_mb` bounds;
+the loss itself is computed LOSS_SLICE_ELEMENTS logits at a time.
 """
 
 from __future__ import annotations
