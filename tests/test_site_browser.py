@@ -232,6 +232,9 @@ def test_a_guide_renders_with_its_code_blocks(browser, served):
     toc = browser.evaluate("document.querySelectorAll('.md-sidebar--secondary .md-nav__link').length")
     assert toc >= 1, "the page's table of contents is there"
     assert browser.errors() == [] and offsite(browser, served) == []
+    visit(browser, served + "getting-started/quickstart/")  # the notebook, rendered as stored
+    assert browser.evaluate("document.querySelectorAll('.md-content .jp-CodeCell').length") > 3
+    assert browser.errors() == [] and offsite(browser, served) == []
 
 
 @needs_chromium
