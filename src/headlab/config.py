@@ -29,7 +29,7 @@ GROUPS = ("study", "model", "task", "ablate", "patch", "train", "sae", "experime
 
 # A run's cache key holds this version: when what an option means, or what a study computes, changes,
 # the version moves (CHANGELOG.md says so) and every run and checkpoint is recomputed once.
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 def config_dir() -> Path:
