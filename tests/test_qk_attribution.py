@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import headlab
 from conftest import GPT2_TOKENIZER, error_line, run_headlab, tiny_configs
 from headlab.analysis import ov_attribution as ov
 from headlab.analysis import qk_attribution as qk
@@ -272,20 +273,26 @@ def test_the_ov_split_adds_up_to_the_heads_direct_effect(case):
 def test_maps_read_in_chunks_equal_the_whole_product(gpt2_tokenizer):
     hf, model = _random_model("llama", gpt2_tokenizer)
     vocab = torch.arange(3000)
-    found = ov.maps(model, [(1, 2), (2, 0)], salient=4, targets=3, vocab=vocab, chunk=700)
     embed = hf.get_input_embeddings().weight[:3000]
     w_u = hf.get_output_embeddings().weight
-    for (layer, head), mappings in found.items():
-        g = hf.model.layers[layer].input_layernorm.weight
-        kv = head // 2
-        w_v = hf.model.layers[layer].self_attn.v_proj.weight[kv * 16 : (kv + 1) * 16]  # [hd, d]
-        w_o = hf.model.layers[layer].self_attn.o_proj.weight[:, head * 16 : (head + 1) * 16]  # [d, hd]
-        out = (embed * g) @ w_v.T @ w_o.T  # [V, d]
-        amp = out.norm(dim=-1) / embed.norm(dim=-1)
-        assert [m.source for m in mappings] == amp.topk(4).indices.tolist()
-        np.testing.assert_allclose([m.amplification for m in mappings], amp.topk(4).values.numpy(), rtol=1e-10)
-        logits = (out[amp.topk(4).indices] * hf.model.norm.weight) @ w_u.T  # the whole vocabulary
-        assert [[t for t, _ in m.targets] for m in mappings] == logits.topk(3).indices.tolist()
+    first = hf.model.layers[0]
+    for through in (False, True):
+        found = ov.maps(
+            model, [(0, 1), (2, 3)], salient=4, targets=3, vocab=vocab, chunk=700, through_first_mlp=through
+        )
+        for (layer, head), mappings in found.items():
+            # MAPS's apply_first_mlp: a later layer's head reads block 0's MLP output (alone) on the token
+            x = first.mlp(first.post_attention_layernorm(embed)) if through and layer else embed
+            g = hf.model.layers[layer].input_layernorm.weight
+            kv = head // 2
+            w_v = hf.model.layers[layer].self_attn.v_proj.weight[kv * 16 : (kv + 1) * 16]  # [hd, d]
+            w_o = hf.model.layers[layer].self_attn.o_proj.weight[:, head * 16 : (head + 1) * 16]  # [d, hd]
+            out = (x * g) @ w_v.T @ w_o.T  # [V, d]
+            amp = out.norm(dim=-1) / x.norm(dim=-1)
+            assert [m.source for m in mappings] == amp.topk(4).indices.tolist()
+            np.testing.assert_allclose([m.amplification for m in mappings], amp.topk(4).values.numpy(), rtol=1e-10)
+            logits = (out[amp.topk(4).indices] * hf.model.norm.weight) @ w_u.T  # the whole vocabulary
+            assert [[t for t, _ in m.targets] for m in mappings] == logits.topk(3).indices.tolist()
 
 
 # --- a circuit known by construction ------------------------------------------------------------------------
@@ -400,6 +407,10 @@ def test_the_study_writes_a_tidy_table_whose_terms_add_up(tiny_llama_dir, tmp_pa
     assert set(table.loc[table["metric"] == "ov_source_total", "source"]) >= {"IO", "S1", "S2", "END", "first"}
     maps = table[table["metric"] == "maps_target"]
     assert len(maps) == 2 * 5 * 5 and maps["token"].notna().all() and maps["target"].notna().all()
+    model = headlab.load_model(str(tiny_llama_dir), tokenizer=str(GPT2_TOKENIZER), root=str(tmp_path))
+    data = headlab.load_task("ioi").build(4, seed=20_000, model=model)  # the study's prompts: seed + 20,000
+    words = {model.tokenizer.decode([t]) for t in data.inputs["input_ids"].unique().tolist()}
+    assert set(maps["token"]) <= words  # MAPS's sources: the prompts' tokens
     qk_rows = table[table["method"] == "qk_attribution"]
     assert (qk_rows["hook"] == "blocks." + qk_rows["layer"].astype(str) + ".attn.hook_attn_scores").all()
     assert "L1H3" in result.stdout and "key side" in result.stdout

@@ -23,13 +23,16 @@ kept). Its salient tokens are those the head amplifies most, |e W_VO| / |e| over
 the tokens it maps to most. headlab folds each norm's gain as TransformerLens's fold_ln does (the attention's
 input norm into W_V, a post-norm's gain after W_O, the final norm's into W_U) and reads the embedding as the
 residual stream receives it (Gemma's sqrt(d_model) scaling: the ratio and the order of targets are unchanged by
-it); MAPS's option of passing the embedding through the first MLP is left out. The vocabulary is read in chunks
+it). As MAPS's apply_first_mlp (their default), a head after the first layer reads a token as block 0's MLP
+writes it (the MLP's output alone, `first_mlp`); `through_first_mlp=False` reads the embedding for every
+layer. The vocabulary is read in chunks
 (`chunk` rows at a time): nothing of [vocab x vocab] is ever held, and |e W_VO|^2 is y (W_O W_O^T) y^T with
 y = e W_V, so each chunk costs d_model x d_head per token and head.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +194,15 @@ def _topk_merge(best: tuple[Tensor, Tensor] | None, values: Tensor, ids: Tensor,
     return top.values, ids.gather(-1, top.indices)
 
 
+def first_mlp(model: HookedModel, e: Tensor) -> Tensor:
+    """MAPS's `first_mlp`: block 0's MLP on its norm of e, its output alone (after its post-norm on Gemma)."""
+    mlp, norm = model.mlps[0], model.mlp_inputs[0]
+    if mlp is None:
+        return e
+    out = mlp(e if norm is None else norm(e))
+    return out if model.residual_sum else postnorm.mlp_norm(model, 0)(out)
+
+
 def maps(
     model: HookedModel,
     heads: list[tuple[int, int]],
@@ -198,10 +210,12 @@ def maps(
     targets: int = 5,
     vocab: Tensor | None = None,
     chunk: int = MAPS_CHUNK,
+    through_first_mlp: bool = True,
 ) -> dict[tuple[int, int], list[Mapping]]:
     """Per head, its `salient` most amplified source tokens among `vocab` (default: every token the tokenizer
     has, else every row of the embedding) and each one's `targets` largest mapped tokens over the whole
-    unembedding."""
+    unembedding. `through_first_mlp`: as MAPS's apply_first_mlp, a head after the first layer reads a token as
+    block 0's MLP writes it (the embedding itself for heads of layer 0)."""
     embed = embedding(model)
     rows = int(weight_of(embed).shape[0])
     if vocab is None:
@@ -210,43 +224,65 @@ def maps(
     vocab = vocab[vocab < rows]
     sites = model.sites
     device = weight_of(embed).device
-    out: dict[tuple[int, int], list[Mapping]] = {}
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
         by_layer.setdefault(layer, []).append(head)
+    mlp_first = through_first_mlp and model.mlps[0] is not None
+
+    def sources(ids: Tensor, layer: int, e: Tensor | None = None, e1: Tensor | None = None) -> Tensor:
+        e = embed(ids) if e is None else e
+        if not mlp_first or layer == 0:
+            return e
+        return first_mlp(model, e) if e1 is None else e1
+
+    weights = {
+        layer: (sites.W_QKV(layer)[2].detach(), sites.W_O(layer).detach()) for layer in by_layer
+    }  # [KV, d, d_head], [H, d_head, d]
+    grams = {(l, h): weights[l][1][h] @ weights[l][1][h].T for l, h in heads}
+    best: dict[tuple[int, int], tuple[Tensor, Tensor] | None] = {h: None for h in heads}
     with torch.no_grad():
-        unembed = weight_of(model.unembed)
-        for layer, mine in by_layer.items():
-            w_v = sites.W_QKV(layer)[2].detach()  # [KV, d, d_head]
-            w_o = sites.W_O(layer).detach()  # [H, d_head, d]
-            grams = {h: w_o[h] @ w_o[h].T for h in mine}
-            kvs = sorted({sites.kv_head_of(h) for h in mine})
-            best: dict[int, tuple[Tensor, Tensor] | None] = {h: None for h in mine}
-            for start in range(0, len(vocab), chunk):
-                ids = vocab[start : start + chunk].to(device)
-                e = embed(ids)
-                size = e.norm(dim=-1).clamp_min(1e-30)
-                x = _folded(model.attn_inputs[layer], e)
-                ys = {kv: x @ w_v[kv] for kv in kvs}
+        for start in range(0, len(vocab), chunk):  # the chunk outside: block 0's MLP runs once per token
+            ids = vocab[start : start + chunk].to(device)
+            e = embed(ids)
+            e1 = first_mlp(model, e) if mlp_first and any(layer for layer in by_layer) else None
+            for layer, mine in by_layer.items():
+                x = sources(ids, layer, e, e1)
+                size = x.norm(dim=-1).clamp_min(1e-30)
+                w_v = weights[layer][0]
+                folded = _folded(model.attn_inputs[layer], x)
+                ys = {kv: folded @ w_v[kv] for kv in sorted({sites.kv_head_of(h) for h in mine})}
                 for h in mine:
                     y = ys[sites.kv_head_of(h)]
-                    amp = ((y @ grams[h]) * y).sum(-1).clamp_min(0).sqrt() / size
-                    best[h] = _topk_merge(best[h], amp, ids, salient)
-            post = None if model.residual_sum else postnorm.attn_norm(model, layer)
-            for h in mine:
-                amp, ids = best[h]  # type: ignore[misc]
-                r = _folded(model.attn_inputs[layer], embed(ids)) @ w_v[sites.kv_head_of(h)] @ w_o[h]
-                if post is not None:
-                    r = _folded(post, r)
-                r = _folded(model.final_norm, r)
-                found = None
-                for start in range(0, unembed.shape[0], chunk):
-                    logits = r @ unembed[start : start + chunk].T
-                    index = torch.arange(start, start + logits.shape[1], device=logits.device).expand_as(logits)
-                    found = _topk_merge(found, logits, index, targets)
-                values, index = found  # type: ignore[misc]
-                out[(layer, h)] = [
-                    Mapping(int(s), float(a), [(int(t), float(v)) for t, v in zip(index[i], values[i])])
-                    for i, (s, a) in enumerate(zip(ids, amp))
-                ]
-    return out
+                    amp = ((y @ grams[(layer, h)]) * y).sum(-1).clamp_min(0).sqrt() / size
+                    best[(layer, h)] = _topk_merge(best[(layer, h)], amp, ids, salient)
+        return {head: _targets(model, head, best[head], sources, targets, chunk) for head in heads}  # type: ignore[arg-type]
+
+
+def _targets(
+    model: HookedModel,
+    head: tuple[int, int],
+    best: tuple[Tensor, Tensor],
+    sources: Callable[[Tensor, int], Tensor],
+    k: int,
+    chunk: int,
+) -> list[Mapping]:
+    """Each salient source's k largest entries of e W_VO W_U over the whole unembedding, read in chunks."""
+    layer, h = head
+    sites = model.sites
+    amp, ids = best
+    w_v, w_o = sites.W_QKV(layer)[2].detach(), sites.W_O(layer).detach()
+    r = _folded(model.attn_inputs[layer], sources(ids, layer)) @ w_v[sites.kv_head_of(h)] @ w_o[h]
+    if not model.residual_sum:
+        r = _folded(postnorm.attn_norm(model, layer), r)
+    r = _folded(model.final_norm, r)
+    unembed = weight_of(model.unembed)
+    found = None
+    for start in range(0, unembed.shape[0], chunk):
+        logits = r @ unembed[start : start + chunk].T
+        index = torch.arange(start, start + logits.shape[1], device=logits.device).expand_as(logits)
+        found = _topk_merge(found, logits, index, k)
+    values, index = found  # type: ignore[misc]
+    return [
+        Mapping(int(s), float(a), [(int(t), float(v)) for t, v in zip(index[i], values[i])])
+        for i, (s, a) in enumerate(zip(ids, amp))
+    ]

@@ -44,7 +44,7 @@ from ..analysis import ov_attribution as ov
 from ..analysis import qk_attribution as qk
 from ..analysis.ioi_classes import with_s1_next
 from ..config import cache_key, run_info, to_plain
-from ..config_rules import COUNT, NATURAL, Each, Matches, setting
+from ..config_rules import COUNT, NATURAL, Each, Matches, OneOf, setting
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
@@ -60,6 +60,7 @@ HEAD = Matches(r"L\d+H\d+", "a head LnHm, e.g. L18H6")
 SPOT = r"(?:[A-Za-z_][A-Za-z0-9_]*|\d+)(?:[+-]\d+)?"
 EDGE = Matches(f"{SPOT}:{SPOT}", "QUERY:KEY, each a role of the task's prompts (END, S1+1) or a position")
 FIRST, OTHER, READ = "first", "other", "read"
+MAPS_VOCABS = ("prompts", "all")
 STRING_COLUMNS = ("edge", "query_component", "key_component", "component", "source", "token", "target")
 
 
@@ -76,7 +77,9 @@ class HeadAttributionOptions(StudyOptions):
     ov: bool = True  # the OV split and direct effect at the task's read position (a task with a smooth metric)
     maps_salient: int = setting(5, NATURAL)  # MAPS: the most amplified source tokens per head; 0: no MAPS
     maps_targets: int = setting(5, COUNT)  # the tokens each source maps to most
-    maps_vocab: int = setting(0, NATURAL)  # MAPS's sources: the first this many token ids; 0: every token
+    # MAPS's source tokens: those of the task's prompts (IOI: names, places, objects), or every token of the vocabulary
+    maps_vocab: str = setting("prompts", OneOf(MAPS_VOCABS))
+    maps_first_mlp: bool = True  # as MAPS: heads after layer 0 read a token as block 0's MLP writes it
 
 
 @dataclass
@@ -410,8 +413,10 @@ def run(ctx: RunContext) -> pd.DataFrame:
     table = rows.frame()
     if opts.maps_salient:
         with ctx.timed("maps"):
-            vocab = torch.arange(opts.maps_vocab) if opts.maps_vocab else None
-            found = ov.maps(model, heads, opts.maps_salient, opts.maps_targets, vocab)
+            vocab = data.inputs["input_ids"].unique().cpu() if opts.maps_vocab == "prompts" else None
+            found = ov.maps(
+                model, heads, opts.maps_salient, opts.maps_targets, vocab, through_first_mlp=opts.maps_first_mlp
+            )
         plain: list[dict] = []
         maps_rows(plain, model, found, {"method": "maps", "intervention": "none", "n": 1})
         table = pd.concat([table, pd.DataFrame(plain)], ignore_index=True)
