@@ -46,21 +46,35 @@
     return data.labels[head] || [];
   }
 
-  // the grid: a row per layer, a column per head
+  // the grid, as wide as the page: layers across where a model has more layers than heads (smollm2: 30 x 9)
+  const across = data.n_layers > data.n_heads;
+  const nRows = across ? data.n_heads : data.n_layers;
+  const nCols = across ? data.n_layers : data.n_heads;
+  const nameAt = (r, c) => (across ? "L" + c + "H" + r : "L" + r + "H" + c);
+  // a label most heads share is a mark in the cell's corner, the rarer ones their codes: every code in the legend
+  const counts = {};
+  for (const name of heads) for (const [label] of labelsOf(name)) counts[label] = (counts[label] || 0) + 1;
+  const common = new Set(Object.keys(counts).filter((label) => counts[label] > (data.common || 0.5) * heads.length));
+  const MARK = "\u2022";
+  function codeOf(label) {
+    return (data.codes || {})[label] || label.slice(0, 3).toUpperCase();
+  }
   const header = el("tr");
-  header.appendChild(el("th", ""));
-  for (let h = 0; h < data.n_heads; h++) header.appendChild(el("th", "H" + h));
+  header.appendChild(el("th", "", { class: "corner" }));
+  for (let c = 0; c < nCols; c++) header.appendChild(el("th", (across ? "L" : "H") + c));
   grid.appendChild(header);
   const cells = {};
-  for (let l = 0; l < data.n_layers; l++) {
+  for (let r = 0; r < nRows; r++) {
     const tr = el("tr");
-    tr.appendChild(el("th", "L" + l));
-    for (let h = 0; h < data.n_heads; h++) {
-      const name = "L" + l + "H" + h;
+    tr.appendChild(el("th", (across ? "H" : "L") + r));
+    for (let c = 0; c < nCols; c++) {
+      const name = nameAt(r, c);
       const td = el("td", "", { "data-head": name });
       const labels = labelsOf(name);
       if (labels.length) {
-        td.textContent = labels.map((x) => x[0].slice(0, 3)).join(" ");
+        const rare = labels.filter((x) => !common.has(x[0]));
+        if (rare.length) td.appendChild(el("span", rare.map((x) => codeOf(x[0])).join(" "), { class: "code" }));
+        if (rare.length < labels.length) td.appendChild(el("span", MARK, { class: "mark" }));
         td.title = name + "\n" + labels.map((x) => x[0] + ": " + x[1]).join("\n");
       }
       td.addEventListener("click", () => open(name));
@@ -68,6 +82,18 @@
       tr.appendChild(td);
     }
     grid.appendChild(tr);
+  }
+  const legendOfCodes = document.getElementById("atlas-codes");
+  if (legendOfCodes) {
+    const order = Object.keys(counts).sort((a, b) => counts[a] - counts[b] || a.localeCompare(b));
+    for (const label of order) {
+      const item = el("span", null, { "data-label": label });
+      item.appendChild(el("b", common.has(label) ? MARK : codeOf(label)));
+      const most = common.has(label) ? ", most heads: a mark in the corner" : "";
+      item.appendChild(document.createTextNode(" " + label + " (" + counts[label] + " of " + heads.length + most + ")"));
+      legendOfCodes.appendChild(item);
+    }
+    if (!order.length) legendOfCodes.textContent = "no head passed a class rule";
   }
 
   function recolour() {
@@ -176,8 +202,56 @@
     }
     card.appendChild(el("h4", "attention on the example prompt (query down, key across)"));
     card.appendChild(patternSvg(name));
-    card.appendChild(tokenList("attends to most (share of its attention)", (data.attends || {})[name], ""));
-    card.appendChild(tokenList("writes most (logit lens of its mean output, W_O then W_U)", (data.writes || {})[name], "logit "));
+    attribution(name);
+    card.appendChild(tokenList("attends to most on the text (share of its attention)", (data.attends || {})[name], ""));
+    card.appendChild(tokenList("logit lens of its mean output on the text (W_O then W_U; weak where it rests on the first token)", (data.writes || {})[name], "logit "));
+  }
+
+  // a component: a head's name links to its card; the embedding, an MLP and the biases are text
+  function component(name) {
+    return /^L\d+H\d+$/.test(name) ? link(name) : el("span", name);
+  }
+  function parts(title, rows) {
+    const box = el("div", null, { class: "split" });
+    box.appendChild(el("b", title + ": "));
+    (rows || []).forEach(([who, v], i) => {
+      if (i) box.appendChild(document.createTextNode(", "));
+      box.appendChild(component(who));
+      box.appendChild(document.createTextNode(" " + fmt(v)));
+    });
+    return box;
+  }
+  function attribution(name) {
+    const why = (data.attribution || {})[name];
+    if (why) {
+      const [q, k, w] = why.edge;
+      card.appendChild(el("h4", "why it attends there (QK attribution, exact)"));
+      card.appendChild(el("p", "its typical edge on the example prompt: query " + q + " " + JSON.stringify(why.tokens[0]) +
+        " to key " + k + " " + JSON.stringify(why.tokens[1]) + ", attention " + fmt(w) + ", score " + fmt(why.score) +
+        " (before the softmax, the norms' scales held: each side's parts add up to it)", { class: "edge" }));
+      card.appendChild(parts("builds the query", why.query));
+      card.appendChild(parts("builds the key", why.key));
+      const pairs = el("div", null, { class: "split" });
+      pairs.appendChild(el("b", "largest pairs (query x key): "));
+      why.pairs.forEach(([a, b, v], i) => {
+        if (i) pairs.appendChild(document.createTextNode(", "));
+        pairs.append(component(a), document.createTextNode(" x "), component(b), document.createTextNode(" " + fmt(v)));
+      });
+      card.appendChild(pairs);
+      card.appendChild(el("h4", "what it writes there (its output at that query, |output| " + fmt(why.norm) + ")"));
+      card.appendChild(el("p", "through the final norm at its clean scale, it raises most: " +
+        why.writes.map((r) => JSON.stringify(r[0]) + " " + fmt(r[1])).join(", "), { class: "writes" }));
+      card.appendChild(parts("its values written by (share of |output| along it)", why.values));
+    }
+    const maps = (data.maps || {})[name];
+    if (maps && maps.length) {
+      card.appendChild(el("h4", "maps tokens to (weights only: E W_OV W_U, MAPS; amplification x)"));
+      const list = el("ul", null, { class: "maps" });
+      for (const [src, amp, targets] of maps) {
+        list.appendChild(el("li", JSON.stringify(src) + " (x" + fmt(amp) + ") -> " + targets.map((t) => JSON.stringify(t)).join(", ")));
+      }
+      card.appendChild(list);
+    }
   }
 
   // every head, sortable

@@ -1,10 +1,15 @@
 """atlas.html: every head of a model on one self-contained page (studies/atlas.py writes it).
 
-The layer x head grid, coloured by the score the menu picks; a head's labels on its cell (the rule on
-hover); a click opens the head's card (atlas.js, beside this file): every score with its interval and
-rank, its labels and why, its composition partners (clickable), its attention pattern on the example
-prompt, the tokens it attends to and writes most. Below, every head in a table to search and sort.
-Styles, script and data are inlined: the file opens with no network, like report.html.
+The layer x head grid, coloured by the score the menu picks, as wide as the page (layers across where a
+model has more layers than heads); a head's labels on its cell as short codes (CODES, the legend beside the
+grid says each one and how many heads have it; a class most heads share is a mark in the cell's corner, not
+a word, so the rarer ones stay legible; the rule on hover); a click opens the head's card (atlas.js, beside
+this file): every score with its interval and rank, its labels and why, its composition partners
+(clickable), its attention pattern on the example prompt, why it attends where it does on its typical edge
+there (which components build the query and which the key, exact: studies/head_attribution.py), what its
+output there writes and which components wrote it, MAPS's weights-only mappings, and the tokens it attends
+to and writes most on the text. Below, every head in a table to search and sort. Styles, script and data
+are inlined: the file opens with no network, like report.html.
 """
 
 from __future__ import annotations
@@ -24,17 +29,41 @@ from .page import STYLE as REPORT_STYLE
 STYLE = """
 body { max-width: 1500px; }
 #atlas-controls { display: flex; gap: 1em; align-items: center; flex-wrap: wrap; margin: .5em 0; }
-#atlas-grid td { width: 2.4em; height: 1.6em; cursor: pointer; font-size: 10px; text-align: center;
-  padding: 0; border: 1px solid #fff; }
+#atlas-grid { width: 100%; table-layout: fixed; border-collapse: collapse; }
+#atlas-grid td { height: 2.2em; cursor: pointer; font-size: 10px; line-height: 1.1; text-align: center;
+  padding: 0 1px; border: 1px solid #fff; position: relative; overflow: hidden; }
 #atlas-grid td.picked { outline: 3px solid #000; } #atlas-grid td.dim { opacity: .25; }
 #atlas-grid th { font-weight: normal; font-size: 11px; }
-#atlas-layout { display: flex; gap: 1.5em; align-items: flex-start; flex-wrap: wrap; }
-#atlas-card { min-width: 420px; max-width: 640px; border: 1px solid #ccc; padding: .5em 1em; }
+#atlas-grid th.corner { width: 2.5em; }
+#atlas-grid td .code { background: rgba(255,255,255,.85); border-radius: 2px; padding: 0 1px; }
+#atlas-grid td .mark { position: absolute; top: 1px; right: 2px; font-size: 9px; color: #000;
+  text-shadow: 0 0 2px #fff; }
+#atlas-codes { font-size: 12px; margin: .3em 0; } #atlas-codes span { margin-right: 1.2em; white-space: nowrap; }
+#atlas-codes b { background: #eee; padding: 0 2px; }
+#atlas-layout { display: flex; flex-direction: column; gap: 1em; }
+#atlas-card { border: 1px solid #ccc; padding: .5em 1em; columns: 2 480px; column-gap: 2em; }
+#atlas-card > * { break-inside: avoid; } #atlas-card h3 { column-span: all; }
 #atlas-card[hidden] { display: none; } #atlas-card a { cursor: pointer; color: #0645ad; }
 #atlas-card td.text, #atlas-heads td.text { text-align: left; }
 #atlas-heads th { cursor: pointer; white-space: nowrap; }
 #atlas-legend { font-size: 12px; color: #555; }
 """
+
+
+# each label's code on the grid (a label not listed here: its first three letters); atlas_rules.py's labels
+CODES = {
+    "previous-token": "PT",
+    "duplicate-token": "DT",
+    "induction": "IND",
+    "copy": "CP",
+    "negative-copy": "NCP",
+    "sink": "SNK",
+    "retrieval": "RET",
+    "IOI-supporting": "IO+",
+    "IOI-opposing": "IO-",
+    "loss-critical": "LC",
+}
+COMMON = 0.5  # a label more than this share of the heads have is a mark on its cells, not a code
 
 
 def _number(value: Any) -> float | None:
@@ -81,6 +110,8 @@ def atlas_data(table: pd.DataFrame, extras: dict) -> dict:
         "scores": scores,
         "signed": signed,
         "labels": labels,
+        "codes": CODES,
+        "common": COMMON,
         **extras,
     }
 
@@ -100,6 +131,7 @@ def page(table: pd.DataFrame, extras: dict) -> str:
         "<div id='atlas-controls'><label>colour by <select id='atlas-score'></select></label>"
         "<label>head <input id='atlas-search' type='search' placeholder='e.g. L3H2 or L3 or induction'></label>"
         "<span id='atlas-legend'></span></div>"
+        "<div id='atlas-codes'></div>"
         "<div id='atlas-layout'><table id='atlas-grid'></table><div id='atlas-card' hidden></div></div>"
         "<h2>Every head</h2><p>Click a column to sort by it (again to reverse); the search above filters.</p>"
         "<div class='scroll'><table id='atlas-heads'><thead></thead><tbody></tbody></table></div>"

@@ -42,6 +42,7 @@ from .atlas_probes import (
 )
 from .atlas_rules import labelled, rule_texts
 from .context import RunContext
+from .head_attribution import atlas_probe as attribution_probe
 from .study import Study
 from .summary import console, head_table
 
@@ -98,6 +99,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
     model.place(cfg.device)
     with ctx.timed("attention"):  # first: the cheap probes before the ablations, which take most of the time
         attention, cards = attention_probe(ctx, model, options, set(ATTENTION_SCORES) & set(wanted))
+    with ctx.timed("attribution"):  # each head's typical edge split over its upstream components, and MAPS
+        cards = {**cards, **attribution_probe(ctx, model, options)}
     frames, links = [attention], {}
     for probe in PROBES:
         if not set(probe.scores) & set(wanted):
