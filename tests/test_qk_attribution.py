@@ -119,7 +119,8 @@ def reference_parts(hf, ids: Tensor, layer: int, head: int) -> dict:
     def rms(x, eps):
         return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
-    rows, bias_resid = [seen["embed"][0][0]], torch.zeros(d, dtype=torch.float64)
+    rows = [seen["embed"][0][0]]
+    bias_resid = rows[0].new_zeros(d)
     for l in range(layer):
         z, a = seen[f"o{l}"][0][0], seen[f"o{l}"][1][0]  # [T, H * hd], [T, d]
         o_proj = attn_of(blocks[l]).c_proj if gpt2 else attn_of(blocks[l]).o_proj

@@ -229,3 +229,28 @@ def test_an_attention_sae_on_its_z_over_real_text_exports_to_saelens(smollm2, tm
     assert ours["ce_with_sae"] == pytest.approx(spliced, abs=1e-4)
     assert ours["ce_loss_recovered"] == pytest.approx((zero - spliced) / (zero - clean), abs=1e-3)
     assert zero > clean + 0.01  # layer 3's heads matter to the loss: the ratio is not noise over noise
+
+
+def test_a_heads_qk_split_equals_an_independent_one_on_prompts_it_never_saw(smollm2, reference):
+    """analysis/qk_attribution.py on the induction head L17H4, against plain torch on transformers' own reading
+    of the GGUF file (tests/test_qk_attribution.py's reference_parts: hooks on its modules, the weights, rotary by
+    hand): random tokens repeated once, drawn here alone, every query of the repeat at its induction key."""
+    from headlab.analysis import qk_attribution as qk
+    from test_qk_attribution import reference_parts
+
+    half = torch.randint(1000, 40000, (2, 12), generator=torch.Generator().manual_seed(4747))
+    ids = torch.cat([half, half], 1)
+    comps = qk.record(smollm2, {"input_ids": ids})
+    layer, head = 17, 4
+    kv = smollm2.sites.kv_head_of(head)
+    for b in range(ids.shape[0]):
+        parts = qk.layer_parts(comps, layer, b)
+        ref = reference_parts(reference, ids[b : b + 1], layer, head)
+        for query in (14, 19, 23):
+            key = query - 11  # the token after the earlier copy of the query's token
+            terms = parts.terms(head, kv, query, key)
+            want = ref["scale"] * ref["q"][:, query] @ ref["k"][:, key].T
+            size = float(want.abs().max())
+            assert float((terms - want).abs().max()) <= 1e-4 * size
+            assert abs(float(terms.sum() - parts.score(head, kv, query, key))) <= 1e-4 * size
+            assert parts.names[int(terms.sum(0).argmax())] == "L16H0"  # the previous-token head builds its key
