@@ -38,11 +38,12 @@ body { max-width: 1500px; }
 #atlas-grid td .code { background: rgba(255,255,255,.85); border-radius: 2px; padding: 0 1px; }
 #atlas-grid td .mark { position: absolute; top: 1px; right: 2px; font-size: 9px; color: #000;
   text-shadow: 0 0 2px #fff; }
-#atlas-codes { font-size: 12px; margin: .3em 0; } #atlas-codes span { margin-right: 1.2em; white-space: nowrap; }
+#atlas-codes { font-size: 12px; margin: .3em 0; display: flex; flex-wrap: wrap; gap: .2em 1.2em; }
+#atlas-codes span { white-space: nowrap; }
 #atlas-codes b { background: #eee; padding: 0 2px; }
 #atlas-layout { display: flex; flex-direction: column; gap: 1em; }
 #atlas-card { border: 1px solid #ccc; padding: .5em 1em; columns: 2 480px; column-gap: 2em; }
-#atlas-card > * { break-inside: avoid; } #atlas-card h3 { column-span: all; }
+#atlas-card > * { break-inside: avoid; } #atlas-card h3 { column-span: all; } #atlas-card h4 { break-after: avoid; }
 #atlas-card[hidden] { display: none; } #atlas-card a { cursor: pointer; color: #0645ad; }
 #atlas-card td.text, #atlas-heads td.text { text-align: left; }
 #atlas-heads th { cursor: pointer; white-space: nowrap; }
