@@ -14,6 +14,7 @@ the tokens the head amplifies most and what it maps them to, from the weights.
 Rows (n: prompts; 95% bootstrap intervals over them; every row names the head in layer / head and the edge):
   qk_score, attention            the clean pre-softmax score (before a softcap) and the pattern's weight
   qk_term                        query_component x key_component: the `study.top` largest pairs by |mean|
+                                 (study.top=0: every pair, n^2 rows per head and edge)
   qk_query_total, qk_key_total   one side's component summed over the other side: every component, `rank`
   qk_removal                     intervention remove_component, method held | free: clean score minus the score
                                  with query_component (or key_component) removed on its side; with free,
@@ -22,9 +23,15 @@ Rows (n: prompts; 95% bootstrap intervals over them; every row names the head in
   ov_direct_effect               edge "read": the head's direct effect at the task's read position
   ov_term                        component x source: the `study.top` largest
   ov_component_total, ov_source_total, ov_removal (held | free, norm_scale_change weighted by attention)
-  maps_amplification, maps_target   `token` the source, `target` the token it maps to, `rank`
+  maps_amplification, maps_target   `token` the source (the `study.maps_salient` most amplified of the prompts'
+                                 tokens, or of the vocabulary), `target` a token it maps to, `rank`, `target_rank`
 hook: blocks.{l}.attn.hook_attn_scores (the QK rows: TransformerLens's pre-softmax scores),
 blocks.{l}.attn.hook_result (the OV rows: the head's output), none for MAPS (weights).
+
+The atlas's cards (`atlas_probe`, cached under output.root/atlas/<model>/attribution-<key>): every head's typical
+edge on the atlas's example prompt (its strongest from the repeated half to a key after the first token) split the
+same way, what its output there writes through the final norm and who wrote its values, and MAPS over the text's
+tokens; one prompt and one block call per layer, so every head is on the page.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ class HeadAttributionOptions(StudyOptions):
     # n_edges strongest among the task's roles (each role as a query, each role and the token after it as a key)
     edges: list[str] = setting(factory=list, rule=Each(EDGE))
     n_edges: int = setting(2, COUNT)
-    top: int = setting(20, COUNT)  # qk_term and ov_term rows kept per head and edge (largest |mean|)
+    top: int = setting(20, NATURAL)  # qk_term and ov_term rows kept per head and edge (largest |mean|); 0: every one
     checks: int = setting(3, NATURAL)  # components per side (and OV) checked by removal, largest first; 0: none
     ov: bool = True  # the OV split and direct effect at the task's read position (a task with a smooth metric)
     maps_salient: int = setting(5, NATURAL)  # MAPS: the most amplified source tokens per head; 0: no MAPS
@@ -235,7 +242,7 @@ def qk_rows(
             rows.add({**base, "metric": f"qk_{side}_total", f"{side}_component": names[c], "rank": int(rank)}, per[c])
         top_side[side] = [names[c] for c in np.argsort(-np.abs(per.mean(1)), kind="stable")]
     flat = terms.flatten(1).T.double().cpu().numpy()  # [n * n, B]
-    keep = np.argsort(-np.abs(flat.mean(1)), kind="stable")[: opts.top]
+    keep = np.argsort(-np.abs(flat.mean(1)), kind="stable")[: opts.top or None]
     for rank, index in enumerate(keep, 1):
         cq, ck = divmod(int(index), len(names))
         label = {**base, "metric": "qk_term", "query_component": names[cq], "key_component": names[ck], "rank": rank}
@@ -288,7 +295,7 @@ def ov_rows(
     for s, rank in zip(range(len(sources)), ranked(per_source)):
         rows.add({**base, "metric": "ov_source_total", "source": sources[s], "rank": int(rank)}, per_source[s])
     flat = terms.flatten(1).T.double().cpu().numpy()
-    for rank, index in enumerate(np.argsort(-np.abs(flat.mean(1)), kind="stable")[: opts.top], 1):
+    for rank, index in enumerate(np.argsort(-np.abs(flat.mean(1)), kind="stable")[: opts.top or None], 1):
         c, s = divmod(int(index), len(sources))
         rows.add({**base, "metric": "ov_term", "component": names[c], "source": sources[s], "rank": rank}, flat[index])
     worst = float((terms.sum((1, 2)) - effect).abs().max() / effect.abs().max().clamp_min(1e-30))
@@ -360,7 +367,8 @@ def split_layer(comps: qk.Components, plan: Plan, layer: int) -> tuple[dict, dic
             if plan.direction is not None:
                 u, reads = plan.direction
                 per = ov.ov_terms(comps, parts, layer, h, b, int(reads[b]), u[b])  # [n, T]
-                grouped = per.new_zeros(per.shape[0], len(plan.sources)).index_add_(1, plan.source_index[b], per)
+                grouped = per.new_zeros(per.shape[0], len(plan.sources))
+                grouped.index_add_(1, plan.source_index[b].to(per.device), per)
                 ov_terms[h].append(grouped)
     stacked_qk = {key: torch.stack(terms) for key, terms in qk_terms.items()}
     return stacked_qk, {h: torch.stack(terms) for h, terms in ov_terms.items() if terms}
