@@ -255,34 +255,46 @@ def maps(
                     y = ys[sites.kv_head_of(h)]
                     amp = ((y @ grams[(layer, h)]) * y).sum(-1).clamp_min(0).sqrt() / size
                     best[(layer, h)] = _topk_merge(best[(layer, h)], amp, ids, salient)
-        return {head: _targets(model, head, best[head], sources, targets, chunk) for head in heads}  # type: ignore[arg-type]
+        return _targets(model, best, sources, targets, chunk)  # type: ignore[arg-type]
 
 
 def _targets(
     model: HookedModel,
-    head: tuple[int, int],
-    best: tuple[Tensor, Tensor],
+    best: dict[tuple[int, int], tuple[Tensor, Tensor]],
     sources: Callable[[Tensor, int], Tensor],
     k: int,
     chunk: int,
-) -> list[Mapping]:
-    """Each salient source's k largest entries of e W_VO W_U over the whole unembedding, read in chunks."""
-    layer, h = head
+) -> dict[tuple[int, int], list[Mapping]]:
+    """Each head's salient sources' k largest entries of e W_VO W_U over the whole unembedding: every head's
+    rows in one product per chunk of the vocabulary."""
     sites = model.sites
-    amp, ids = best
-    w_v, w_o = sites.W_QKV(layer)[2].detach(), sites.W_O(layer).detach()
-    r = _folded(model.attn_inputs[layer], sources(ids, layer)) @ w_v[sites.kv_head_of(h)] @ w_o[h]
-    if not model.residual_sum:
-        r = _folded(postnorm.attn_norm(model, layer), r)
-    r = _folded(model.final_norm, r)
+    rows = []
+    for (layer, h), (_, ids) in best.items():
+        w_v, w_o = sites.W_QKV(layer)[2].detach(), sites.W_O(layer).detach()
+        r = _folded(model.attn_inputs[layer], sources(ids, layer)) @ w_v[sites.kv_head_of(h)] @ w_o[h]
+        if not model.residual_sum:
+            r = _folded(postnorm.attn_norm(model, layer), r)
+        rows.append(_folded(model.final_norm, r))
+    values, index = top_tokens(model, torch.cat(rows), k, chunk)
+    out: dict[tuple[int, int], list[Mapping]] = {}
+    at = 0
+    for head, (amp, ids) in best.items():
+        out[head] = [
+            Mapping(int(s), float(a), [(int(t), float(v)) for t, v in zip(index[at + i], values[at + i])])
+            for i, (s, a) in enumerate(zip(ids, amp))
+        ]
+        at += len(ids)
+    return out
+
+
+def top_tokens(model: HookedModel, r: Tensor, k: int, chunk: int = MAPS_CHUNK) -> tuple[Tensor, Tensor]:
+    """(values, token ids) [rows, k]: the k largest logits r W_U^T of each row of r [rows, d] over the whole
+    unembedding, read `chunk` tokens at a time."""
     unembed = weight_of(model.unembed)
     found = None
     for start in range(0, unembed.shape[0], chunk):
         logits = r @ unembed[start : start + chunk].T
         index = torch.arange(start, start + logits.shape[1], device=logits.device).expand_as(logits)
         found = _topk_merge(found, logits, index, k)
-    values, index = found  # type: ignore[misc]
-    return [
-        Mapping(int(s), float(a), [(int(t), float(v)) for t, v in zip(index[i], values[i])])
-        for i, (s, a) in enumerate(zip(ids, amp))
-    ]
+    assert found is not None
+    return found

@@ -141,6 +141,7 @@ class Components:
     attn_norm_io: list[tuple[Tensor, Tensor] | None]  # post-norm models: per layer (A, post_attn(A))
     error: float = 0.0  # the largest |sum of components - residual stream| over every layer's input, relative
     _clean: dict[int, dict] = field(default_factory=dict)
+    _stacked: tuple[int, int, Tensor] | None = None  # (prompt, layer, its components without the bias row)
 
     @property
     def batch(self) -> int:
@@ -191,15 +192,19 @@ class Components:
 
     def stack(self, layer: int, b: int) -> Tensor:
         """[n, T, d]: prompt b's components of layer `layer`'s input, rows as `names` (the bias row is the
-        output biases in the residual stream, broadcast over positions)."""
-        rows = [self.trace.resid_pre[0][b][None]]
-        for l in range(layer):
-            rows.append(self.heads(l, b))
-            if self.mlp[l] is not None:
-                rows.append(self.mlp[l][b][None])  # type: ignore[index]
-        embed = rows[0]
-        rows.append(self.bias(layer).expand_as(embed))
-        return torch.cat(rows)
+        output biases in the residual stream, broadcast over positions). The last prompt's stack is kept: a
+        layer before it takes its first rows (`names` of an earlier layer are a prefix)."""
+        kept = self._stacked
+        if kept is None or kept[0] != b or kept[1] < layer:
+            rows = [self.trace.resid_pre[0][b][None]]
+            for l in range(layer):
+                rows.append(self.heads(l, b))
+                mlp = self.mlp[l]
+                if mlp is not None:
+                    rows.append(mlp[b][None])
+            kept = self._stacked = (b, layer, torch.cat(rows))
+        components = kept[2][: len(self.names(layer)) - 1]
+        return torch.cat([components, self.bias(layer).expand_as(components[:1])])
 
     def contribution(self, layer: int, name: str) -> Tensor:
         """[B, T, d]: one component of layer `layer`'s input, on every prompt."""

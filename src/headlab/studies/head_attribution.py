@@ -515,24 +515,34 @@ CARD_TOP = 5  # components listed per side, pairs and tokens per card
 ATLAS_MAPS = 3  # MAPS's salient tokens per head on a card, and targets per token
 
 
-def typical_edge(pattern: torch.Tensor) -> tuple[int, int, float]:
+def typical_edge(pattern: torch.Tensor, special: torch.Tensor | None = None) -> tuple[int, int, float]:
     """(query, key, weight): a head's strongest edge on the example prompt [T, T], its query in the second half
-    (the repeat, where previous-token, duplicate and induction heads show), its key after the first token (where
-    most heads rest, Gu et al.'s sink); the first token where the query sees no other."""
+    (the repeat, where previous-token, duplicate and induction heads show), its key after the first token and on
+    no special token (`special` [T], True there: a BOS the repeat holds again), where most heads rest (Gu et al.'s
+    sink); the first token where the query sees no other."""
     length = pattern.shape[-1]
     start = max(1, length // 2)
     masked = pattern[start:].clone()
     masked[:, 0] = 0
+    if special is not None:
+        masked[:, special.to(masked.device)] = 0
     best = int(masked.flatten().argmax())
     query, key = divmod(best, length)
     return start + query, key, float(pattern[start + query, key])
 
 
-def card_of(comps: qk.Components, parts: qk.LayerParts, layer: int, head: int, word: Callable[[int], str]) -> dict:
+def card_of(
+    comps: qk.Components,
+    parts: qk.LayerParts,
+    layer: int,
+    head: int,
+    word: Callable[[int], str],
+    special: torch.Tensor | None = None,
+) -> dict:
     """One head's card: its typical edge split over the components on each side, and what its output there
     writes (through the final norm held at its clean scale) and which components wrote it."""
     model = comps.model
-    query, key, weight = typical_edge(comps.pattern[layer][0, head])
+    query, key, weight = typical_edge(comps.pattern[layer][0, head], special)
     kv = model.sites.kv_head_of(head)
     terms = parts.terms(head, kv, query, key)
     names = parts.names
@@ -550,8 +560,6 @@ def card_of(comps: qk.Components, parts: qk.LayerParts, layer: int, head: int, w
     x = comps.trace.resid_final[0, query]
     with torch.no_grad():
         held = qk.held_norm(final, x, final(x))
-        logits = held.linear(out) @ ov.weight_of(model.unembed).T
-    written = logits.topk(CARD_TOP)
     ids = comps.inputs["input_ids"][0]
     return {
         "edge": [query, key, round(weight, 4)],
@@ -562,7 +570,7 @@ def card_of(comps: qk.Components, parts: qk.LayerParts, layer: int, head: int, w
         "pairs": [[names[int(p) // len(names)], names[int(p) % len(names)], round(float(flat[p]), 4)] for p in pairs],
         "norm": round(float(out.norm()), 4),
         "values": top(along),
-        "writes": [[word(int(t)), round(float(v), 3)] for t, v in zip(written.indices, written.values)],
+        "written": held.linear(out),  # through the final norm: attribution_cards reads its logits, all heads at once
     }
 
 
@@ -571,11 +579,17 @@ def attribution_cards(model: HookedModel, ids: torch.Tensor, vocab: torch.Tensor
     tok = model.tokenizer
     word: Callable[[int], str] = (lambda t: tok.decode([t])) if tok is not None else str
     comps = qk.record(model, {"input_ids": ids[None].to(model.input_device)})
+    special = None if tok is None else torch.isin(ids.cpu(), torch.tensor(list(tok.all_special_ids), dtype=ids.dtype))
     cards: dict[str, dict] = {}
+    comps.stack(model.n_layers, 0)  # every layer's components are the first rows of this one stack
     for layer in range(model.n_layers):
         parts = qk.layer_parts(comps, layer, 0)
         for head in range(model.n_heads):
-            cards[head_name(layer, head)] = card_of(comps, parts, layer, head, word)
+            cards[head_name(layer, head)] = card_of(comps, parts, layer, head, word, special)
+    with torch.no_grad():
+        values, tokens = ov.top_tokens(model, torch.stack([card.pop("written") for card in cards.values()]), CARD_TOP)
+    for card, v, t in zip(cards.values(), values.tolist(), tokens.tolist()):
+        card["writes"] = [[word(token), round(value, 3)] for token, value in zip(t, v)]
     heads = [(l, h) for l in range(model.n_layers) for h in range(model.n_heads)]
     found = ov.maps(model, heads, ATLAS_MAPS, ATLAS_MAPS, vocab)
     maps = {
@@ -597,7 +611,7 @@ def atlas_probe(ctx: RunContext, model: HookedModel, options: AtlasOptions) -> d
     text = model.tokenizer is not None
     cfg = probe_config(ctx.cfg, text_overrides(options, 0) if text else [])
     plain = to_plain(cfg)
-    key = cache_key({**{k: plain[k] for k in ("model", "train", "task", "seed")}, "probe": "attribution-1"})
+    key = cache_key({**{k: plain[k] for k in ("model", "train", "task", "seed")}, "probe": "attribution-2"})
     where = cache_dir(ctx.cfg, "attribution", key)
     ctx.meta.setdefault("probes", {})["attribution"] = {"dir": str(where), "cached": (where / ATTRIBUTION).is_file()}
     if (where / ATTRIBUTION).is_file():
