@@ -80,6 +80,7 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@torch.no_grad()
 def reference_parts(hf, ids: Tensor, layer: int, head: int) -> dict:
     """Plain torch on the HF model: each component's query, key and value (after the held norms and rotary) of
     `head` of layer `layer` for one prompt ids [1, T], rows embed, L0H0.., MLP0, .., bias; and the clean ones."""
