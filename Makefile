@@ -67,9 +67,10 @@ $(VENV)/.headlab-bench: $(STAMP)
 DEVICE ?= cpu
 BENCH_LOOP := $(if $(filter cpu,$(DEVICE)),--loop-heads 24,)
 
-bench: $(VENV)/.headlab-bench  # the GPT-2-shaped random model, then smollm2-135m (real weights): every ratio with its goal
+bench: $(VENV)/.headlab-bench  # the GPT-2-shaped random model, then smollm2-135m and gemma3-270m (real weights): every ratio with its goal
 	$(BIN)/python benchmarks/sweep_speed.py --device $(DEVICE) $(BENCH_LOOP)
 	$(BIN)/python benchmarks/smollm2_speed.py --device $(DEVICE)
+	$(BIN)/python benchmarks/smollm2_speed.py --model gemma3-270m --device $(DEVICE)
 	$(BIN)/python benchmarks/copy_scores.py
 
 .PHONY: scaling

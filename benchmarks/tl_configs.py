@@ -1,6 +1,7 @@
-"""TransformerLens configs for the benchmarks' Hugging Face models, by hand (TransformerLens does not list
-SmolLM2 or random-weight models by name): shared by bench_models and by peer_auto_circuit, which runs in
-auto-circuit's own venv (transformer-lens 2.x, transformers 4.x), so this module imports nothing of headlab."""
+"""TransformerLens configs for the benchmarks' Hugging Face models, by hand where TransformerLens does not list
+the model (SmolLM2, random weights), from TransformerLens's own table where it does (Gemma 3 270M): shared by
+bench_models and by peer_auto_circuit, which runs in auto-circuit's own venv (transformer-lens 2.x, transformers
+4.x), so this module imports nothing of headlab (tl_gemma3_config needs TransformerLens 3.x's table)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,35 @@ def tl_llama_config(c: Any, dtype: torch.dtype, n_ctx: int | None = None, **extr
         dtype=dtype,
         **extra,
     )
+
+
+def tl_gemma3_config(c: Any, dtype: torch.dtype, n_ctx: int, **extra: Any):
+    """TransformerLens 3.9's own config of google/gemma-3-270m (an official model: loading_from_pretrained's
+    table, which reads nothing from the hub for it), checked against the HF config `c` of the weights in hand
+    (a random-weight model of the same shape passes too). `n_ctx` sizes TransformerLens's masks and rotary
+    tables; tokenizer_name is cleared, as the benchmarks give token ids and the hub cannot be reached."""
+    from transformer_lens import HookedTransformerConfig
+    from transformer_lens.loading_from_pretrained import get_pretrained_model_config
+
+    cfg = get_pretrained_model_config("google/gemma-3-270m", dtype=dtype, n_ctx=n_ctx, default_prepend_bos=False)
+    kinds = {"sliding_attention": "local", "full_attention": "global"}
+    rope = getattr(c, "rope_parameters", None) or {}
+    ours = dict(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        d_head=c.head_dim,
+        n_heads=c.num_attention_heads,
+        n_key_value_heads=c.num_key_value_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        window_size=c.sliding_window,
+        attn_types=[kinds[kind] for kind in c.layer_types],
+        act_fn=c.hidden_activation,
+        rotary_base=rope.get("full_attention", {}).get("rope_theta", cfg.rotary_base),
+        rotary_base_local=rope.get("sliding_attention", {}).get("rope_theta", cfg.rotary_base_local),
+        attn_scale=c.query_pre_attn_scalar**0.5,
+    )
+    differ = {key: (getattr(cfg, key), value) for key, value in ours.items() if getattr(cfg, key) != value}
+    if differ:
+        raise ValueError(f"TransformerLens's gemma-3-270m config differs from the weights' (theirs, ours): {differ}")
+    return HookedTransformerConfig.from_dict({**cfg.to_dict(), "tokenizer_name": None, **extra})
