@@ -21,7 +21,7 @@ _error_line = error_line
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["model=nope"], "unknown model 'nope'; choose from: gpt2, gpt2-ioi, hf,"),
+        (["model=nope"], "unknown model 'nope'; choose from: gemma3-270m, gpt2, gpt2-ioi, hf,"),
         (["task=nope"], "unknown task 'nope'; choose from: counting"),
         (
             ["ablate=everything"],

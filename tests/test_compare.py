@@ -10,9 +10,8 @@ import pandas as pd
 import pytest
 
 from conftest import error_line, run_headlab
-from headlab import results
+from headlab import compare, results
 from headlab.multirun import STATUS, summarize
-from headlab.report import compare
 from headlab.studies.atlas_rules import labelled
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -75,7 +75,7 @@ def _hydra_run(overrides: list[str], task_function: Callable) -> None:
 
 def _compare_models(sweep_dir: Path, jobs: dict[str, list[dict]]) -> None:
     """A sweep over `model=`: its models side by side (headlab compare), or the command once all jobs ran."""
-    from .report import compare as comparison
+    from . import compare as comparison
 
     if len(comparison.swept_models(jobs)) < 2:
         return
@@ -299,7 +299,7 @@ def compare(
 ) -> None:
     """The same study on several models side by side, head class by head class: one row per model and class
     in compare.parquet + csv, and compare.png."""
-    from .report import compare as comparison
+    from . import compare as comparison
 
     target, compared = comparison.write(directory, output)
     shown = Table(title=f"{compared['study'].iloc[0]}: heads per class (share of the model's heads), mean depth")

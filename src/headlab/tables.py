@@ -9,6 +9,7 @@ head matrices.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -104,6 +105,17 @@ def score_grids(table: pd.DataFrame, size: tuple[int, int]) -> dict[str, np.ndar
 
 def head_name(layer: int, head: int) -> str:
     return f"L{int(layer)}H{int(head)}"
+
+
+HEAD_NAME = re.compile(r"L(\d+)H(\d+)")
+
+
+def head_of(name: str) -> tuple[int, int]:
+    """(layer, head) of a name as head_name spells it ("L5H1")."""
+    found = HEAD_NAME.fullmatch(name)
+    if found is None:
+        raise ValueError(f"not a head name: {name!r}")
+    return int(found[1]), int(found[2])
 
 
 def strongest(cells: pd.DataFrame, k: int) -> pd.DataFrame:

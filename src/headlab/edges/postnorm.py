@@ -39,9 +39,9 @@ gradient assumes; MIB has no OLMo 2.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +51,18 @@ from ..models.norms import norm_factors
 
 if TYPE_CHECKING:
     from ..models.hooked import HookedModel
-    from .graph import EdgeGraph
+
+
+class EdgeGraph(Protocol):
+    """What these rules read of graph.EdgeGraph (which imports this module, so it is not imported here)."""
+
+    @property
+    def post_norm(self) -> str | None: ...
+
+    @property
+    def senders(self) -> Sequence[Any]: ...
+
+    def head_rows(self, layer: int) -> slice: ...
 
 POST_NORM_RULES = ("mib", "shares")
 # family -> (the norm on the attention's output, the norm on the MLP's output): attributes of a block

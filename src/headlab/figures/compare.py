@@ -1,4 +1,4 @@
-"""compare.png from the table of `headlab compare` alone (report/compare.py): the models side by side, one
+"""compare.png from the table of `headlab compare` alone (compare.py): the models side by side, one
 row of the figure per class, one colour per model.
 
   left   the class's share of each model's heads, its head count at the bar's end ("not scored" where
@@ -16,7 +16,7 @@ import io
 import numpy as np
 import pandas as pd
 
-from ..report.compare import head_of
+from ..tables import head_of
 
 COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 

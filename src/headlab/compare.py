@@ -26,23 +26,21 @@ from __future__ import annotations
 import io
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from .. import results
-from ..errors import HeadlabError
-from ..io import atomic_write_bytes
-from ..tables import effects, head_name
+from . import results
+from .errors import HeadlabError
+from .io import atomic_write_bytes
+from .tables import effects, head_name, head_of
 
 TABLE, CSV, META, FIGURE = "compare.parquet", "compare.csv", "meta.json", "compare.png"
 TOP_SHARE = 0.05
 CLASS_STUDIES = ("atlas", "ioi_classes")
 MODEL_KEYS = ("model", "model.name", "model.path")  # the overrides that choose another model
 MAX_MESSAGE = 190  # the CLI prefixes "error: ": the line stays under 200 characters
-HEAD = re.compile(r"L(\d+)H(\d+)")
 Members = dict[str, list[tuple[int, int]] | None]  # class -> heads; None: not scored in this model's table
 QUANTILES = (("q10", 0.1), ("median", 0.5), ("q90", 0.9))
 COLUMNS = [
@@ -54,14 +52,6 @@ DTYPES = {"model": "string", "class": "string", "n_heads": "Int64", "heads": "st
 
 def refuse(message: str) -> HeadlabError:
     return HeadlabError(message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "...")
-
-
-def head_of(name: str) -> tuple[int, int]:
-    """(layer, head) of a name as tables.head_name spells it ("L5H1")."""
-    found = HEAD.fullmatch(name)
-    if found is None:
-        raise ValueError(f"not a head name: {name!r}")
-    return int(found[1]), int(found[2])
 
 
 def load(directory: Path) -> tuple[pd.DataFrame, str]:
@@ -88,8 +78,8 @@ def load(directory: Path) -> tuple[pd.DataFrame, str]:
 
 
 def atlas_members(rows: pd.DataFrame) -> Members:
-    from ..studies.atlas import heads_with
-    from ..studies.atlas_rules import RULES
+    from .studies.atlas import heads_with
+    from .studies.atlas_rules import RULES
 
     if "label" not in rows:
         raise refuse("compare: an atlas table without its label column (written before the atlas's rules)")
@@ -101,7 +91,7 @@ def atlas_members(rows: pd.DataFrame) -> Members:
 
 
 def ioi_members(rows: pd.DataFrame) -> Members:
-    from ..analysis.ioi_classes import CLASS_METHOD, CLASSES, UNCLASSED
+    from .analysis.ioi_classes import CLASS_METHOD, CLASSES, UNCLASSED
 
     found: Members = {cls: [] for cls in (*CLASSES, *UNCLASSED.values())}
     mine = rows[(rows["method"] == CLASS_METHOD) & (rows["metric"] == "path_effect")]
@@ -194,7 +184,7 @@ def compare_table(table: pd.DataFrame, study: str) -> pd.DataFrame:
 def write(directory: Path, out: Path | None = None) -> tuple[Path, pd.DataFrame]:
     """compare.parquet, compare.csv, compare.png, then meta.json into `out` (default DIR/compare); on a
     refusal nothing is written. Returns the output dir and the table."""
-    from ..figures.compare import png
+    from .figures.compare import png
 
     directory = Path(directory)
     table, study = load(directory)
