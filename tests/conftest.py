@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -140,8 +141,13 @@ def demo_root(tmp_path_factory) -> Path:
     and the default model, task and train settings reuse it."""
     import headlab
 
-    root = shared_dir(tmp_path_factory, "demo")
-    headlab.load_model("toy-attn-1l", root=str(root))
+    trained = shared_dir(tmp_path_factory, "demo-trained")
+    headlab.load_model("toy-attn-1l", root=str(trained))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return trained
+    # each worker's own root (tests read what a run leaves in it), the checkpoint trained once for all
+    root = tmp_path_factory.mktemp("demo")
+    shutil.copytree(trained / "checkpoints", root / "checkpoints", ignore=shutil.ignore_patterns("*.lock"))
     return root
 
 
