@@ -64,6 +64,7 @@ class EdgeGraph(Protocol):
 
     def head_rows(self, layer: int) -> slice: ...
 
+
 POST_NORM_RULES = ("mib", "shares")
 # family -> (the norm on the attention's output, the norm on the MLP's output): attributes of a block
 _POST_NORMS = {
