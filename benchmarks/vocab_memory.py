@@ -1,13 +1,18 @@
 """Peak memory of each atlas probe on models with large vocabularies (issue 45): logits are never held at
 every read position of every prompt at once.
 
-gemma3-270m (google/gemma-3-270m: d_model 640, 262,144-token vocabulary, 18 layers x 4 heads; its 671 MB
+gemma3-270m (google/gemma-3-270m: d_model 640, 262,144-token vocabulary, 18 layers x 4 heads; its 640 MB
 embedding is also its unembedding) reads one position out into 1 MB of float32 logits; smollm2-135m
 (49,152 tokens, d_model 576) into 0.19 MB. Each probe runs as `headlab atlas model=X --scores ...` runs it
 (studies/atlas.py's run_probe with the atlas's default sizes; `attention` is the atlas's own probe: entropy,
-distance and the cards' logit lens), in a child process of its own (this script with --child), after
-runtime.tune_allocator as the CLI calls it (large buffers stay in glibc's heap, where a run that makes and
-frees large logits again and again fragments it and grows).
+distance and the cards' logit lens; `attribution` its cards' edge split and MAPS, where the headlab measured
+has them), in a child process of its own (this script with --child).
+
+The children keep glibc's own allocator settings: a buffer of 32 MB or more is mapped on its own and given
+back as it is freed, so the peak is what the probe held at once, the same from run to run. --tuned calls
+runtime.tune_allocator first, as the CLI does: every buffer under 1 GB then stays in glibc's heap once freed,
+and the peak also counts the heap's fragmentation, which moves by up to 1 GB between identical runs
+(gemma3-270m's text_ablation: 1,975 and 2,722 MB in two runs of one tree).
 
 Per model:
   <model>_weights_mb                  the parameters' own bytes (a tied embedding counted once)
@@ -23,9 +28,10 @@ With --baseline REV the same children run again on headlab at git revision REV (
 `git archive`), as <model>_<probe>_peak_rss_mb_baseline and so on: before and after in one run.
 
 Run from the repo root: .venv/bin/python benchmarks/vocab_memory.py [--models gemma3-270m,smollm2-135m]
-[--probes attention,induction,...] [--baseline HEAD~1] [--threads 1]. Every probe of both models takes about
-ten minutes on two CPU cores; --probes induction,text_ablation (the two that held logits at every position)
-about three.
+[--probes attention,induction,...] [--baseline REV] [--threads 1] [--tuned]. Every probe of both models takes
+about 11 minutes on two shared CPU cores (gemma3-270m 5, smollm2-135m 6, most of it the induction probe and the
+two ablation sweeps), twice that with --baseline; --probes attention,induction,retrieval,text_ablation (those
+issue 45 changed) with --baseline about 6 minutes a model.
 """
 
 from __future__ import annotations
@@ -47,7 +53,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 MODELS = ("gemma3-270m", "smollm2-135m")
-PROBES = ("attention", "induction", "copy", "sinks", "retrieval", "composition", "text_ablation", "ioi_ablation")
+PROBES = (
+    "attention",
+    "attribution",
+    "induction",
+    "copy",
+    "sinks",
+    "retrieval",
+    "composition",
+    "text_ablation",
+    "ioi_ablation",
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,13 +82,14 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def child(model_name: str, probe_name: str, root: str, threads: int) -> dict:
+def child(model_name: str, probe_name: str, root: str, threads: int, tuned: bool) -> dict:
     """One probe on one model, as the atlas runs it: its peak RSS, above the resident weights, and seconds."""
     import torch
 
     from headlab.runtime import tune_allocator
 
-    tune_allocator()
+    if tuned:
+        tune_allocator()
     torch.set_num_threads(threads)
     from headlab.door import compose
     from headlab.studies.atlas import fitted, run_probe
@@ -91,11 +108,18 @@ def child(model_name: str, probe_name: str, root: str, threads: int) -> dict:
         for p in model.module.parameters():
             p.sum()
     _ = model.tokenizer  # loaded where it is first asked for (gemma3-270m's: about 500 MB resident)
+    reset_peak()  # the loading's freed buffers given back first
     loaded = status_mb("VmRSS")
-    reset_peak()
+    if probe_name == "attribution":
+        try:  # the atlas's cards of each head's typical edge and MAPS (studies/head_attribution.py)
+            from headlab.studies.head_attribution import atlas_probe as attribution_probe
+        except ImportError:  # a baseline before it
+            return {}
     start = time.perf_counter()
     if probe_name == "attention":
         attention_probe(ctx, model, options, set(ATTENTION_SCORES))
+    elif probe_name == "attribution":
+        attribution_probe(ctx, model, options)
     else:
         (probe,) = [p for p in ATLAS_PROBES if p.name == probe_name]
         run_probe(ctx, model, probe, options)
@@ -132,13 +156,14 @@ def baseline_tree(rev: str, where: Path) -> Path:
     return where / "baseline"
 
 
-def run_child(model: str, probe: str, threads: int, tree: Path | None) -> dict:
+def run_child(model: str, probe: str, threads: int, tuned: bool, tree: Path | None) -> dict:
     env = dict(os.environ)
     if tree is not None:  # the baseline's headlab and configs, ahead of the installed one
         env["PYTHONPATH"] = os.pathsep.join([str(tree / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["HEADLAB_CONFIG_DIR"] = str(tree / "configs")
     with tempfile.TemporaryDirectory() as root:  # a fresh atlas cache: the probe runs, never read back
         cmd = [sys.executable, __file__, "--child", model, probe, root, "--threads", str(threads)]
+        cmd += ["--tuned"] if tuned else []
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if done.returncode:
         raise RuntimeError(f"{model} {probe} failed:\n{done.stderr[-3000:]}")
@@ -151,10 +176,11 @@ def main() -> None:
     ap.add_argument("--probes", default=",".join(PROBES))
     ap.add_argument("--baseline", default=None, help="a git revision to measure too, e.g. HEAD~1")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tuned", action="store_true", help="runtime.tune_allocator in each child, as the CLI calls it")
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "PROBE", "ROOT"))
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.threads)))
+        print(json.dumps(child(*args.child, args.threads, args.tuned)))
         return
     models, probes = args.models.split(","), args.probes.split(",")
     unknown = [p for p in probes if p not in PROBES]
@@ -170,7 +196,7 @@ def main() -> None:
                 print(f"{model}_{name}: {value:.1f}", flush=True)
             for probe in probes:
                 for suffix, tree in trees.items():
-                    for name, value in run_child(model, probe, args.threads, tree).items():
+                    for name, value in run_child(model, probe, args.threads, args.tuned, tree).items():
                         print(f"{model}_{probe}_{name}{suffix}: {value:.1f}", flush=True)
     print(f"benchmark_seconds: {time.perf_counter() - started:.0f}")
 
