@@ -13,15 +13,15 @@ import pytest
 
 # the installed console script, as a user runs it: `python -m headlab` would skip its entry point
 HEADLAB = Path(sys.executable).parent / "headlab"
-# a few training steps, prompts that build quickly, and 16 heads to sweep: seconds of sweeping past the
-# moment the test signals, on two cores or twenty
+# a few training steps, prompts that build quickly, and 32 heads to sweep: about 10 s of sweeping past the
+# checkpoint on one torch thread (1.7 s with 16 heads on 4000 prompts, too close to the moment the test signals)
 LONG_RUN = [
-    "model.n_heads=16",
+    "model.n_heads=32",
     "model.d_head=4",
     "train.steps=5",
     "train.eval_every=5",
     "train.eval_prompts=64",
-    "task.n_prompts=4000",
+    "task.n_prompts=12000",
     "output.n_boot=10",
 ]
 
