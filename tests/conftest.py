@@ -201,3 +201,24 @@ def error_line(result: CliResult) -> str:
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, result.stderr
     return lines[0]
+
+
+# The files that take longest, run first: `make test` hands whole files to its two workers in collection
+# order (--dist loadfile), and a long file handed out last leaves the other worker idle until it ends.
+LONGEST_FIRST = (
+    "test_gemma3.py",
+    "test_docs.py",
+    "test_smollm2.py",
+    "test_atlas.py",
+    "test_sae_text.py",
+    "test_sae.py",
+    "test_edges.py",
+    "test_sweeps.py",
+    "test_qk_attribution.py",
+    "test_ioi_classes.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
