@@ -216,6 +216,7 @@ LONGEST_FIRST = (
     "test_sweeps.py",
     "test_qk_attribution.py",
     "test_ioi_classes.py",
+    "test_slurm.py",  # mostly waiting on the scheduler: beside the other worker's work, not after it
 )
 
 

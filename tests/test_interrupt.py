@@ -13,15 +13,15 @@ import pytest
 
 # the installed console script, as a user runs it: `python -m headlab` would skip its entry point
 HEADLAB = Path(sys.executable).parent / "headlab"
-# a few training steps, prompts that build quickly, and 32 heads to sweep: about 10 s of sweeping past the
-# checkpoint on one torch thread (1.7 s with 16 heads on 4000 prompts, too close to the moment the test signals)
+# a few training steps, prompts that build quickly, and 16 heads to sweep: seconds of sweeping past the
+# moment the test signals, on two cores or twenty
 LONG_RUN = [
-    "model.n_heads=32",
+    "model.n_heads=16",
     "model.d_head=4",
     "train.steps=5",
     "train.eval_every=5",
     "train.eval_prompts=64",
-    "task.n_prompts=12000",
+    "task.n_prompts=4000",
     "output.n_boot=10",
 ]
 
@@ -30,7 +30,15 @@ def _start(args: list[str], cwd: Path) -> tuple[subprocess.Popen, Path]:
     stderr = cwd / "stderr.txt"
     # files, not pipes: Hydra's log lines would fill a pipe nobody reads while the test waits
     with (cwd / "stdout.txt").open("w") as out, stderr.open("w") as err:
-        proc = subprocess.Popen([str(HEADLAB), *args], cwd=cwd, stdout=out, stderr=err)
+        # as a terminal starts it: an ignored SIGINT is inherited, and a pytest worker that has run other
+        # tests may ignore it (headlab keeps an ignored SIGINT ignored, as `headlab ... &` in a script needs)
+        proc = subprocess.Popen(
+            [str(HEADLAB), *args],
+            cwd=cwd,
+            stdout=out,
+            stderr=err,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     return proc, stderr
 
 
