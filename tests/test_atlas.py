@@ -7,6 +7,7 @@ import html
 import json
 import math
 import re
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -26,8 +27,18 @@ SMALL = dict(ioi_prompts=4, copy_prompts=6, text_docs=2, text_len=24, needle_pro
 
 
 @pytest.fixture(scope="module")
-def demo_atlas(tmp_path_factory, demo_root):
-    """`headlab atlas` on the demo model (toy-attn-1l on counting), its probes cached under demo_root."""
+def atlas_root(tmp_path_factory, demo_root):
+    """An output root of this module's own holding the demo checkpoint: what other tests of the same worker
+    ran under demo_root (its probes, its runs) cannot stand in for what this module computes."""
+    root = tmp_path_factory.mktemp("atlas-root")
+    shutil.copytree(demo_root / "checkpoints", root / "checkpoints", ignore=shutil.ignore_patterns("*.lock"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def demo_atlas(tmp_path_factory, atlas_root):
+    """`headlab atlas` on the demo model (toy-attn-1l on counting), its probes cached under atlas_root."""
+    demo_root = atlas_root
     run = tmp_path_factory.mktemp("atlas") / "run"
     args = (f"output.root={demo_root}", f"hydra.run.dir={run}", "output.n_boot=200")
     result = run_headlab("atlas", *args, cwd=run.parent)
@@ -40,7 +51,8 @@ def scores_of(table: pd.DataFrame, metric: str) -> pd.DataFrame:
     return rows.astype({"layer": int, "head": int}).set_index(KEYS).sort_index()
 
 
-def test_demo_atlas_scores_every_head_as_the_induction_study_does(demo_atlas, demo_root, tmp_path):
+def test_demo_atlas_scores_every_head_as_the_induction_study_does(demo_atlas, atlas_root, tmp_path):
+    demo_root = atlas_root
     table = pd.read_parquet(demo_atlas / "results.parquet")
     metrics = {"prev_token_score", "duplicate_token_score", "induction_score"} | {
         "attention_entropy",
@@ -68,7 +80,8 @@ def test_demo_atlas_scores_every_head_as_the_induction_study_does(demo_atlas, de
     assert ranks["rank"].tolist() == ranks["value"].rank(ascending=False, method="min").astype(int).tolist()
 
 
-def test_a_second_atlas_reads_the_cached_probes(demo_atlas, demo_root):
+def test_a_second_atlas_reads_the_cached_probes(demo_atlas, atlas_root):
+    demo_root = atlas_root
     run = demo_atlas.parent / "again"
     args = (f"output.root={demo_root}", f"hydra.run.dir={run}", "output.n_boot=200")
     result = run_headlab("atlas", "--scores", "induction", *args, cwd=run.parent)
