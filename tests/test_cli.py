@@ -77,6 +77,7 @@ def test_run_trains_sweeps_writes_then_reuses_the_checkpoint(tmp_path):
     meta = json.loads((run_dir / "meta.json").read_text())
     assert {"load_model", "build_task", "sweep", "tidy"} <= set(meta["seconds"])
     assert meta["packages"]["torch"].startswith("2.") and len(meta["config_hash"]) == 12
+    assert meta["threads"]["threads"] >= 1 and f"threads: {meta['threads']['threads']} (" in proc.stdout
     checkpoints = list(tmp_path.glob("checkpoints/*/model.safetensors"))
     assert len(checkpoints) == 1
     stamp = checkpoints[0].stat().st_mtime_ns

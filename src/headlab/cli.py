@@ -160,7 +160,12 @@ def _single(command: str, overrides: list[str]) -> None:
 
         get(result.config.study.name).summary(result.table, result.config.output.print_rows)
     out.print(f"results: {result.run_dir}", highlight=False, soft_wrap=True)
-    weights = _run_weights(result.run_dir)
+    meta = _run_meta(result.run_dir)
+    if meta.get("threads") and not result.skipped:
+        from .runtime import Threads
+
+        out.print(Threads(**meta["threads"]).line(), highlight=False, soft_wrap=True)
+    weights = meta.get("weights")
     if weights:
         from .models.loading import describe_weights
 
@@ -174,16 +179,17 @@ def _single(command: str, overrides: list[str]) -> None:
         out.print(f"figures: {result.run_dir / 'figures'} ({names})", highlight=False, soft_wrap=True)
 
 
-def _run_weights(run_dir: Path) -> dict | None:
-    """Where the run's model weights came from (meta.json's `weights`), where a file was converted for it."""
+def _run_meta(run_dir: Path) -> dict:
+    """The run's meta.json ({} where it cannot be read): its threads, and where its model weights came
+    from (`weights`), where a file was converted for it."""
     import json
 
     from .results import META
 
     try:
-        return json.loads((run_dir / META).read_text()).get("weights")
+        return json.loads((run_dir / META).read_text())
     except (OSError, json.JSONDecodeError):
-        return None
+        return {}
 
 
 # ---------------------------------------------------------------- commands

@@ -96,7 +96,9 @@ class Config:
     name: str = setting("default", RUN_NAME)
     seed: int = setting(0, NATURAL)  # numpy's generators take no negative seed
     device: str = "cpu"
-    threads: int = setting(0, NATURAL)  # 0 keeps torch's default; sweeps launched side by side should set 1 or 2
+    threads: int = setting(
+        0, NATURAL
+    )  # 0: one per idle core it may use (runtime.choose_threads), or a launcher's allotment
 
 
 ConfigStore.instance().store(name="base_config", node=Config)

@@ -1,4 +1,4 @@
-"""Sweeps: per-job status files, thread caps for side-by-side jobs, and the end-of-sweep summary.
+"""Sweeps: per-job status files and the end-of-sweep summary (runtime.choose_threads caps side-by-side jobs).
 
 Each job writes <job dir>/status.json (done | skipped | failed, with the last error line and the log
 path) from a Hydra callback that runs where the job runs (this process, a submitit subprocess or a
@@ -8,7 +8,6 @@ SLURM node), so the summary is read from the sweep dir alone, whatever launcher 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,6 @@ STATUS = "status.json"
 # and more, so a sweep that cannot be submitted is refused after this long
 CLUSTER_TIMEOUT_S = 5.0
 _last_sweep_dir: Path | None = None
-
-
-def job_threads() -> int:
-    """Threads for a job that shares the machine: SLURM's allocation, 1 under submitit_local, else 0."""
-    if os.environ.get("SLURM_CPUS_PER_TASK"):
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
-    return 1 if os.environ.get("SUBMITIT_LOCAL_JOB_ID") else 0
 
 
 class SweepStatus(Callback):

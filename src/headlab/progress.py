@@ -1,4 +1,5 @@
-"""Progress bars for long work (rich), quiet when disabled or when output is not a terminal."""
+"""Progress bars for long work (rich), quiet when disabled or when output is not a terminal; each says how
+many torch threads the work runs on."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -40,6 +42,7 @@ def progress_bar(description: str, total: int, completed: int = 0, enabled: bool
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         TextColumn("{task.fields[info]}"),
+        TextColumn(f"[dim]{torch.get_num_threads()} torch threads"),
         transient=False,
     )
     with progress:

@@ -1,10 +1,16 @@
-"""Process- and device-level settings for fast sweeps."""
+"""Process- and device-level settings for fast sweeps: chunk budgets, the allocator, torch's threads."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
+import psutil
 import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -37,3 +43,74 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, KEEP_MAPPED_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_MAPPED_BYTES))
+
+
+# a core counts as busy while other processes use at least this share of it: torch's threads wait for
+# their slowest one, so a thread that shares its core slows the whole pass (20x seen on two busy cores)
+BUSY_SHARE = 0.25
+LOAD_SAMPLE_S = 0.1  # how long the cores' use is watched before a run picks its threads
+
+
+@dataclass(frozen=True)
+class Threads:
+    """How many torch threads a run uses, and why."""
+
+    threads: int
+    cores: int  # the cores this process may run on (affinity, cgroup quota)
+    busy: int  # of them, busy with other work when the run started (-1: not measured)
+    source: str  # threads=N, SLURM, submitit_local, OMP_NUM_THREADS, or idle cores
+
+    def line(self) -> str:
+        seen = f", {self.busy} busy" if self.busy >= 0 else ""
+        return f"threads: {self.threads} ({self.source}; {self.cores} cores{seen})"
+
+    def as_meta(self) -> dict[str, int | str]:
+        """The fields by name (meta.json's `threads`; Threads(**it) reads it back)."""
+        return dataclasses.asdict(self)
+
+
+def allowed_cores() -> list[int]:
+    """The cores this process may run on, no more than its cgroup's CPU quota allows at once."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity
+        cores = list(range(os.cpu_count() or 1))
+    return cores[: max(1, math.ceil(cgroup_quota() or len(cores)))]
+
+
+def cgroup_quota(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
+    """CPUs' worth of time the cgroup (v2) allows per period; None: no quota, or no cgroup v2."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def busy_cores(use: list[float], busy_share: float = BUSY_SHARE) -> int:
+    """How many of these cores other work holds, from each one's use in percent: the use summed, so a
+    process that the scheduler moves between two cores counts once, a core counted from busy_share of it."""
+    return min(len(use), math.floor(sum(use) / 100 + 1 - busy_share))
+
+
+def choose_threads(requested: int = 0, sample_s: float = LOAD_SAMPLE_S) -> Threads:
+    """`requested` (> 0) wins; else what a launcher allots a job that shares the machine (SLURM's
+    cpus-per-task, 1 per submitit_local job) or OMP_NUM_THREADS; else one thread per idle core this
+    process may use, the cores' use watched for `sample_s` seconds (at least one thread)."""
+    cores = allowed_cores()
+    for threads, source in (
+        (requested, "threads="),
+        (_env_int("SLURM_CPUS_PER_TASK"), "SLURM_CPUS_PER_TASK"),
+        (1 if os.environ.get("SUBMITIT_LOCAL_JOB_ID") else 0, "submitit_local"),
+        (_env_int("OMP_NUM_THREADS"), "OMP_NUM_THREADS"),
+    ):
+        if threads > 0:
+            return Threads(threads, len(cores), -1, source)
+    use = psutil.cpu_percent(interval=sample_s, percpu=True)
+    busy = busy_cores([use[c] for c in cores if c < len(use)])
+    return Threads(max(1, len(cores) - busy), len(cores), busy, "idle cores")
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else 0

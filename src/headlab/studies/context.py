@@ -17,6 +17,7 @@ from ..config import Config, option
 from ..config_rules import refusal
 from ..interventions.plan import Intervention
 from ..models.hooked import HookedModel
+from ..runtime import Threads, choose_threads
 from ..tasks import Task, TaskData, build_task
 
 log = logging.getLogger("headlab")
@@ -122,10 +123,10 @@ def check_positions(positions: list[str], data: TaskData, task: str) -> None:
             )
 
 
-def apply_threads(cfg: Config) -> None:
-    """torch's thread count: cfg.threads, else what the launcher allots a job that shares the machine."""
-    from ..multirun import job_threads
-
-    threads = cfg.threads if cfg.threads and cfg.threads > 0 else job_threads()
-    if threads:
-        torch.set_num_threads(threads)
+def apply_threads(cfg: Config) -> Threads:
+    """torch's thread count for this run (runtime.choose_threads: cfg.threads, a launcher's allotment, or
+    the idle cores), set and said in one line."""
+    choice = choose_threads(cfg.threads)
+    torch.set_num_threads(choice.threads)
+    log.info(choice.line())
+    return choice

@@ -57,8 +57,9 @@ def execute_run(
     if previous is not None:
         return previous
     check_figures(cfg)
-    apply_threads(cfg)
+    threads = apply_threads(cfg)
     ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg))
+    ctx.meta["threads"] = threads.as_meta()
     df = study.run(ctx)
     results.write(df, run_dir, results.run_meta(study.hash(cfg), ctx.timings, {"study": study.name, **ctx.meta}))
     # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
