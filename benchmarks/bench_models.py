@@ -44,6 +44,13 @@ class LogitDiff(Task):
     def per_prompt(self, logits: torch.Tensor, data: TaskData) -> torch.Tensor:
         return (logits[..., 0, TOKEN_A] - logits[..., 0, TOKEN_B]).unsqueeze(-1)
 
+    def vocab_rows(self, data: TaskData, columns) -> torch.Tensor:
+        """The two rows the metric reads: headlab unembeds those alone."""
+        return torch.tensor([TOKEN_A, TOKEN_B]).expand(data.n, 2)
+
+    def from_rows(self, rows: torch.Tensor, data: TaskData, columns) -> torch.Tensor:
+        return (rows[..., 0, 0] - rows[..., 0, 1]).unsqueeze(-1)
+
 
 def gpt2_config(init_range: float = 0.02) -> GPT2Config:
     return GPT2Config(

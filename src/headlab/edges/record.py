@@ -127,8 +127,15 @@ def check_pairs(data: TaskData) -> Inputs:
 
 
 def metric(model: HookedModel, task: Task, data: TaskData, resid_final: Tensor, column: int) -> Tensor:
-    """The task's smooth quantity per prompt [n] (per copy [copies, n] for a stacked batch)."""
+    """The task's smooth quantity per prompt [n] (per copy [copies, n] for a stacked batch); from the
+    vocabulary rows it reads alone where the task names them (Task.vocab_rows)."""
     copies = resid_final.shape[0] // data.n
-    logits = model.readout(resid_final, data.positions.repeat(copies, 1))
-    values = task.per_prompt(logits.unflatten(0, (copies, data.n)), data)[..., column]
+    positions = data.positions.repeat(copies, 1)
+    ids = task.vocab_rows(data, [column])
+    if ids is None:
+        logits = model.readout(resid_final, positions)
+        values = task.per_prompt(logits.unflatten(0, (copies, data.n)), data)[..., column]
+    else:
+        rows = model.readout_rows(resid_final, positions, ids.repeat(copies, 1))
+        values = task.from_rows(rows.unflatten(0, (copies, data.n)), data, [column])[..., 0]
     return values if copies > 1 else values[0]

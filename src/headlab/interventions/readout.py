@@ -64,11 +64,18 @@ def in_slices(
 
 
 def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:
-    """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read` [copies*n, P]: the
-    logits of as many copies as fit in `chunk_mb` at a time (copies x prompts x positions x vocabulary would not
-    fit when a task reads every position, as next-token loss does); where one copy's do not fit, that copy's
-    prompts a slice at a time (in_slices), their quantities joined."""
+    """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read` [copies*n, P]:
+    where the task reads its quantities from a few rows of the vocabulary (Task.vocab_rows), those rows'
+    logits of every copy; else the logits of as many copies as fit in `chunk_mb` at a time (copies x
+    prompts x positions x vocabulary would not fit when a task reads every position, as next-token loss
+    does); where one copy's do not fit, that copy's prompts a slice at a time (in_slices), their
+    quantities joined."""
     n, copies = data.n, h.shape[0] // data.n
+    columns = range(len(task.quantities))
+    ids = task.vocab_rows(data, columns)
+    if ids is not None:  # a few rows of the vocabulary: every copy at once
+        at_rows = model.readout_rows(h, read, ids.repeat(copies, 1))
+        return task.from_rows(at_rows.unflatten(0, (copies, n)), data, columns)
     step = copies_per_readout(model, data, read.shape[1], h, chunk_mb)
     parts: list[Tensor] = []
     if prompts_per_readout(model, read.shape[1], h, chunk_mb) < n:  # not even one copy at once: prompt slices

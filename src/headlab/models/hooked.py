@@ -467,10 +467,52 @@ class HookedModel:
                 h = _hidden(self.blocks[layer](h, *args, **kwargs))
         return h
 
+    def attention_inputs(
+        self, h: Tensor, layer: int, trace: Trace, copies: int = 1, attn_in: Callable[[Tensor], Tensor] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(q, k, v) of block `layer`'s attention on h (shapes: sites.py), the block stopped right there:
+        its attention, output projection and MLP never run. `attn_in` edits the stream the attention
+        reads, as input_hooks does; the layer's q, k and v hooks run first."""
+        kept: list[Tensor] = []
+
+        def keep(t: Tensor) -> Tensor:
+            kept.append(t)
+            return t
+
+        def last(t: Tensor) -> Tensor:
+            kept.append(t)
+            raise _Stop
+
+        args, kwargs = trace.extra_for(layer, copies)
+        with self.input_hooks(layer, attn_in=attn_in), self.sites.hooks(layer, q=keep, k=keep, v=last):
+            try:
+                self.blocks[layer](h, *args, **kwargs)
+            except _Stop:
+                pass
+        q, k, v = kept
+        return q, k, v
+
     def readout(self, h: Tensor, positions: Tensor) -> Tensor:
         """Logits [batch, n_positions, vocab] at positions [batch, n_positions] only."""
         rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
         logits = self.unembed(self.final_norm(h[rows, positions.to(h.device)]))
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+    def readout_rows(self, h: Tensor, positions: Tensor, ids: Tensor) -> Tensor:
+        """Logits [batch, n_positions, R] at positions [batch, n_positions] and the vocabulary rows ids
+        [batch, R] alone (a negative id reads row 0): the final norm as readout's, then R rows of the
+        unembedding a prompt instead of all of them."""
+        rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
+        normed = self.final_norm(h[rows, positions.to(h.device)])  # [batch, P, d]
+        ids = ids.to(h.device).clamp_min(0)
+        weight = self.unembed.weight
+        assert isinstance(weight, Tensor)
+        logits = torch.einsum("bpd,brd->bpr", normed, weight[ids].to(normed.dtype))  # weight[ids]: [batch, R, d]
+        bias = getattr(self.unembed, "bias", None)
+        if bias is not None:
+            logits = logits + bias[ids].to(logits.dtype).unsqueeze(1)
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -166,6 +166,17 @@ class Task:
         """logits [..., n, P, vocab] at data.positions -> quantities [..., n, Q]."""
         raise NotImplementedError
 
+    def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor | None:
+        """Token ids [n, R] whose logits alone give the quantities `columns` (from_rows computes them), so
+        that a readout unembeds R rows, not the vocabulary (HookedModel.readout_rows); None (the default):
+        one of them needs the whole vocabulary (a probability, a loss)."""
+        return None
+
+    def from_rows(self, rows: Tensor, data: TaskData, columns: Sequence[int]) -> Tensor:
+        """rows [..., n, P, R], the logits at data.positions and vocab_rows' ids -> quantities [..., n,
+        len(columns)], equal to per_prompt's columns."""
+        raise NotImplementedError(f"task {self.name} reads its quantities from the whole vocabulary")
+
     def evaluate_logits(self, logits: Tensor, data: TaskData) -> dict[str, float]:
         """Aggregate metrics from full logits [n, pos, vocab] of the clean prompts."""
         rows = torch.arange(data.n).unsqueeze(1)

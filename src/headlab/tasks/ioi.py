@@ -17,6 +17,7 @@ Quantities at END: logit difference IO - S, IO probability, correct (IO logit > 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..errors import HeadlabError
 from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, mean_of, right_padded
 
 log = logging.getLogger("headlab")
+PROB = 1  # the column of io_prob among IOITask.quantities
 
 BABA_TEMPLATES = (
     "Then, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to [A]",
@@ -89,7 +91,7 @@ class Prompts:
 class IOITask(Task):
     name = "ioi"
     options = IOIConfig
-    quantities = ("logit_diff", "io_prob", "correct")
+    quantities = ("logit_diff", "io_prob", "correct")  # io_prob, alone a softmax over the vocabulary: PROB
     smooth_quantity = "logit_diff"
     needs_tokenizer = True
     # GPT-2 small, else SmolLM2-135M, else the small GPT-2 trained here as experiment=ioi_trained trains it
@@ -223,6 +225,18 @@ class IOITask(Task):
         io_prob = torch.exp(io_logit - torch.logsumexp(at_end, dim=-1))
         diff = io_logit - s_logit
         return torch.stack([diff, io_prob, (diff > 0).float()], dim=-1)
+
+    def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor | None:
+        """[n, 2]: IO's and S's ids, from which logit_diff and accuracy follow (io_prob needs every row)."""
+        if PROB in columns:
+            return None
+        return torch.stack([data.answers["io"], data.answers["s"]], dim=-1)
+
+    def from_rows(self, rows: Tensor, data: TaskData, columns: Sequence[int]) -> Tensor:
+        at_end = rows[..., 0, :]
+        at_end = at_end.float() if at_end.element_size() < 4 else at_end
+        diff = at_end[..., 0] - at_end[..., 1]
+        return torch.stack([diff if c == 0 else (diff > 0).float() for c in columns], dim=-1)
 
     def train_batch(self, generator: torch.Generator, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
         """IOI prompts over the training names; the loss is taken at END only (target: IO)."""

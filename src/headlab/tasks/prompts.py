@@ -90,10 +90,16 @@ def patching_score_of(column: int) -> Aggregate:
     return aggregate
 
 
-def quantities_at(logits: Tensor, answer: Tensor, wrong: Tensor, peer: str | None = None) -> Tensor:
+PROB = 1  # answer_prob's column: a softmax over the whole vocabulary
+
+
+def quantities_at(
+    logits: Tensor, answer: Tensor, wrong: Tensor, peer: str | None = None, with_prob: bool = True
+) -> Tensor:
     """logits [..., n, vocab] at the read positions, answer [n, A] and wrong [n, W] token ids (-1 pads
     the lists) -> [..., n, 3]: logit_diff, answer_prob, correct; [..., n, 4] with the peer's logit
-    difference after them where a peer is named."""
+    difference after them where a peer is named. Without `with_prob`, answer_prob is NaN: `logits` may
+    then hold some rows of the vocabulary alone."""
     logits = logits.float() if logits.element_size() < 4 else logits  # half precision: sum in float32
 
     def gathered(ids: Tensor) -> Tensor:
@@ -104,7 +110,10 @@ def quantities_at(logits: Tensor, answer: Tensor, wrong: Tensor, peer: str | Non
     right_ok, wrong_ok = (answer >= 0).to(logits.device), (wrong >= 0).to(logits.device)
     right_best = right.masked_fill(~right_ok, float("-inf"))
     diff = right_best.amax(-1) - wrong_.masked_fill(~wrong_ok, float("-inf")).amax(-1)
-    prob = torch.exp(right_best - torch.logsumexp(logits, -1, keepdim=True)).sum(-1)
+    if with_prob:
+        prob = torch.exp(right_best - torch.logsumexp(logits, -1, keepdim=True)).sum(-1)
+    else:
+        prob = torch.full_like(diff, float("nan"))
     columns = [diff, prob, (diff > 0).float()]
     if peer == "autocircuit":
         mean = lambda v, ok: (v * ok).sum(-1) / ok.sum(-1)  # noqa: E731
@@ -117,7 +126,7 @@ def quantities_at(logits: Tensor, answer: Tensor, wrong: Tensor, peer: str | Non
 class PromptsTask(Task):
     name = "prompts"
     options = PromptsConfig
-    quantities: tuple[str, ...] = ("logit_diff", "answer_prob", "correct")
+    quantities: tuple[str, ...] = ("logit_diff", "answer_prob", "correct")  # answer_prob: column PROB
     smooth_quantity = "logit_diff"
     needs_tokenizer = True
     default_models = PRETRAINED_DEFAULTS
@@ -186,6 +195,23 @@ class PromptsTask(Task):
 
     def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
         return quantities_at(logits[..., 0, :], data.answers["answer"], data.answers["wrong_answer"], self.peer)
+
+    def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor | None:
+        """[n, A + W]: the answer and wrong-answer ids (-1 pads), from which every quantity but
+        answer_prob follows."""
+        if PROB in columns:
+            return None
+        return torch.cat([data.answers["answer"], data.answers["wrong_answer"]], dim=-1)
+
+    def from_rows(self, rows: Tensor, data: TaskData, columns: Sequence[int]) -> Tensor:
+        """quantities_at on the rows alone, the answers laid out as vocab_rows lays them (no softmax)."""
+        width = data.answers["answer"].shape[-1]
+        right, wrong = data.answers["answer"], data.answers["wrong_answer"]
+        at = torch.arange(rows.shape[-1], device=right.device)
+        local_right = torch.where(right >= 0, at[:width], -1)
+        local_wrong = torch.where(wrong >= 0, at[width:], -1)
+        every = quantities_at(rows[..., 0, :], local_right, local_wrong, self.peer, with_prob=False)
+        return every[..., list(columns)]
 
     def _scores(self, model: Any, inputs: Inputs, positions: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:
         """Each prompt's score (the peer's logit difference, else logit_diff) in a plain forward pass of the
