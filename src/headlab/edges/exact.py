@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -59,8 +60,9 @@ def exact_scores(
     which = graph.real if which is None else which & graph.real
     out = torch.full(graph.real.shape, float("nan"), dtype=torch.float64)
     with torch.inference_mode():
-        clean, corrupt_out = clean_and_corrupted(model, graph, data)
-        delta = patch_deltas(model, graph, clean, corrupt_out)
+        runs = clean_and_corrupted(model, graph, data)
+        clean = runs.clean
+        delta = patch_deltas(model, graph, clean, runs.corrupt_out)
         trace = clean.trace
         base = metric(model, task, data, trace.resid_final, column)
         n = data.n
@@ -153,38 +155,61 @@ def _select(keep: Tensor, clean: Tensor, n: int) -> Hook:
     return hook
 
 
+@dataclass
+class Runs:
+    """The clean recording and what circuit_metric reads of the corrupted run: every sender's output
+    [senders, n, pos, d], each block's input and the last one's output, and (post-norm models) each
+    layer's attention output A before its norm."""
+
+    clean: Recording
+    corrupt_out: Tensor
+    corrupt_resid: list[Tensor]
+    corrupt_attn: dict[int, Tensor]
+
+
+def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData) -> Runs:
+    check_pairs(data)
+    with torch.inference_mode():
+        clean = record(model, graph, data.inputs)
+        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
+        resid = [*corrupt.trace.resid_pre, corrupt.trace.resid_final]
+        return Runs(clean, sender_outputs(model, graph, corrupt), resid, {l: a for l, (a, _) in corrupt.attn.items()})
+
+
 def circuit_metric(
     model: HookedModel,
     task: Task,
     data: TaskData,
     graph: EdgeGraph,
     circuit: Tensor,
-    runs: tuple[Recording, Tensor] | None = None,
+    runs: Runs | None = None,
 ) -> Tensor:
     """[n]: the metric per prompt with every edge outside `circuit` ([senders, receivers] bool) patched
-    from the corrupted run. `runs`: the clean recording and the corrupted senders' outputs
-    (clean_and_corrupted), where several circuits are measured on the same prompts."""
+    from the corrupted run. `runs`: clean_and_corrupted's, where several circuits are measured on the same
+    prompts.
+
+    Below the first layer with an edge of the circuit into it every receiver reads the corrupted run, so
+    the pass starts there from the corrupted run's residual stream (with the clean input node, which the
+    stream itself carries): the same values as running those layers, to float rounding."""
     column = metric_column(task)
     with torch.inference_mode():
-        clean, corrupt_out = runs or clean_and_corrupted(model, graph, data)
-        trace = clean.trace
+        runs = runs or clean_and_corrupted(model, graph, data)
+        trace, corrupt_out = runs.clean.trace, runs.corrupt_out
+        kept = circuit.cpu() & graph.real
+        cut = (graph.real & ~kept).to(corrupt_out.device, corrupt_out.dtype)  # [senders, receivers]
+        into = kept.any(0).nonzero().flatten().tolist()
+        first = min((graph.receivers[r].layer for r in into), default=graph.n_layers)
+        below = graph.head_rows(first).start if first < graph.n_layers else len(graph.senders)
         current = torch.zeros_like(corrupt_out)
         current[0] = trace.resid_pre[0]
-        cut = (graph.real & ~circuit.cpu()).to(corrupt_out.device, corrupt_out.dtype)  # [senders, receivers]
-        before: dict[int, Tensor] = {}  # post-norm models: each layer's A in this run
-        h = trace.resid_pre[0]
-        for layer in range(graph.n_layers):
+        current[1:below] = corrupt_out[1:below]
+        # post-norm models: each layer's A in this run
+        before: dict[int, Tensor] = {l: a for l, a in runs.corrupt_attn.items() if l < first}
+        h = runs.corrupt_resid[first] + (trace.resid_pre[0] - runs.corrupt_resid[0])
+        for layer in range(first, graph.n_layers):
             h = _circuit_layer(model, graph, trace, layer, h, corrupt_out, current, cut, before)
         final = h + received(model, graph, cut[:, -1:], corrupt_out - current, before)[0]  # the logits
         return metric(model, task, data, final, column)
-
-
-def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData) -> tuple[Recording, Tensor]:
-    check_pairs(data)
-    with torch.inference_mode():
-        clean = record(model, graph, data.inputs)
-        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
-        return clean, sender_outputs(model, graph, corrupt)
 
 
 def _circuit_layer(
@@ -201,8 +226,10 @@ def _circuit_layer(
     """Block `layer` with each receiver reading its own input; fills in current[] for its senders.
 
     A head with no edge out of it in the circuit needs no input of its own: every reader of its output
-    gets its corrupted output instead (the current one cancels). Only the q/k/v receivers of the other
-    heads get a copy; the rest read copy 0."""
+    gets its corrupted output instead (the current one cancels). The q/k/v receivers of the other heads
+    each get a copy of the stream as far as the attention's q, k and v (HookedModel.attention_inputs:
+    the copies stop there); the block then runs once, each head taking its query from its q copy and its
+    key and value from its kv head's copies, the MLP reading its own input."""
     cols = graph.layer_receivers(layer)
     attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
     heads = graph.head_rows(layer)
@@ -211,28 +238,28 @@ def _circuit_layer(
     kept = [c for c in attn_cols if (owned[:, c] & live).any()] or attn_cols[:1]
     copy_of = {c: i for i, c in enumerate(kept)}
     copies, n = len(kept), h.shape[0]
-    deltas = received(model, graph, cut[:, kept], corrupt_out - current, before)
+    deltas = received(model, graph, cut[:, kept], corrupt_out - current, before)  # [copies, n, pos, d]
+    stacked = [
+        t.unflatten(0, (copies, n))  # [copies, n, head, pos, d_head]
+        for t in model.attention_inputs(
+            h.repeat(copies, 1, 1), layer, trace, copies, attn_in=lambda t: t + deltas.flatten(0, 1)
+        )
+    ]
+    assembled = {}
+    for kind, t in zip(QKV, stacked):
+        sources = torch.tensor([copy_of.get(c, 0) for c in attn_cols if graph.receivers[c].kind == kind])
+        picked = t[sources.to(t.device), :, torch.arange(t.shape[2], device=t.device)]  # [head, n, pos, d_head]
+        assembled[kind] = picked.transpose(0, 1)
     z_now: list[Tensor] = []
     attn_now: list[tuple[Tensor, Tensor]] = []
 
-    def assemble(kind: str) -> Hook:
-        sources = torch.tensor([copy_of.get(c, 0) for c in attn_cols if graph.receivers[c].kind == kind])
-
-        def hook(t: Tensor) -> Tensor:
-            stacked = t.unflatten(0, (copies, n))
-            count = stacked.shape[2]
-            picked = stacked[sources.to(t.device), :, torch.arange(count, device=t.device)]  # [heads, n, pos, d]
-            return picked.transpose(0, 1).repeat(copies, 1, 1, 1)
-
-        return hook
-
     def keep_z(t: Tensor) -> Tensor:
-        z_now.append(t[:n])
+        z_now.append(t)
         return t
 
     def keep_attn(a: Tensor, out: Tensor) -> Tensor:
-        attn_now.append((a[:n], out[:n]))
-        before[layer] = a[:n]
+        attn_now.append((a, out))
+        before[layer] = a
         return out
 
     def heads_now() -> Tensor:
@@ -241,26 +268,29 @@ def _circuit_layer(
     def mlp_input(t: Tensor) -> Tensor:
         current[heads] = heads_now()
         mlp_col = next(c for c in cols if graph.receivers[c].kind == "mlp")
-        return t + received(model, graph, cut[:, [mlp_col]], corrupt_out - current, before)[0].repeat(copies, 1, 1)
+        return t + received(model, graph, cut[:, [mlp_col]], corrupt_out - current, before)[0]
 
     def keep_mlp(t: Tensor) -> Tensor:
-        current[heads.stop] = t[:n]  # the MLP follows its layer's heads
+        current[heads.stop] = t  # the MLP follows its layer's heads
         return t
 
     has_mlp = layer in graph.mlp_layers
-    fns: dict[str, Hook] = {"q": assemble("q"), "k": assemble("k"), "v": assemble("v"), "z": keep_z}
+
+    def given(kind: str) -> Hook:
+        return lambda _t: assembled[kind]
+
+    fns: dict[str, Hook] = {kind: given(kind) for kind in QKV}
+    fns["z"] = keep_z
     with ExitStack() as stack:
-        stack.enter_context(
-            model.input_hooks(layer, attn_in=lambda t: t + deltas.flatten(0, 1), mlp_in=mlp_input if has_mlp else None)
-        )
+        stack.enter_context(model.input_hooks(layer, mlp_in=mlp_input if has_mlp else None))
         stack.enter_context(model.hooks(layer, **fns))
         if has_mlp:
             stack.enter_context(mlp_output(model, graph, layer, keep_mlp))
         if graph.post_norm is not None:
             stack.enter_context(attn_output(model, layer, keep_attn))
-        out = model.run_blocks(h.repeat(copies, 1, 1), layer, trace, copies=copies, stop=layer + 1)
+        out = model.run_blocks(h, layer, trace, stop=layer + 1)
     current[heads] = heads_now()
-    return out[:n]
+    return out
 
 
 def exact_node_scores(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph) -> Tensor:
