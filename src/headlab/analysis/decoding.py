@@ -4,11 +4,11 @@ heads are read off it: analysis/retrieval.py), optionally stopping at a newline 
 The prompts are decoded in batches, into a buffer of the prompt and one position per step after it. One
 pass over the buffer keeps every layer's keys and values (HookedModel.trace, with no pattern made, so
 that long prompts cost what a plain forward pass costs); each step then runs the blocks on the newest
-query's position and after, attending to the kept keys and values before it (run_blocks' suffix runs,
-the engine's own), and writes that position's keys and values into the kept ones: a key-value cache.
-The positions after the newest query are scaffolding: causal attention keeps them from changing anything
-before them, and they are overwritten as the answer grows. A model whose blocks cannot run on a suffix
-(runs_suffixes false) runs the whole buffer at every step instead.
+query's position alone, attending to the kept keys and values before it (run_blocks' suffix runs, the
+engine's own), and writes that position's keys and values into the kept ones, in place: a key-value
+cache that no step copies (the attention reads it per key/value head, sites.per_copy). The buffer's
+positions after the newest query only give the cache its length. A model whose blocks cannot run on a
+suffix (runs_suffixes false) runs the whole buffer at every step instead.
 
 Masking (Wu et al.'s needle_in_haystack_with_mask.py): a masked head's query is zeroed at every decoding
 step, so that it attends uniformly over what it sees; the prompt's pass is left clean, as their prefill
@@ -91,12 +91,12 @@ def _decode_batch(
             ids[:, p] = tokens[-1].clamp(min=0)
         current = {**batch, "input_ids": ids}
         if trace is not None:
-            h = model.embed(current)[:, p:]
+            h = model.embed(current)[:, p : p + 1]
             with ExitStack() as stack:
                 seen = stack.enter_context(_top_keys(model, 0))
                 stack.enter_context(_masked_queries(model, masked, 0))
                 kv = stack.enter_context(model.sites.record(sites=(Site.k, Site.v)))
-                h = model.run_blocks(h, 0, trace, read=at_start, from_position=p)
+                h = model.run_blocks(h, 0, trace, read=at_start, from_position=p, to_position=p + 1)
             for layer in range(model.n_layers):
                 keys, values = trace.kv[layer]  # type: ignore[index]
                 keys[:, :, p] = kv[(Site.k, layer)][:, :, 0]

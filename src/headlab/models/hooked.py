@@ -63,11 +63,13 @@ class Trace:
         kept = [*self.resid_pre, self.resid_final, *z, *(t for kv in self.kv or [] for t in kv)]
         return sum(t.numel() * t.element_size() for t in kept)
 
-    def extra_for(self, layer: int, copies: int, start: int = 0) -> tuple[tuple, dict]:
-        """The block's extra arguments for `copies` stacked copies of positions start.. of the prompts."""
+    def extra_for(self, layer: int, copies: int, start: int = 0, stop: int | None = None) -> tuple[tuple, dict]:
+        """The block's extra arguments for `copies` stacked copies of positions start..stop-1 of the prompts
+        (stop None: to the last)."""
         extra = self.block_extra[layer]
-        if start:
-            extra = _each_tensor(extra, lambda t: self._memo(_suffix, t, self.length, start))
+        end = self.length if stop is None else stop
+        if start or end != self.length:
+            extra = _each_tensor(extra, lambda t: self._memo(_suffix, t, self.length, start, end))
         if copies > 1:
             extra = _each_tensor(extra, lambda t: self._memo(_repeat, t, self.batch, copies))
         return extra
@@ -93,16 +95,16 @@ def _each_tensor(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return obj
 
 
-def _suffix(t: Tensor, length: int, start: int) -> Tensor:
-    """Positions start.. of a positional tensor: a mask's query rows ([b, 1, q, k]: every key stays), a
-    table's or an id row's positions ([b, pos, ...] and [b, pos]), a position vector ([pos]); any other
-    tensor as it is."""
+def _suffix(t: Tensor, length: int, start: int, stop: int) -> Tensor:
+    """Positions start..stop-1 of a positional tensor: a mask's query rows ([b, 1, q, k]: every key stays;
+    the attention reads the columns of the keys it has), a table's or an id row's positions ([b, pos, ...]
+    and [b, pos]), a position vector ([pos]); any other tensor as it is."""
     if t.dim() == 4 and t.shape[-2:] == (length, length):
-        return t[..., start:, :]
+        return t[..., start:stop, :]
     if t.dim() in (2, 3) and t.shape[1] == length:
-        return t[:, start:]
+        return t[:, start:stop]
     if t.dim() == 1 and t.shape[0] == length:
-        return t[start:]
+        return t[start:stop]
     return t
 
 
@@ -439,12 +441,14 @@ class HookedModel:
         stop: int | None = None,
         from_position: int = 0,
         replay: bool = False,
+        to_position: int | None = None,
     ) -> Tensor:
         """Blocks start..stop-1 (default: to the last). With `read` ([batch, P] positions), the last
         block's MLP runs at those positions only: nothing after it reads the others, so their residual
         is left incomplete. With `from_position` p > 0, h holds positions p.. only (runs_suffixes, a
         trace with keep_kv): each layer attends to the trace's clean keys and values before p, which
-        is exact wherever nothing before p was edited. With `replay` (a trace with keep_z), block
+        is exact wherever nothing before p was edited; with `to_position` q as well, h holds positions
+        p..q-1 (exact: causal attention keeps later positions from changing them). With `replay` (a trace with keep_z), block
         `start`'s attention is not computed: h must be its clean input and its q, k, v and pattern
         unedited, so that its output is the output projection of the trace's z after the z hook."""
         if from_position and trace.kv is None:
@@ -452,7 +456,7 @@ class HookedModel:
         if replay and trace.z is None:
             raise ValueError("replaying an attention needs a trace that kept z")
         for layer in range(start, self.n_layers if stop is None else stop):
-            args, kwargs = trace.extra_for(layer, copies, from_position)
+            args, kwargs = trace.extra_for(layer, copies, from_position, to_position)
             mlp = self.mlps[layer] if read is not None and layer == self.n_layers - 1 else None
             with ExitStack() as stack:
                 stack.enter_context(_only_at(mlp, read))

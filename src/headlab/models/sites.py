@@ -205,15 +205,11 @@ def _eager(
     dropout: float,
     softcap: float | None,
 ) -> tuple[Tensor, Tensor]:
-    """z [batch, pos, head, d_head] and the pattern, through the slot's pattern hook and prefix."""
+    """z [batch, pos, head, d_head] and the pattern, through the slot's pattern hook and prefix. Grouped
+    keys and values are never repeated per query head, nor the prefix joined to the suffix's keys and
+    values (per_copy): a decoding step copies nothing of the cache."""
     prefix = None if slot is None else slot.prefix
-    n_rep = query.shape[1] // key.shape[1]
-    if n_rep > 1:
-        key = key.repeat_interleave(n_rep, dim=1)
-        value = value.repeat_interleave(n_rep, dim=1)
-        if prefix is not None:
-            prefix = (prefix[0].repeat_interleave(n_rep, dim=1), prefix[1].repeat_interleave(n_rep, dim=1))
-    scores = torch.matmul(query, key.transpose(-1, -2))
+    scores = per_copy(query, key.transpose(-1, -2))
     if prefix is not None:
         scores = torch.cat([per_copy(query, prefix[0].transpose(-1, -2)), scores], dim=-1)
     scores = scores * scaling
@@ -227,10 +223,12 @@ def _eager(
         pattern = slot.pattern(pattern)
     if dropout and module.training:
         pattern = nn.functional.dropout(pattern, p=dropout)
-    if prefix is not None:  # one product over every key, as a full pass sums them
-        copies = value.shape[0] // prefix[1].shape[0]
-        value = torch.cat([prefix[1].repeat(copies, 1, 1, 1), value], dim=2)
-    return torch.matmul(pattern, value).transpose(1, 2), pattern
+    if prefix is None:
+        z = per_copy(pattern, value)
+    else:  # the prefix's keys, then the suffix's own: the two parts of one product over every key
+        before = prefix[1].shape[2]
+        z = per_copy(pattern[..., :before], prefix[1]) + per_copy(pattern[..., before:], value)
+    return z.transpose(1, 2), pattern
 
 
 def mask_per_prompt(mask: Tensor, batch: int) -> bool:
@@ -252,14 +250,17 @@ def _masked(scores: Tensor, mask: Tensor) -> Tensor:
 
 
 def per_copy(a: Tensor, b: Tensor) -> Tensor:
-    """a [g * batch, head, S, x] @ b [batch, head, x, m] -> [g * batch, head, S, m]: b shared by the g
-    stacked copies (group-major) of a, multiplied without repeating it g times: the copies are folded
-    into the rows of one product per prompt and head."""
-    batch, heads, rows = b.shape[0], a.shape[1], a.shape[2]
-    copies = a.shape[0] // batch
-    folded = a.unflatten(0, (copies, batch)).permute(1, 2, 0, 3, 4).reshape(batch, heads, copies * rows, -1)
-    out = torch.matmul(folded, b)
-    return out.unflatten(2, (copies, rows)).permute(2, 0, 1, 3, 4).reshape(copies * batch, heads, rows, -1)
+    """a [g * batch, head, S, x] @ b [batch, kv_head, x, m] -> [g * batch, head, S, m]: b shared by the g
+    stacked copies (group-major) of a and by the head // kv_head query heads of each group (grouped-query
+    attention), multiplied without repeating it: the copies and the group's heads are folded into the
+    rows of one product per prompt and key/value head (a view, where g is 1)."""
+    batch, kv, heads, rows = b.shape[0], b.shape[1], a.shape[1], a.shape[2]
+    copies, rep = a.shape[0] // batch, heads // kv
+    folded = a.unflatten(0, (copies, batch)).unflatten(2, (kv, rep))  # [g, batch, kv, rep, S, x]
+    folded = folded.permute(1, 2, 0, 3, 4, 5).reshape(batch, kv, copies * rep * rows, -1)
+    out = torch.matmul(folded, b)  # [batch, kv, g * rep * S, m]
+    out = out.unflatten(2, (copies, rep, rows)).permute(2, 0, 1, 3, 4, 5)  # [g, batch, kv, rep, S, m]
+    return out.reshape(copies * batch, heads, rows, -1)
 
 
 @dataclass
