@@ -448,9 +448,10 @@ class HookedModel:
         is left incomplete. With `from_position` p > 0, h holds positions p.. only (runs_suffixes, a
         trace with keep_kv): each layer attends to the trace's clean keys and values before p, which
         is exact wherever nothing before p was edited; with `to_position` q as well, h holds positions
-        p..q-1 (exact: causal attention keeps later positions from changing them). With `replay` (a trace with keep_z), block
-        `start`'s attention is not computed: h must be its clean input and its q, k, v and pattern
-        unedited, so that its output is the output projection of the trace's z after the z hook."""
+        p..q-1 (exact: causal attention keeps later positions from changing them). With `replay` (a
+        trace with keep_z), block `start`'s attention is not computed: h must be its clean input and its
+        q, k, v and pattern unedited, so that its output is the output projection of the trace's z after
+        the z hook."""
         if from_position and trace.kv is None:
             raise ValueError("a suffix of positions needs a trace that kept its keys and values")
         if replay and trace.z is None:
