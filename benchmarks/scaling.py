@@ -21,7 +21,10 @@ Memory: peak_mb is the peak resident set during the sweep above the resident set
 given back with malloc_trim, VmHWM reset through /proc/self/clear_refs): what the sweep itself allocates,
 the loaded weights excluded. A loop's peak is one pass's, so running it on a few heads measures it whole.
 On CUDA (--device cuda) the clock waits for the GPU and peak_mb is torch.cuda.max_memory_allocated above the
-memory allocated before the sweep. Slope: least squares of log(seconds) and log(peak_mb) on log(x), per side and axis.
+memory allocated before the sweep. Slope: least squares of log(seconds) and log(peak_mb) on log(x), per side and axis;
+marginal: the slope of what the two largest points add above the smallest point's cost (scaling.marginal), the
+fixed costs that a fitted slope mixes in subtracted. Goal: headlab's marginal slopes no steeper than the
+flattest peer's.
 
 Writes outputs/bench/scaling.csv (every point), scaling_slopes.csv, scaling.png, and copies the figure to
 docs/scaling.png (the README's). Run from the repo root: `make scaling`
@@ -197,8 +200,22 @@ def slopes(points: pd.DataFrame) -> pd.DataFrame:
         for what in ("seconds", "peak_mb"):
             y = best[what].to_numpy(float).clip(min=1e-3)
             row[f"slope_{what}"] = round(float(np.polyfit(logx, np.log(y), 1)[0]), 3)
+            row[f"marginal_{what}"] = marginal(best["x"].to_numpy(float), y)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def marginal(x: np.ndarray, y: np.ndarray) -> float:
+    """The slope of what the largest sizes add, the smallest point's cost (mostly fixed: imports aside, a
+    sweep's set-up, its clean pass, its first readout) subtracted: log((y3 - y0) / (y2 - y0)) over
+    log((x3 - x0) / (x2 - x0)) for the two largest points 2, 3 and the smallest 0. NaN where the costs do
+    not grow past the smallest point's (all fixed)."""
+    if len(x) < 3:
+        return float("nan")
+    grown, wider = y[-2:] - y[0], x[-2:] - x[0]
+    if (grown <= 0).any():
+        return float("nan")
+    return round(float(np.log(grown[1] / grown[0]) / np.log(wider[1] / wider[0])), 3)
 
 
 def figure(points: pd.DataFrame, table: pd.DataFrame, path: Path) -> None:
@@ -285,7 +302,10 @@ def write_outputs(points: pd.DataFrame, out: Path, docs: str) -> int:
         Path(docs).mkdir(exist_ok=True)
         shutil.copy(out / "scaling.png", Path(docs) / "scaling.png")
     for r in table.itertuples():
-        print(f"slope_{r.axis}_{r.side}: seconds {r.slope_seconds:.2f}, peak_mb {r.slope_peak_mb:.2f}")
+        print(
+            f"slope_{r.axis}_{r.side}: seconds {r.slope_seconds:.2f} (marginal {r.marginal_seconds:.2f}), "
+            f"peak_mb {r.slope_peak_mb:.2f} (marginal {r.marginal_peak_mb:.2f})"
+        )
     for line in goal_lines(points, table):
         print(line)
     return 0
@@ -303,6 +323,9 @@ def goal_lines(points: pd.DataFrame, table: pd.DataFrame) -> list[str]:
             mine, flattest = slope.loc["headlab", f"slope_{what}"], slope.loc[peers, f"slope_{what}"].min()
             verdict = "met" if mine <= flattest else "NOT met"
             lines.append(f"slope_goal_{axis}_{what}: headlab {mine:.2f}, flattest peer {flattest:.2f} ({verdict})")
+            mine, flattest = slope.loc["headlab", f"marginal_{what}"], slope.loc[peers, f"marginal_{what}"].min()
+            verdict = "met" if not mine > flattest else "NOT met"  # NaN: nothing grows past the fixed cost
+            lines.append(f"marginal_goal_{axis}_{what}: headlab {mine:.2f}, flattest peer {flattest:.2f} ({verdict})")
         best = group.groupby(["side", "x"]).min(numeric_only=True)
         x = group["x"].max()
         mine = best.loc[("headlab", x)]

@@ -23,7 +23,7 @@ from torch import Tensor
 
 import edge_reference as ref
 from headlab.door import compose
-from headlab.edges.eap import scores
+from headlab.edges.eap import doubled_steps, scores
 from headlab.edges.exact import circuit_metric, exact_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.edges.record import metric_column
@@ -401,6 +401,19 @@ def test_eap_ig_equals_a_sum_by_hand_in_both_conventions_which_differ(case):
     assert apart > 1e-2 * float(got[1][real].abs().max()), apart  # the conventions are not the same number
     with pytest.raises(UsageError, match="ig_steps_from=2"):
         scores(case.model, case.task, case.data, case.graph, "eap_ig", steps=3, ig_steps_from=2)
+
+
+@pytest.mark.parametrize("method", ["eap_ig", "eap_ig_activations"])
+def test_scores_at_twice_the_steps_from_the_odd_alphas_equal_a_run_at_twice_the_steps(case, method):
+    real = case.graph.real
+    for steps_from in (0, 1):
+        at_2 = scores(case.model, case.task, case.data, case.graph, method, 2, ig_steps_from=steps_from)
+        want = scores(case.model, case.task, case.data, case.graph, method, 4, ig_steps_from=steps_from)
+        got = doubled_steps(case.model, case.task, case.data, case.graph, method, at_2, 2, ig_steps_from=steps_from)
+        assert torch.isnan(got[~real]).all()
+        err = float((got[real] - want[real]).abs().max())
+        assert err <= case.tol(float(want[real].abs().max())), (steps_from, err)
+        assert float((at_2[real] - want[real]).abs().max()) > 10 * err  # steps matter: the test can fail
 
 
 def test_eap_ig_tracks_exact_patching_better_than_eap(case):

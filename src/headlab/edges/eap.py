@@ -60,7 +60,11 @@ def runs_of(method: str, graph: EdgeGraph, steps: int, steps_from: int = 0) -> l
         return [Interpolation()]
     if steps_from not in IG_STEPS_FROM:
         raise UsageError(f"ig_steps_from={steps_from}: choose 0 (k = 0..steps-1) or 1 (k = 1..steps)")
-    alphas = [k / steps for k in range(steps_from, steps_from + steps)]
+    return runs_at(method, graph, [k / steps for k in range(steps_from, steps_from + steps)])
+
+
+def runs_at(method: str, graph: EdgeGraph, alphas: list[float]) -> list[Interpolation]:
+    """eap_ig*'s gradient runs at these alphas."""
     if method == "eap_ig":
         return [Interpolation("input", 0, a) for a in alphas]
     if method == "eap_ig_activations":
@@ -87,9 +91,52 @@ def scores(
 ) -> Tensor:
     """[senders, receivers] float64: each edge's score (NaN where there is no edge). `ig_steps_from`: the
     first k of eap_ig*'s sum over alpha = k/steps (0: hannamw/EAP-IG's code and MIB, 1: the paper)."""
+    runs = runs_of(method, graph, steps, ig_steps_from)
+    total = _summed(model, task, data, graph, runs, prompts_per_pass, show_progress, method)
+    total /= data.n * len(runs)
+    return total.masked_fill(~graph.real, float("nan"))
+
+
+def doubled_steps(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    method: str,
+    at_steps: Tensor,
+    steps: int,
+    prompts_per_pass: int = 16,
+    show_progress: bool = False,
+    ig_steps_from: int = 0,
+) -> Tensor:
+    """eap_ig*'s scores at 2 * steps interpolation steps, given `at_steps`, its scores at `steps`: the
+    2m-step sum's even alphas, k/(2m) = j/m, are the m-step sum's own, so only its m odd alphas run (the
+    same sums as scores(..., 2 * steps), to float64 rounding)."""
+    if method not in ("eap_ig", "eap_ig_activations"):
+        raise UsageError(f"only eap_ig and eap_ig_activations integrate over steps, not {method}")
+    first = ig_steps_from
+    odd = [k / (2 * steps) for k in range(first, first + 2 * steps) if k % 2]
+    runs = runs_at(method, graph, odd)
+    total = _summed(model, task, data, graph, runs, prompts_per_pass, show_progress, method)
+    per_alpha = len(runs) // len(odd)  # gradient runs per alpha (eap_ig_activations: one per node)
+    done = at_steps.nan_to_num() * (data.n * steps * per_alpha)
+    total = (done + total) / (data.n * 2 * steps * per_alpha)
+    return total.masked_fill(~graph.real, float("nan"))
+
+
+def _summed(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    runs: list[Interpolation],
+    prompts_per_pass: int,
+    show_progress: bool,
+    method: str,
+) -> Tensor:
+    """[senders, receivers] float64: the runs' scores summed over the runs and the prompts."""
     check_pairs(data)
     column = metric_column(task)
-    runs = runs_of(method, graph, steps, ig_steps_from)
     total = torch.zeros(graph.real.shape, dtype=torch.float64)
     slices = [slice(s, s + prompts_per_pass) for s in range(0, data.n, prompts_per_pass)]
     with progress_bar(f"edges ({method})", total=len(slices) * len(runs), enabled=show_progress) as bar:
@@ -103,8 +150,7 @@ def scores(
             for j, run in enumerate(runs):
                 _accumulate(total, model, task, part, graph, delta, clean, corrupt, run, column)
                 bar.update(i * len(runs) + j + 1)
-    total /= data.n * len(runs)
-    return total.masked_fill(~graph.real, float("nan"))
+    return total
 
 
 def _accumulate(

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import results
 from ..config import option, run_info
 from ..config_rules import COUNT, NATURAL, SHARE, Each, OneOf, Range, setting
+from ..edges.eap import doubled_steps
 from ..edges.eap import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
@@ -122,9 +123,20 @@ def run(ctx: RunContext) -> pd.DataFrame:
     ]
     if c.convergence and method.startswith("eap_ig"):
         with ctx.timed(f"{method}_twice_the_steps"):
-            moved = ctx.meta["convergence"] = convergence(
-                scores, edge_scores(ctx, graph, method, 2 * c.steps), graph, c.steps
+            model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
+            twice = doubled_steps(
+                model,
+                task,
+                data,
+                graph,
+                method,
+                scores,
+                c.steps,
+                c.prompts_per_pass,
+                ctx.show_progress,
+                c.ig_steps_from,
             )
+            moved = ctx.meta["convergence"] = convergence(scores, twice, graph, c.steps)
         tables.append(
             pd.DataFrame([{**base, "metric": f"convergence_{k}", "value": v} for k, v in moved.items() if k != "steps"])
         )
@@ -173,13 +185,13 @@ def run(ctx: RunContext) -> pd.DataFrame:
     return results.conform(pd.concat(tables, ignore_index=True))
 
 
-def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str, steps: int | None = None) -> Tensor:
+def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str) -> Tensor:
     c = ctx.options
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
     if method == "exact":
         return exact_scores(model, task, data, graph, chunk_mb=ctx.cfg.engine.chunk_mb, show_progress=ctx.show_progress)
     return attribution_scores(
-        model, task, data, graph, method, steps or c.steps, c.prompts_per_pass, ctx.show_progress, c.ig_steps_from
+        model, task, data, graph, method, c.steps, c.prompts_per_pass, ctx.show_progress, c.ig_steps_from
     )
 
 
