@@ -77,6 +77,15 @@ bench: $(VENV)/.headlab-bench  # the GPT-2-shaped random model, then smollm2-135
 scaling: $(VENV)/.headlab-bench  # cost vs prompts, tokens, heads and edges: outputs/bench/scaling.{png,csv}, docs/scaling.png
 	$(BIN)/python benchmarks/scaling.py --device $(DEVICE) $(if $(filter cpu,$(DEVICE)),,--docs '')
 
+.PHONY: profile threads-bench
+profile: $(STAMP)  # where the time of reproduce ioi (both models) and of the atlas goes: docs/benchmarks/profile_*.txt
+	$(BIN)/python benchmarks/profile_phases.py ioi --out docs/benchmarks/profile_ioi-smollm2-135m.txt
+	$(BIN)/python benchmarks/profile_phases.py ioi model=gemma3-270m --out docs/benchmarks/profile_ioi-gemma3-270m.txt
+	$(BIN)/python benchmarks/profile_phases.py atlas model=smollm2-135m --out docs/benchmarks/profile_atlas-smollm2-135m.txt
+
+threads-bench: $(STAMP)  # a run beside a busy process: headlab's own thread count against threads=1 and torch's default
+	$(BIN)/python benchmarks/threads_busy.py
+
 .PHONY: long-context
 long-context: $(VENV)/.headlab-bench  # memory of head sweeps on smollm2 at 4 x 2048 tokens, and who fits under a 3 GB limit, ~6 min
 	$(BIN)/python benchmarks/long_context.py

@@ -313,6 +313,24 @@ BENCHMARK_OUTPUTS: dict[str, tuple[str, str]] = {
         "make long-context",
         "smollm2-135m at 4 prompts x 2048 tokens: peak memory of each side's head sweep, and who fits under 3 GB",
     ),
+    "benchmarks/profile_ioi-smollm2-135m.txt": (
+        "make profile (benchmarks/profile_phases.py ioi)",
+        "where the time of `headlab reproduce ioi` on smollm2-135m goes: each run's phases, their executed "
+        "FLOPs as a share of the matmul peak, and the operators that take the time (2 CPU cores)",
+    ),
+    "benchmarks/profile_ioi-gemma3-270m.txt": (
+        "make profile (benchmarks/profile_phases.py ioi model=gemma3-270m)",
+        "the same for `headlab reproduce ioi model=gemma3-270m`",
+    ),
+    "benchmarks/profile_atlas-smollm2-135m.txt": (
+        "make profile (benchmarks/profile_phases.py atlas model=smollm2-135m)",
+        "the same for `headlab atlas model=smollm2-135m`",
+    ),
+    "threads_busy_cpu.txt": (
+        "make threads-bench",
+        "a smollm2-135m IOI sweep beside a process spinning on one of 2 cores: headlab's own thread count "
+        "against threads=1 and torch's default",
+    ),
     "gpu/sweep_speed_h200.txt": (
         "make bench DEVICE=cuda (benchmarks/sweep_speed.py --device cuda)",
         "the GPT-2-small-shaped model and a Llama-3.2-1B-shaped one in bfloat16, on an NVIDIA H200",

@@ -160,13 +160,16 @@ def model_override(extra: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]
 
 
 def provenance(name: str, quick: bool, extra: tuple[str, ...], base: Path, runs: list[list[str]]) -> dict:
-    """What made a numbers file: the command, the commit, the machine, and each run's own seconds (as its
-    meta.json holds them, however long ago it ran; a reused run is not timed again)."""
-    seconds = {}
+    """What made a numbers file: the command, the commit, the machine, and each run's own seconds and torch
+    threads (as its meta.json holds them, however long ago it ran; a reused run is not timed again)."""
+    seconds, threads = {}, {}
     for overrides in runs:
         meta = base / _slug(overrides) / results.META
         if meta.is_file():
-            seconds[" ".join(overrides)] = round(sum(json.loads(meta.read_text()).get("seconds", {}).values()), 1)
+            stored = json.loads(meta.read_text())
+            seconds[" ".join(overrides)] = round(sum(stored.get("seconds", {}).values()), 1)
+            if "threads" in stored:
+                threads[" ".join(overrides)] = stored["threads"]["threads"]
     return {
         "command": " ".join(["headlab reproduce", name, *(["--quick"] if quick else []), *extra]),
         "git_commit": results.git_commit(),
@@ -174,6 +177,7 @@ def provenance(name: str, quick: bool, extra: tuple[str, ...], base: Path, runs:
         "cpus": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 1),
         "run_seconds": seconds,
+        "run_threads": threads,
     }
 
 

@@ -227,9 +227,10 @@ def _circuit_layer(
 
     A head with no edge out of it in the circuit needs no input of its own: every reader of its output
     gets its corrupted output instead (the current one cancels). The q/k/v receivers of the other heads
-    each get a copy of the stream as far as the attention's q, k and v (HookedModel.attention_inputs:
-    the copies stop there); the block then runs once, each head taking its query from its q copy and its
-    key and value from its kv head's copies, the MLP reading its own input."""
+    each get a copy of the stream as far as its own head's q, k or v (HookedModel.attention_inputs: the
+    copies stop there, and each projects its head's columns alone); the block then runs once, each head
+    taking its query from its q copy and its key and value from its kv head's copies, the MLP reading its
+    own input."""
     cols = graph.layer_receivers(layer)
     attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
     heads = graph.head_rows(layer)
@@ -242,7 +243,12 @@ def _circuit_layer(
     stacked = [
         t.unflatten(0, (copies, n))  # [copies, n, head, pos, d_head]
         for t in model.attention_inputs(
-            h.repeat(copies, 1, 1), layer, trace, copies, attn_in=lambda t: t + deltas.flatten(0, 1)
+            h.repeat(copies, 1, 1),
+            layer,
+            trace,
+            copies,
+            attn_in=lambda t: t + deltas.flatten(0, 1),
+            wanted=[(graph.receivers[c].kind, graph.receivers[c].head) for c in kept],  # type: ignore[misc]
         )
     ]
     assembled = {}

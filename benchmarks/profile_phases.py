@@ -1,0 +1,170 @@
+"""Where the time of a reproduction (or the atlas) goes: every run's phases, their wall clock, the FLOPs
+they execute, and the operators, copies and Python between them that take the time.
+
+Two passes over the same runs, each run into a fresh output root, in this process:
+  1. timed     the runs as `headlab reproduce NAME` runs them (meta.json's `seconds`: each phase a study
+               times with RunContext.timed, plus `other` for the rest of the run: composing, writing,
+               figures); the wall clock a user waits for;
+  2. profiled  the same runs again, each phase under torch.profiler (operators' self CPU time) and
+               torch.utils.flop_counter (the FLOPs of every matrix product and attention it runs).
+Per phase: seconds (pass 1), gflop (executed, pass 2), gflops (gflop over pass 1's seconds), peak_share
+(that over the machine's float32 matmul peak, measured here: bench_models.matmul_peak_gflops on square
+products of the model's MLP width), ops_share (the operators' self CPU time over the phase's profiled
+wall clock: what is left is Python, hooks and the profiler's own cost between operators), and the five
+operators with the most self CPU time. A phase below half the peak says why on its line: `python` where
+ops_share is under 0.5, `memory` where copies and elementwise operators take more time than the
+products, else `small products`.
+
+Run from the repo root: .venv/bin/python benchmarks/profile_phases.py ioi [model=gemma3-270m]
+                        .venv/bin/python benchmarks/profile_phases.py atlas [model=smollm2-135m]
+with --out FILE to keep the report (docs/benchmarks/profile_<name>-<model>.txt) and --quick for the
+reproduction's quick runs. torch's threads: threads=N among the overrides, else headlab's own choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
+
+import headlab
+from bench_models import matmul_peak_gflops
+from headlab import reproduce
+from headlab.studies.context import RunContext
+
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")
+PRODUCT_KERNELS = PRODUCTS + ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::einsum")
+
+
+def runs_of(name: str, quick: bool, overrides: list[str]) -> list[list[str]]:
+    """The override lists of the runs behind `name` (a reproduction, or `atlas`), each ending in `overrides`."""
+    if name == "atlas":
+        return [["study=atlas", *overrides]]
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
+    repro = reproduce.get(name)
+    others = [o for o in overrides if not o.startswith("model=")]
+    return [[*run, *others] for run in repro.runs(quick, model)]
+
+
+class Phases:
+    """RunContext.timed, also profiling each outermost phase (pass 2)."""
+
+    def __init__(self) -> None:
+        self.flops: dict[str, float] = defaultdict(float)
+        self.wall: dict[str, float] = defaultdict(float)
+        self.ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def timed(self, ctx: RunContext, stage: str) -> Iterator[None]:
+        if self.depth:
+            yield
+            return
+        self.depth += 1
+        counter = FlopCounterMode(display=False)
+        start = time.perf_counter()
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof, counter:
+                yield
+        finally:
+            self.depth -= 1
+            self.wall[stage] += time.perf_counter() - start
+            self.flops[stage] += counter.get_total_flops()
+            for event in prof.key_averages():
+                self.ops[stage][event.key] += event.self_cpu_time_total / 1e6
+
+
+def timed_pass(runs: list[list[str]], root: str) -> dict[str, float]:
+    seconds: dict[str, float] = defaultdict(float)
+    for overrides in runs:
+        start = time.perf_counter()
+        result = headlab.run(*overrides, f"output.root={root}")
+        wall = time.perf_counter() - start
+        meta = json.loads((result.run_dir / "meta.json").read_text())
+        for stage, s in meta["seconds"].items():
+            seconds[stage] += s
+        seconds["other"] += wall - sum(meta["seconds"].values())
+        seconds["total"] += wall
+    return seconds
+
+
+def profiled_pass(runs: list[list[str]], root: str) -> Phases:
+    phases = Phases()
+    original = RunContext.timed
+    RunContext.timed = lambda ctx, stage: phases.timed(ctx, stage)  # type: ignore[method-assign,assignment]
+    try:
+        for overrides in runs:
+            headlab.run(*overrides, f"output.root={root}")
+    finally:
+        RunContext.timed = original  # type: ignore[method-assign]
+    return phases
+
+
+def why_below(ops: dict[str, float], ops_share: float) -> str:
+    products = sum(v for k, v in ops.items() if k in PRODUCT_KERNELS)
+    rest = sum(ops.values()) - products
+    if ops_share < 0.5:
+        return "python"
+    return "memory" if rest > products else "small products"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", help="a reproduction (headlab reproduce --list) or atlas")
+    parser.add_argument("overrides", nargs="*", help="e.g. model=gemma3-270m threads=1")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    args = parser.parse_args()
+    runs = runs_of(args.name, args.quick, args.overrides)
+    named = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("model=")), None)
+    default = reproduce.get(args.name).model if args.name != "atlas" else None
+    model = headlab.load_model(named or default or "smollm2-135m")
+    width = max(getattr(model.module.config, "intermediate_size", 0), model.sites.d_model)
+    del model
+    lines = [f"name: {args.name} {' '.join(args.overrides)}".rstrip(), f"cpus: {len(os.sched_getaffinity(0))}"]
+    lines.append(f"load_1min_before: {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        seconds = timed_pass(runs, a)
+        lines.append(f"torch_threads: {torch.get_num_threads()}")
+        peak = matmul_peak_gflops(width, "cpu")
+        lines.append(f"matmul_peak_gflops: {peak:.1f}  (float32, {width} x {width})")
+        phases = profiled_pass(runs, b)
+    lines.append(f"load_1min_after: {os.getloadavg()[0]:.2f}")
+    lines.append(f"total_seconds: {seconds['total']:.1f}")
+    for stage in [s for s in seconds if s not in ("total",)]:
+        wall = seconds[stage]
+        line = f"{stage}_seconds: {wall:.1f}"
+        if stage in phases.wall:
+            gflop = phases.flops[stage] / 1e9
+            ops = phases.ops[stage]
+            ops_share = sum(ops.values()) / max(phases.wall[stage], 1e-9)
+            share = gflop / max(wall, 1e-9) / peak
+            line += f"  gflop {gflop:.1f}  gflops {gflop / max(wall, 1e-9):.1f}  peak_share {share:.2f}"
+            line += f"  ops_share {min(ops_share, 1.0):.2f}"
+            if share < 0.5 and wall > 1:
+                line += f"  below_half: {why_below(ops, ops_share)}"
+            top = sorted(ops.items(), key=lambda kv: -kv[1])[:5]
+            line += "\n    top ops: " + ", ".join(f"{k} {v:.1f}s" for k, v in top)
+        lines.append(line)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
