@@ -24,7 +24,8 @@ from torch import Tensor
 import edge_reference as ref
 from headlab.door import compose
 from headlab.edges.eap import doubled_steps, scores
-from headlab.edges.exact import circuit_metric, exact_scores
+from headlab.edges.evaluate import circuit_metric
+from headlab.edges.exact import exact_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.edges.record import metric_column
 from headlab.errors import UsageError

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from headlab.door import compose
 from headlab.edges.eap import scores
-from headlab.edges.exact import circuit_metric, exact_node_scores, exact_scores
+from headlab.edges.evaluate import circuit_metric
+from headlab.edges.exact import exact_node_scores, exact_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.edges.record import metric_column, record, sender_outputs
 from headlab.models.families import FAMILIES

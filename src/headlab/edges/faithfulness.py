@@ -28,7 +28,7 @@ from torch import Tensor
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
-from .exact import circuit_metric, clean_and_corrupted
+from .evaluate import circuit_metric, clean_and_corrupted
 from .graph import EdgeGraph
 
 FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB's circuit sizes

@@ -1,0 +1,212 @@
+"""The metric of a circuit: every edge outside it patched from the corrupted run at once (EAP-IG's
+evaluate_graph, hannamw/EAP-IG src/eap/evaluate.py).
+
+Each receiver reads the current residual stream plus, for each sender whose edge into it is not in the
+circuit, out_U(corrupt) - out_U(current run). Each layer gives each q/k/v receiver a copy of the stream as
+far as its own head's q, k or v (HookedModel.attention_inputs), then runs once on the assembled q, k and v;
+its MLP reads its own input. tests/test_edges.py holds it to a hand-patched transformers forward
+(test_circuit_metric_equals_the_reference_on_a_partial_circuit), in float64 to 1e-10.
+
+What is shared between circuits is computed once, and what a receiver reads costs what its circuit's
+edges into it cost (Patches): the senders' differences are kept and updated row by row as the run
+computes each sender (not recomputed per receiver), and a receiver with more cut edges than kept ones
+reads the sum of every upstream sender's difference (kept running as rows are filled) less its kept
+edges'. On a post-norm model under mib the cut heads of one layer pass through its norm together
+(postnorm.received).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..models.hooked import HookedModel, Trace
+from ..tasks import Task, TaskData
+from .graph import QKV, EdgeGraph
+from .postnorm import attn_output, mlp_output, received
+from .record import Recording, check_pairs, head_senders, metric, metric_column, record, sender_outputs
+
+Hook = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class Runs:
+    """The clean recording and what circuit_metric reads of the corrupted run: every sender's output
+    [senders, n, pos, d], each block's input and the last one's output, and (post-norm models) each
+    layer's attention output A before its norm."""
+
+    clean: Recording
+    corrupt_out: Tensor
+    corrupt_resid: list[Tensor]
+    corrupt_attn: dict[int, Tensor]
+
+
+def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData) -> Runs:
+    check_pairs(data)
+    with torch.inference_mode():
+        clean = record(model, graph, data.inputs)
+        corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
+        resid = [*corrupt.trace.resid_pre, corrupt.trace.resid_final]
+        return Runs(clean, sender_outputs(model, graph, corrupt), resid, {l: a for l, (a, _) in corrupt.attn.items()})
+
+
+class Patches:
+    """What receivers read beyond this run's residual stream: for receiver r, the sum over the senders s
+    cut from it of diff[s] = out_s(corrupt) - out_s(this run), as the run fills in its senders' outputs."""
+
+    def __init__(self, model: HookedModel, graph: EdgeGraph, runs: Runs, kept: Tensor, first: int):
+        """`kept` [senders, receivers] bool: the circuit's edges; the run starts at layer `first`, every
+        sender before it at its corrupted output (the input node: the clean one)."""
+        self.model, self.graph, self.runs = model, graph, runs
+        corrupt = runs.corrupt_out
+        self.kept = kept.to(corrupt.device)
+        self.cut = graph.real.to(corrupt.device) & ~self.kept
+        self.diff = torch.zeros_like(corrupt)
+        self.diff[0] = corrupt[0] - runs.clean.trace.resid_pre[0]
+        self.total = self.diff[0].clone()  # the sum of diff over rows < self.summed
+        self.summed = 1
+        self.reads = graph.real.sum(0)  # each receiver reads a prefix of the senders: this many
+        # post-norm models under mib: each layer's attention output A in this run (the corrupted run's below first)
+        self.before: dict[int, Tensor] = {l: a for l, a in runs.corrupt_attn.items() if l < first}
+
+    def set(self, rows: slice | int, outputs: Tensor) -> None:
+        """The run's outputs of the senders `rows` (their differences follow)."""
+        self.diff[rows] = self.runs.corrupt_out[rows] - outputs
+
+    def into(self, cols: list[int]) -> Tensor:
+        """[k, n, pos, d]: what receivers `cols` read beyond this run's residual stream."""
+        if self.graph.post_norm == "mib":
+            return received(self.model, self.graph, self.cut[:, cols].to(self.diff.dtype), self.diff, self.before)
+        out = torch.empty(len(cols), *self.diff.shape[1:], dtype=self.diff.dtype, device=self.diff.device)
+        for count in {int(self.reads[c]) for c in cols}:
+            group = [i for i, c in enumerate(cols) if int(self.reads[c]) == count]
+            kept, cut = self.kept[:count, [cols[i] for i in group]], self.cut[:count, [cols[i] for i in group]]
+            by_kept = kept.sum(0) < cut.sum(0)  # fewer kept edges than cut ones: the prefix sum less the kept
+            for use_kept, chosen in ((True, by_kept), (False, ~by_kept)):
+                if not bool(chosen.any()):
+                    continue
+                which = (kept if use_kept else cut)[:, chosen]
+                rows = which.any(1).nonzero().flatten()
+                part = torch.einsum("sk,snpd->knpd", which[rows].to(self.diff.dtype), self.diff[rows])
+                out[[group[j] for j in chosen.nonzero().flatten().tolist()]] = (
+                    self.prefix(count) - part if use_kept else part
+                )
+        return out
+
+    def prefix(self, count: int) -> Tensor:
+        """The sum of diff over the first `count` senders (all of them filled in by now)."""
+        if count > self.summed:
+            self.total = self.total + self.diff[self.summed : count].sum(0)
+            self.summed = count
+        return self.total
+
+
+def circuit_metric(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    graph: EdgeGraph,
+    circuit: Tensor,
+    runs: Runs | None = None,
+) -> Tensor:
+    """[n]: the metric per prompt with every edge outside `circuit` ([senders, receivers] bool) patched
+    from the corrupted run. `runs`: clean_and_corrupted's, where several circuits are measured on the same
+    prompts.
+
+    The whole graph is the clean run. Below the first layer with an edge of the circuit into it every
+    receiver reads the corrupted run, so the pass starts there from the corrupted run's residual stream (with the clean input node, which the
+    stream itself carries): the same values as running those layers, to float rounding."""
+    column = metric_column(task)
+    with torch.inference_mode():
+        runs = runs or clean_and_corrupted(model, graph, data)
+        kept = circuit.cpu() & graph.real
+        if torch.equal(kept, graph.real):  # nothing cut: the clean run
+            return metric(model, task, data, runs.clean.trace.resid_final, column)
+        into = kept.any(0).nonzero().flatten().tolist()
+        first = min((graph.receivers[r].layer for r in into), default=graph.n_layers)
+        patches = Patches(model, graph, runs, kept, first)
+        h = runs.corrupt_resid[first] + (runs.clean.trace.resid_pre[0] - runs.corrupt_resid[0])
+        for layer in range(first, graph.n_layers):
+            h = _circuit_layer(model, graph, runs.clean.trace, layer, h, patches)
+        final = h + patches.into([len(graph.receivers) - 1])[0]  # the logits
+        return metric(model, task, data, final, column)
+
+
+def _circuit_layer(
+    model: HookedModel, graph: EdgeGraph, trace: Trace, layer: int, h: Tensor, patches: Patches
+) -> Tensor:
+    """Block `layer` with each receiver reading its own input; fills in the patches' senders of the layer.
+
+    A head with no edge out of it in the circuit needs no input of its own: every reader of its output
+    gets its corrupted output instead (this run's cancels). The q/k/v receivers of the other heads each
+    get a copy of the stream as far as its own head's q, k or v, projected alone; the block then runs
+    once, each head taking its query from its q copy and its key and value from its kv head's copies,
+    the MLP reading its own input."""
+    cols = graph.layer_receivers(layer)
+    attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
+    heads = graph.head_rows(layer)
+    live = (graph.real[heads] & ~patches.cut[heads].cpu()).any(1)  # heads with an edge out in the circuit
+    owned = graph.owners()[heads]
+    kept = [c for c in attn_cols if (owned[:, c] & live).any()] or attn_cols[:1]
+    copy_of = {c: i for i, c in enumerate(kept)}
+    copies, n = len(kept), h.shape[0]
+    deltas = patches.into(kept)  # [copies, n, pos, d]
+    stacked = [
+        t.unflatten(0, (copies, n))  # [copies, n, head, pos, d_head]
+        for t in model.attention_inputs(
+            h.repeat(copies, 1, 1),
+            layer,
+            trace,
+            copies,
+            attn_in=lambda t: t + deltas.flatten(0, 1),
+            wanted=[(graph.receivers[c].kind, graph.receivers[c].head) for c in kept],  # type: ignore[misc]
+        )
+    ]
+    assembled = {}
+    for kind, t in zip(QKV, stacked):
+        sources = torch.tensor([copy_of.get(c, 0) for c in attn_cols if graph.receivers[c].kind == kind])
+        picked = t[sources.to(t.device), :, torch.arange(t.shape[2], device=t.device)]  # [head, n, pos, d_head]
+        assembled[kind] = picked.transpose(0, 1)
+    z_now: list[Tensor] = []
+    attn_now: list[tuple[Tensor, Tensor]] = []
+
+    def keep_z(t: Tensor) -> Tensor:
+        z_now.append(t)
+        return t
+
+    def keep_attn(a: Tensor, out: Tensor) -> Tensor:
+        attn_now.append((a, out))
+        patches.before[layer] = a
+        return out
+
+    def heads_now() -> Tensor:
+        return head_senders(model, graph, layer, z_now[0], attn_now[0] if attn_now else None)
+
+    def mlp_input(t: Tensor) -> Tensor:
+        patches.set(heads, heads_now())
+        return t + patches.into([next(c for c in cols if graph.receivers[c].kind == "mlp")])[0]
+
+    def keep_mlp(t: Tensor) -> Tensor:
+        patches.set(heads.stop, t)  # the MLP follows its layer's heads
+        return t
+
+    def given(kind: str) -> Hook:
+        return lambda _t: assembled[kind]
+
+    has_mlp = layer in graph.mlp_layers
+    fns: dict[str, Hook] = {kind: given(kind) for kind in QKV}
+    fns["z"] = keep_z
+    with ExitStack() as stack:
+        stack.enter_context(model.input_hooks(layer, mlp_in=mlp_input if has_mlp else None))
+        stack.enter_context(model.hooks(layer, **fns))
+        if has_mlp:
+            stack.enter_context(mlp_output(model, graph, layer, keep_mlp))
+        if graph.post_norm is not None:
+            stack.enter_context(attn_output(model, layer, keep_attn))
+        out = model.run_blocks(h, layer, trace, stop=layer + 1)
+    patches.set(heads, heads_now())
+    return out
