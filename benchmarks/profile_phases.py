@@ -5,13 +5,14 @@ Two passes over the same runs, each run into a fresh output root, in this proces
   1. timed     the runs as `headlab reproduce NAME` runs them (meta.json's `seconds`: each phase a study
                times with RunContext.timed, plus `other` for the rest of the run: composing, writing,
                figures); the wall clock a user waits for;
-  2. profiled  the same runs again, each phase under torch.profiler (operators' self CPU time) and
-               torch.utils.flop_counter (the FLOPs of every matrix product and attention it runs).
+  2. profiled  the same runs again, each phase under a dispatch mode that times every aten operator
+               (OpTimes) and counts the FLOPs of every matrix product and attention (torch's flop registry,
+               and COMPOSITES for the operators inference_mode hands over whole).
 Per phase: seconds (pass 1), gflop (executed, pass 2), gflops (gflop over pass 1's seconds), peak_share
 (that over the machine's float32 matmul peak, measured here: bench_models.matmul_peak_gflops on square
-products of the model's MLP width), ops_share (the operators' self CPU time over the phase's profiled
-wall clock: what is left is Python, hooks and the profiler's own cost between operators), and the five
-operators with the most self CPU time. A phase below half the peak says why on its line: `python` where
+products of the model's MLP width), ops_share (the operators' time over the phase's profiled wall clock:
+what is left is Python, hooks and the timers' own cost between operators), and the five operators with
+the most time. A phase below half the peak says why on its line: `python` where
 ops_share is under 0.5, `memory` where copies and elementwise operators take more time than the
 products, else `small products`.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -38,16 +40,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 import headlab
 from bench_models import matmul_peak_gflops
 from headlab import reproduce
 from headlab.studies.context import RunContext
-
-PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear")
-PRODUCT_KERNELS = PRODUCTS + ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::einsum")
 
 
 def runs_of(name: str, quick: bool, overrides: list[str]) -> list[list[str]]:
@@ -60,8 +59,56 @@ def runs_of(name: str, quick: bool, overrides: list[str]) -> list[list[str]]:
     return [[*run, *others] for run in repro.runs(quick, model)]
 
 
+class OpTimes(TorchDispatchMode):
+    """The wall clock of every aten operator, summed by name, and the FLOPs of those torch's flop counter
+    knows (its registry: matrix products, attention). torch's profiler keeps every event, which for the
+    millions of operators of a path-patching round outgrows 24 GB; FlopCounterMode's module hooks break
+    autograd.grad (EAP-IG)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.seconds[str(func.overloadpacket.__name__)] += time.perf_counter() - start
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet.__name__ in COMPOSITES:
+            self.flops += COMPOSITES[packet.__name__](args, out)
+        return out
+
+
+def _einsum_flops(args: tuple, out: torch.Tensor) -> int:
+    """2 x the output's size x the size of the letters summed over."""
+    equation, operands = args[0], args[1]
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes = {
+        c: n
+        for spec, t in zip(inputs, operands)
+        for c, n in zip(spec.replace("...", ""), t.shape[-len(spec.replace("...", "")) :])
+    }
+    summed = set("".join(inputs).replace(".", "")) - set(equation.split("->")[1])
+    return 2 * out.numel() * math.prod(sizes[c] for c in summed)
+
+
+# operators that reach a dispatch mode whole under inference_mode, which torch's flop registry counts only
+# once decomposed: their FLOPs from their shapes (matrix products at 2 per multiply-add)
+COMPOSITES = {
+    "linear": lambda args, out: 2 * out.numel() * args[1].shape[-1],
+    "matmul": lambda args, out: 2 * out.numel() * args[0].shape[-1],
+    "einsum": _einsum_flops,
+    "scaled_dot_product_attention": lambda args, out: 4 * out.numel() * args[1].shape[-2],
+}
+PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu", *COMPOSITES)
+
+
 class Phases:
-    """RunContext.timed, also profiling each outermost phase (pass 2)."""
+    """RunContext.timed, also timing the operators and counting the FLOPs of each outermost phase (pass 2)."""
 
     def __init__(self) -> None:
         self.flops: dict[str, float] = defaultdict(float)
@@ -75,17 +122,17 @@ class Phases:
             yield
             return
         self.depth += 1
-        counter = FlopCounterMode(display=False)
+        ops = OpTimes()
         start = time.perf_counter()
         try:
-            with profile(activities=[ProfilerActivity.CPU]) as prof, counter:
+            with ops:
                 yield
         finally:
             self.depth -= 1
             self.wall[stage] += time.perf_counter() - start
-            self.flops[stage] += counter.get_total_flops()
-            for event in prof.key_averages():
-                self.ops[stage][event.key] += event.self_cpu_time_total / 1e6
+            self.flops[stage] += ops.flops
+            for name, seconds in ops.seconds.items():
+                self.ops[stage][name] += seconds
 
 
 def timed_pass(runs: list[list[str]], root: str) -> dict[str, float]:
@@ -115,7 +162,7 @@ def profiled_pass(runs: list[list[str]], root: str) -> Phases:
 
 
 def why_below(ops: dict[str, float], ops_share: float) -> str:
-    products = sum(v for k, v in ops.items() if k in PRODUCT_KERNELS)
+    products = sum(v for k, v in ops.items() if k in PRODUCTS)
     rest = sum(ops.values()) - products
     if ops_share < 0.5:
         return "python"
@@ -128,7 +175,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="e.g. model=gemma3-270m threads=1")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, help="also write the report here")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     runs = runs_of(args.name, args.quick, args.overrides)
     named = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("model=")), None)
     default = reproduce.get(args.name).model if args.name != "atlas" else None
@@ -139,6 +186,7 @@ def main() -> None:
     lines.append(f"load_1min_before: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         seconds = timed_pass(runs, a)
+        print({k: round(v, 1) for k, v in seconds.items()}, flush=True)
         lines.append(f"torch_threads: {torch.get_num_threads()}")
         peak = matmul_peak_gflops(width, "cpu")
         lines.append(f"matmul_peak_gflops: {peak:.1f}  (float32, {width} x {width})")
