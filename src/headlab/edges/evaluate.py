@@ -43,6 +43,7 @@ class Runs:
     corrupt_out: Tensor
     corrupt_resid: list[Tensor]
     corrupt_attn: dict[int, Tensor]
+    scratch: Tensor | None = None  # the senders' differences of the circuit measured now (Patches.diff)
 
 
 def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData) -> Runs:
@@ -65,7 +66,12 @@ class Patches:
         corrupt = runs.corrupt_out
         self.kept = kept.to(corrupt.device)
         self.cut = graph.real.to(corrupt.device) & ~self.kept
-        self.diff = torch.zeros_like(corrupt)
+        # rows from layer `first` on are written (set) before anything reads them: only those below are zeroed
+        if runs.scratch is None or runs.scratch.shape != corrupt.shape:
+            runs.scratch = torch.empty_like(corrupt)
+        self.diff = runs.scratch
+        below = graph.head_rows(first).start if first < graph.n_layers else len(graph.senders)
+        self.diff[1:below] = 0
         self.diff[0] = corrupt[0] - runs.clean.trace.resid_pre[0]
         self.total = self.diff[0].clone()  # the sum of diff over rows < self.summed
         self.summed = 1
@@ -91,7 +97,11 @@ class Patches:
                     continue
                 which = (kept if use_kept else cut)[:, chosen]
                 rows = which.any(1).nonzero().flatten()
-                part = torch.einsum("sk,snpd->knpd", which[rows].to(self.diff.dtype), self.diff[rows])
+                if 2 * len(rows) > count:  # most rows: the prefix as it is (a view), not a gathered copy
+                    which, senders = which, self.diff[:count]
+                else:
+                    which, senders = which[rows], self.diff[rows]
+                part = torch.einsum("sk,snpd->knpd", which.to(self.diff.dtype), senders)
                 out[[group[j] for j in chosen.nonzero().flatten().tolist()]] = (
                     self.prefix(count) - part if use_kept else part
                 )
@@ -118,8 +128,9 @@ def circuit_metric(
     prompts.
 
     The whole graph is the clean run. Below the first layer with an edge of the circuit into it every
-    receiver reads the corrupted run, so the pass starts there from the corrupted run's residual stream (with the clean input node, which the
-    stream itself carries): the same values as running those layers, to float rounding."""
+    receiver reads the corrupted run, so the pass starts there from the corrupted run's residual stream
+    (with the clean input node, which the stream itself carries): the same values as running those
+    layers, to float rounding."""
     column = metric_column(task)
     with torch.inference_mode():
         runs = runs or clean_and_corrupted(model, graph, data)
