@@ -9,8 +9,11 @@ import sys
 import time
 
 import pytest
+import torch
 
+from headlab.door import compose
 from headlab.runtime import allowed_cores, busy_cores, cgroup_quota, choose_threads
+from headlab.studies.context import RunContext
 
 LAUNCHERS = ("SLURM_CPUS_PER_TASK", "SUBMITIT_LOCAL_JOB_ID", "OMP_NUM_THREADS")
 
@@ -75,3 +78,29 @@ def test_with_nothing_set_a_thread_per_idle_core_at_most(monkeypatch):
     choice = choose_threads(0)
     assert 1 <= choice.threads <= len(allowed_cores()) == choice.cores
     assert os.cpu_count() is None or choice.cores <= os.cpu_count()
+
+
+def test_this_process_own_use_is_no_other_work():
+    assert busy_cores([100.0, 100.0], mine=100.0) == 1
+    assert busy_cores([100.0, 100.0], mine=200.0) == 0
+    assert busy_cores([10.0, 0.0], mine=50.0) == 0  # never below none
+
+
+def test_each_phase_chooses_its_threads_again_where_the_run_chose_from_idle_cores(monkeypatch):
+    for name in LAUNCHERS:
+        monkeypatch.delenv(name, raising=False)
+    before = torch.get_num_threads()
+    ctx = RunContext(compose([]), threads=choose_threads(0))
+    try:
+        with ctx.timed("first"), ctx.timed("first"):
+            pass
+        with ctx.timed("second"):
+            assert torch.get_num_threads() == ctx.meta["threads_by_phase"]["second"]
+    finally:
+        torch.set_num_threads(before)
+    assert set(ctx.meta["threads_by_phase"]) == {"first", "second"}
+    assert all(1 <= n <= len(allowed_cores()) for n in ctx.meta["threads_by_phase"].values())
+    explicit = RunContext(compose(["threads=1"]), threads=choose_threads(1))
+    with explicit.timed("phase"):
+        pass
+    assert "threads_by_phase" not in explicit.meta  # threads=N is kept for the whole run

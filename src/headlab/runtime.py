@@ -48,7 +48,8 @@ def tune_allocator() -> bool:
 # a core counts as busy while other processes use at least this share of it: torch's threads wait for
 # their slowest one, so a thread that shares its core slows the whole pass (20x seen on two busy cores)
 BUSY_SHARE = 0.25
-LOAD_SAMPLE_S = 0.1  # how long the cores' use is watched before a run picks its threads
+LOAD_SAMPLE_S = 0.1  # how long the cores' use is watched before a run (and each of its phases) picks its threads
+IDLE = "idle cores"  # the source of a choice made from the cores' use, made again at each phase
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,11 @@ def cgroup_quota(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
     return None if quota == "max" else int(quota) / int(period)
 
 
-def busy_cores(use: list[float], busy_share: float = BUSY_SHARE) -> int:
-    """How many of these cores other work holds, from each one's use in percent: the use summed, so a
-    process that the scheduler moves between two cores counts once, a core counted from busy_share of it."""
-    return min(len(use), math.floor(sum(use) / 100 + 1 - busy_share))
+def busy_cores(use: list[float], busy_share: float = BUSY_SHARE, mine: float = 0.0) -> int:
+    """How many of these cores other work holds, from each one's use in percent, less `mine` (this
+    process's own use, in percent of one core): the use summed, so a process that the scheduler moves
+    between two cores counts once, a core counted from busy_share of it."""
+    return min(len(use), max(0, math.floor((sum(use) - mine) / 100 + 1 - busy_share)))
 
 
 def choose_threads(requested: int = 0, sample_s: float = LOAD_SAMPLE_S) -> Threads:
@@ -106,9 +108,13 @@ def choose_threads(requested: int = 0, sample_s: float = LOAD_SAMPLE_S) -> Threa
     ):
         if threads > 0:
             return Threads(threads, len(cores), -1, source)
+    own = psutil.Process()
+    before = sum(own.cpu_times()[:2])
     use = psutil.cpu_percent(interval=sample_s, percpu=True)
-    busy = busy_cores([use[c] for c in cores if c < len(use)])
-    return Threads(max(1, len(cores) - busy), len(cores), busy, "idle cores")
+    # this process's own threads (a phase's last spinning ones) are no other work
+    mine = 100 * (sum(own.cpu_times()[:2]) - before) / sample_s
+    busy = busy_cores([use[c] for c in cores if c < len(use)], mine=mine)
+    return Threads(max(1, len(cores) - busy), len(cores), busy, IDLE)
 
 
 def _env_int(name: str) -> int:

@@ -17,7 +17,7 @@ from ..config import Config, option
 from ..config_rules import refusal
 from ..interventions.plan import Intervention
 from ..models.hooked import HookedModel
-from ..runtime import Threads, choose_threads
+from ..runtime import IDLE, Threads, choose_threads
 from ..tasks import Task, TaskData, build_task
 
 log = logging.getLogger("headlab")
@@ -37,11 +37,18 @@ class RunContext:
     # the sweep's interventions where the Python API hands them in (headlab.execute); None: the config's plan
     interventions: list[Intervention] | None = None
     options: Any = None  # the study's own options (study.options), typed by its Study's schema
+    threads: Threads | None = None  # how the run chose its torch threads (apply_threads), where it chose them
     _data: TaskData | None = None
     _prompts: TaskData | None = None  # built, checked, not yet placed on the model's device
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
+        """Time a phase of the run; where its threads came from the cores' use (threads unset), choose
+        them again for this phase, as other work may have come or gone (meta.json's threads_by_phase)."""
+        if self.threads is not None and self.threads.source == IDLE:
+            self.threads = choose_threads(self.cfg.threads)
+            torch.set_num_threads(self.threads.threads)
+            self.meta.setdefault("threads_by_phase", {})[stage] = self.threads.threads
         start = time.perf_counter()
         try:
             yield

@@ -58,7 +58,7 @@ def execute_run(
         return previous
     check_figures(cfg)
     threads = apply_threads(cfg)
-    ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg))
+    ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg), threads=threads)
     ctx.meta["threads"] = threads.as_meta()
     df = study.run(ctx)
     results.write(df, run_dir, results.run_meta(study.hash(cfg), ctx.timings, {"study": study.name, **ctx.meta}))
