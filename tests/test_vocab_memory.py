@@ -77,7 +77,9 @@ def test_text_loss_is_read_out_two_documents_at_a_time(model, monkeypatch):
     torch.testing.assert_close(naive, whole, atol=1e-5, rtol=0)
     with torch.inference_mode():  # the clean run, unchunked, by hand
         clean = task.per_prompt(model.readout(model.forward_blocks(data.inputs), data.positions), data)
-    torch.testing.assert_close(fast[0], clean, atol=1e-5, rtol=0)
+    # losses near 120 here: float32 rounding of a plain pass against the sweep's is a few ulps (1.9e-7 of
+    # the value seen on this machine's BLAS, at the base commit as after), so relative as well
+    torch.testing.assert_close(fast[0], clean, atol=1e-5, rtol=1e-6)
 
 
 def test_repeat_loss_of_ablated_heads_is_read_a_sequence_at_a_time(model, monkeypatch):
