@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from ..config_rules import DTYPES
 from ..errors import HeadlabError
 from ..vocabulary import MLP_SITES, Site
+from .projections import heads_alone
 from .sites import HeadSites
 
 Inputs = dict[str, Tensor]
@@ -499,7 +500,7 @@ class HookedModel:
         args, kwargs = trace.extra_for(layer, copies)
         with ExitStack() as stack:
             if wanted is not None:
-                stack.enter_context(self._projected_for(layer, wanted, h.shape[0] // copies))
+                stack.enter_context(heads_alone(self.sites, layer, wanted, h.shape[0] // copies))
             stack.enter_context(self.input_hooks(layer, attn_in=attn_in))
             stack.enter_context(self.sites.hooks(layer, q=keep, k=keep, v=last))
             try:
@@ -508,53 +509,6 @@ class HookedModel:
                 pass
         q, k, v = kept
         return q, k, v
-
-    @contextmanager
-    def _projected_for(self, layer: int, wanted: list[tuple[str, int]], n: int) -> Iterator[None]:
-        """Layer's q/k/v projection modules, while inside, compute for stacked copy c (of n rows) only
-        the columns of head wanted[c] (a nn.Linear or GPT-2's Conv1D; another module runs whole)."""
-        projs = self.sites.qkv_projs[layer] if self.sites.qkv_projs is not None else []
-        columns = self._head_columns(layer)
-        if not projs or columns is None:
-            yield
-            return
-        taken: dict[int, list[tuple[int, Tensor]]] = {}
-        for copy, (site, head) in enumerate(wanted):
-            which, cols = columns[(site, head)]
-            taken.setdefault(which, []).append((copy, cols))
-        saved = []
-        for i, module in enumerate(projs):
-            weight = _out_in(module)
-            assert weight is not None  # _head_columns read every projection's weight
-            saved.append((module, module.__dict__.get("forward")))
-            module.__dict__["forward"] = _selected(weight, getattr(module, "bias", None), taken.get(i, []), n)
-        try:
-            yield
-        finally:
-            for module, own in saved:
-                if own is None:
-                    del module.__dict__["forward"]
-                else:
-                    module.__dict__["forward"] = own
-
-    def _head_columns(self, layer: int) -> dict[tuple[str, int], tuple[int, Tensor]] | None:
-        """(site, head) -> (which projection module, its output columns holding that head), read from the
-        sites' own split of the projections' outputs (qkv_split on column numbers)."""
-        sites = self.sites
-        if sites.qkv_projs is None or sites.qkv_split is None:
-            return None
-        weights = [_out_in(m) for m in sites.qkv_projs[layer]]
-        if any(w is None for w in weights):
-            return None
-        widths = [w.shape[0] for w in weights if w is not None]
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        numbered = [torch.arange(w) + start for w, start in zip(widths, starts)]
-        out: dict[tuple[str, int], tuple[int, Tensor]] = {}
-        for site, per_head in zip((Site.q, Site.k, Site.v), sites.qkv_split(numbered)):  # [head, d_head] each
-            for head, cols in enumerate(per_head):
-                module = max(i for i, start in enumerate(starts) if start <= int(cols[0]))
-                out[(site, head)] = (module, cols - starts[module])
-        return out
 
     def readout(self, h: Tensor, positions: Tensor) -> Tensor:
         """Logits [batch, n_positions, vocab] at positions [batch, n_positions] only."""
@@ -580,39 +534,6 @@ class HookedModel:
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
-
-
-def _out_in(module: nn.Module) -> Tensor | None:
-    """A projection's weight as [out, in]: nn.Linear's as stored, GPT-2's Conv1D's transposed; None for
-    another kind of module."""
-    weight = getattr(module, "weight", None)
-    if isinstance(module, nn.Linear) and isinstance(weight, Tensor):
-        return weight
-    if hasattr(module, "nf") and isinstance(weight, Tensor):  # transformers' Conv1D: weight [in, out]
-        return weight.T
-    return None
-
-
-def _selected(weight: Tensor, bias: Tensor | None, taken: list[tuple[int, Tensor]], n: int) -> Callable:
-    """A projection's forward over stacked copies of n rows that computes, for each (copy, columns) in
-    `taken`, those output columns of that copy alone; every other output is zero."""
-    copies_of = torch.tensor([c for c, _ in taken], dtype=torch.long)
-    cols = torch.stack([cs for _, cs in taken]) if taken else torch.zeros(0, 0, dtype=torch.long)  # [k, width]
-
-    def forward(x: Tensor) -> Tensor:
-        out = x.new_zeros(*x.shape[:-1], weight.shape[0])
-        if not taken:
-            return out
-        at, idx = copies_of.to(x.device), cols.to(x.device)
-        rows = x.unflatten(0, (-1, n))[at]  # [k, n, pos, d]
-        y = torch.einsum("knpd,kcd->kcnp", rows, weight[idx].to(x.dtype))  # [k, width, n, pos]
-        if bias is not None:
-            y = y + bias[idx].to(x.dtype)[:, :, None, None]
-        stacked = out.unflatten(0, (-1, n))  # [copies, n, pos, features]
-        stacked[at[:, None], :, :, idx] = y  # advanced indices first: [k, width, n, pos]
-        return out
-
-    return forward
 
 
 def _first_arg(fn: Callable[[Tensor], Tensor]) -> Callable:
