@@ -96,9 +96,8 @@ class Config:
     name: str = setting("default", RUN_NAME)
     seed: int = setting(0, NATURAL)  # numpy's generators take no negative seed
     device: str = "cpu"
-    threads: int = setting(
-        0, NATURAL
-    )  # 0: one per idle core it may use (runtime.choose_threads), or a launcher's allotment
+    # torch's threads; 0: a launcher's allotment, else one per idle core it may use (runtime.choose_threads)
+    threads: int = setting(0, NATURAL)
 
 
 ConfigStore.instance().store(name="base_config", node=Config)

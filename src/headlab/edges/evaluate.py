@@ -98,7 +98,7 @@ class Patches:
                 which = (kept if use_kept else cut)[:, chosen]
                 rows = which.any(1).nonzero().flatten()
                 if 2 * len(rows) > count:  # most rows: the prefix as it is (a view), not a gathered copy
-                    which, senders = which, self.diff[:count]
+                    senders = self.diff[:count]
                 else:
                     which, senders = which[rows], self.diff[rows]
                 part = torch.einsum("sk,snpd->knpd", which.to(self.diff.dtype), senders)
@@ -219,5 +219,6 @@ def _circuit_layer(
         if graph.post_norm is not None:
             stack.enter_context(attn_output(model, layer, keep_attn))
         out = model.run_blocks(h, layer, trace, stop=layer + 1)
-    patches.set(heads, heads_now())
+    if not has_mlp:  # else the MLP's input hook set them
+        patches.set(heads, heads_now())
     return out

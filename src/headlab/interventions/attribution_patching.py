@@ -81,12 +81,13 @@ def _site_gradients(
     out: dict[tuple[str, int], tuple[Tensor, Tensor | None]] = {}
     with torch.enable_grad(), model.frozen():
         h = trace.resid_final.detach().requires_grad_()
-        with torch.no_grad():
-            quantities = task.per_prompt(model.readout(h, data.positions), data)
         ids = task.vocab_rows(data, [col])  # the quantity's rows alone: no backward through the whole vocabulary
         if ids is None:
-            value = task.per_prompt(model.readout(h, data.positions), data)[:, col]
+            quantities = task.per_prompt(model.readout(h, data.positions), data)
+            value = quantities[:, col]
         else:
+            with torch.no_grad():
+                quantities = task.per_prompt(model.readout(h, data.positions), data)
             value = task.from_rows(model.readout_rows(h, data.positions, ids), data, [col])[:, 0]
         (grad,) = torch.autograd.grad(value.sum(), h)
         for layer in reversed(range(model.n_layers)):

@@ -512,18 +512,13 @@ class HookedModel:
 
     def readout(self, h: Tensor, positions: Tensor) -> Tensor:
         """Logits [batch, n_positions, vocab] at positions [batch, n_positions] only."""
-        rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
-        logits = self.unembed(self.final_norm(h[rows, positions.to(h.device)]))
-        if self.logit_softcap:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits
+        return self._capped(self.unembed(self._normed(h, positions)))
 
     def readout_rows(self, h: Tensor, positions: Tensor, ids: Tensor) -> Tensor:
         """Logits [batch, n_positions, R] at positions [batch, n_positions] and the vocabulary rows ids
-        [batch, R] alone (a negative id reads row 0): the final norm as readout's, then R rows of the
+        [batch, R] alone (a negative id reads row 0): readout's final norm, then R rows of the
         unembedding a prompt instead of all of them."""
-        rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
-        normed = self.final_norm(h[rows, positions.to(h.device)])  # [batch, P, d]
+        normed = self._normed(h, positions)  # [batch, P, d]
         ids = ids.to(h.device).clamp_min(0)
         weight = self.unembed.weight
         assert isinstance(weight, Tensor)
@@ -531,8 +526,16 @@ class HookedModel:
         bias = getattr(self.unembed, "bias", None)
         if bias is not None:
             logits = logits + bias[ids].to(logits.dtype).unsqueeze(1)
+        return self._capped(logits)
+
+    def _normed(self, h: Tensor, positions: Tensor) -> Tensor:
+        """The final norm of h [batch, pos, d] at positions [batch, P] alone."""
+        rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
+        return self.final_norm(h[rows, positions.to(h.device)])
+
+    def _capped(self, logits: Tensor) -> Tensor:
         if self.logit_softcap:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+            return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
 
