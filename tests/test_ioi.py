@@ -18,6 +18,7 @@ from headlab.interventions import CLEAN, Intervention, plan
 from headlab.interventions.engine import execute
 from headlab.interventions.options import PatchConfig
 from headlab.models.hf import load_hf
+from headlab.tasks.base import bos_prefix
 from headlab.tasks.ioi import ABBA_TEMPLATES, BABA_TEMPLATES, IOIConfig, IOITask
 
 LD = 0  # logit_diff, the first IOI quantity
@@ -57,7 +58,7 @@ def test_each_role_sits_on_its_name_and_the_sets_differ_where_they_should(gpt2_t
     assert torch.equal(at["IO"], data.answers["io"]) and torch.equal(at["S1"], data.answers["s"])
     assert torch.equal(at["S2"], data.answers["s"]) and not (data.answers["io"] == data.answers["s"]).any()
     assert {tok.decode([t]) for t in at["END"].tolist()} == {" to"}
-    assert (ids[:, 0] == tok.bos_token_id).all()
+    assert (ids[:, 0] != tok.bos_token_id).all()  # GPT-2's tokenizer puts no BOS before a text (nor do Wang et al.)
     assert torch.equal(data.positions[:, 0], data.token_positions["END"])
     # S2-flipped: only S2 changes, to the IO name
     differ = (ids != cf).nonzero()
@@ -76,8 +77,66 @@ def test_each_role_sits_on_its_name_and_the_sets_differ_where_they_should(gpt2_t
     text = (BABA_TEMPLATES + ABBA_TEMPLATES)[t]
     expect = text[: text.rindex(" [A]")].replace("[A]", tok.decode([at["IO"][0]]).strip())
     expect = expect.replace("[B]", tok.decode([at["S1"][0]]).strip())
-    decoded = tok.decode(ids[0, 1 : data.token_positions["END"][0] + 1])
+    decoded = tok.decode(ids[0, : data.token_positions["END"][0] + 1])
     assert decoded.split(" ")[:3] == expect.split(" ")[:3] and decoded.endswith(" to")
+
+
+class _AddsBos:
+    """A tokenizer that puts its BOS (id 7) before every text it encodes with special tokens, as Gemma's does."""
+
+    bos_token_id = 7
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [ord(c) for c in text]
+        return {"input_ids": [7, *ids] if add_special_tokens else ids}
+
+
+def test_bos_follows_the_tokenizer_unless_told(gpt2_tokenizer):
+    assert bos_prefix(gpt2_tokenizer, None) == [] and bos_prefix(_AddsBos(), None) == [7]
+    assert bos_prefix(gpt2_tokenizer, True) == [gpt2_tokenizer.bos_token_id] and bos_prefix(_AddsBos(), False) == []
+    told = ioi_task(prepend_bos=True).build(8, seed=0, model=SimpleNamespace(tokenizer=gpt2_tokenizer))
+    plain = ioi_task().build(8, seed=0, model=SimpleNamespace(tokenizer=gpt2_tokenizer))
+    assert (told.inputs["input_ids"][:, 0] == gpt2_tokenizer.bos_token_id).all()
+    assert torch.equal(told.token_positions["END"], plain.token_positions["END"] + 1)
+    assert torch.equal(told.inputs["input_ids"][:, 1:], plain.inputs["input_ids"])
+
+
+def test_the_reference_set_pairs_each_prompt_and_tops_up_its_templates(gpt2_tokenizer):
+    tok = gpt2_tokenizer
+    data = ioi_task(n_reference=100).build(16, seed=0, model=SimpleNamespace(tokenizer=tok))
+    ids, abc = data.inputs["input_ids"], data.reference["input_ids"]
+    assert abc.shape == (100, ids.shape[1]) and torch.equal(data.reference_rows, torch.arange(16))
+    assert torch.equal(data.reference_groups[:16], data.groups)
+    counts = torch.bincount(data.reference_groups)
+    assert set(data.reference_groups.tolist()) == set(data.groups.tolist())  # only the templates in use
+    assert counts[data.groups].min() >= 100 // 16 and counts[data.groups].max() <= 100 // 16 + 1
+    # every extra ABC prompt lies out as the clean prompts of its template: names at the same three positions,
+    # three different ones, the template's other words in place
+    first = {int(g): i for i, g in reversed(list(enumerate(data.groups.tolist())))}
+    for j in range(16, 100):
+        i = first[int(data.reference_groups[j])]
+        names = [int(abc[j, data.token_positions[r][i]]) for r in ("IO", "S1", "S2")]
+        assert len(set(names)) == 3
+        words = tok.decode(abc[j, : data.token_positions["END"][i] + 1]).split(" ")
+        clean = tok.decode(ids[i, : data.token_positions["END"][i] + 1]).split(" ")
+        assert len(words) == len(clean) and words[-1] == clean[-1] == "to"
+    # fewer reference prompts than prompts: each prompt's own ABC version alone
+    small = ioi_task(n_reference=4).build(16, seed=0, model=SimpleNamespace(tokenizer=tok))
+    assert small.reference["input_ids"].shape[0] == 16 and torch.equal(small.reference["input_ids"], abc[:16])
+
+
+def test_a_mean_over_fewer_than_two_reference_prompts_is_noted(gpt2):
+    task = ioi_task(n_reference=4)
+    data = task.build(40, seed=0, model=gpt2)  # 40 prompts over 30 templates: 20 templates have one
+    report: dict = {}
+    execute(gpt2, task, data, [Intervention("ablate_head", "mean", 0, 0)], report=report)
+    thin = int((torch.bincount(data.reference_groups)[data.groups] < 2).sum())
+    assert thin == 20 and any(f"on {thin} of the 40 prompts" in n for n in report["notes"])
+    report = {}
+    execute(
+        gpt2, task, ioi_task().build(16, seed=0, model=gpt2), [Intervention("ablate_head", "mean", 0, 0)], report=report
+    )
+    assert not report.get("notes")
 
 
 def test_multi_token_names_are_refused_by_name(gpt2_tokenizer):
@@ -200,7 +259,8 @@ def _path_reference(model, data, sender, receivers, site):
     """Wang et al. App. B with GPT-2's own modules: pass A (sender from ABC, later heads frozen clean,
     receiver inputs read off c_attn), pass B (a clean run with the receivers' q/k/v replaced)."""
     s_layer, s_head = sender
-    clean, abc = _merged_z(model, data.inputs), _merged_z(model, data.reference)
+    paired = {k: v[data.reference_rows] for k, v in data.reference.items()}  # prompt i's own ABC version
+    clean, abc = _merged_z(model, data.inputs), _merged_z(model, paired)
     d = model.sites.d_model
     offset = {"q": 0, "k": d, "v": 2 * d}.get(site, 0)
     handles = []

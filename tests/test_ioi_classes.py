@@ -144,7 +144,7 @@ def _by_hand(module, data, sender, role, receivers, site, held=()) -> torch.Tens
         return z
 
     _, clean = _forward(module, data.inputs["input_ids"], hold)
-    _, abc = _forward(module, data.reference["input_ids"], hold)
+    _, abc = _forward(module, data.reference["input_ids"][data.reference_rows], hold)  # prompt i's own ABC version
     s_layer, s_head = sender
 
     def pass_a(layer, z, _parts):

@@ -54,7 +54,8 @@ def ioi(gpt2):
     """IOI's prompts (BOS included, as the text "<|endoftext|>" GPT-2's tokenizer reads as that token),
     their S2-flipped and ABC sets, IO and S names and templates, as records; and task=ioi's quantities."""
     tok = gpt2.tokenizer
-    task = IOITask(OmegaConf.structured(IOIConfig))
+    # one ABC prompt per prompt, as the records hold them
+    task = IOITask(OmegaConf.merge(OmegaConf.structured(IOIConfig), {"prepend_bos": True, "n_reference": 40}))
     data = task.build(40, seed=1, model=gpt2)
     text = lambda ids, i: tok.decode(ids[i, : int(data.positions[i, 0]) + 1])  # noqa: E731
     records = [

@@ -80,7 +80,9 @@ class Sources:
             raise UsageError("this task provides no counterfactual prompts for patching")
         if data.reference is not None:
             n_ref = next(iter(data.reference.values())).shape[0]
-            if n_ref == data.n:
+            if data.reference_rows is not None:  # the task paired each prompt with a reference prompt
+                self.rows[Source.reference] = data.reference_rows.cpu()
+            elif n_ref == data.n:
                 self.rows[Source.reference] = torch.arange(data.n)  # the task matched reference i to prompt i
             else:
                 self.rows[Source.reference] = torch.from_numpy(np.random.default_rng(seed).integers(0, n_ref, data.n))

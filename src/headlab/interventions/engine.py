@@ -108,7 +108,7 @@ def execute(
         data = _through_last_read(data)
     report = {} if report is None else report
     rows = Sources(model, data, (), seed, mean_over).rows  # records nothing: which row stands in for each prompt
-    for text in own_sources(data, interventions, model.n_heads, rows, mean_over):
+    for text in own_sources(data, interventions, model.n_heads, rows, mean_over) + thin_means(data, interventions):
         log.warning("note: %s", text)
         report.setdefault("notes", []).append(text)
     out: list[Tensor | None] = [None] * len(interventions)
@@ -327,6 +327,24 @@ def own_sources(
         if count:
             notes.append(said.format(f"{count} of the {data.n} prompts") + ", and it changes nothing there")
     return notes
+
+
+def thin_means(data: TaskData, interventions: Sequence[Intervention]) -> list[str]:
+    """A note where a mean ablation's mean, taken per group, rests on fewer than two reference prompts for
+    some prompts: there it is a resample ablation, not a mean."""
+    if data.reference is None or data.groups is None or data.reference_groups is None:
+        return []
+    if not any(iv.method == Method.mean for iv in interventions):
+        return []
+    counts = torch.bincount(data.reference_groups.cpu(), minlength=int(data.groups.max()) + 1)
+    thin = counts[data.groups.cpu()] < 2
+    if not thin.any():
+        return []
+    return [
+        f"mean ablation: on {int(thin.sum())} of the {data.n} prompts the mean of the prompt's group rests on "
+        f"fewer than 2 reference prompts ({int(counts.sum())} in {int((counts > 0).sum())} groups; task.n_reference "
+        "sets how many)"
+    ]
 
 
 def _own(data: TaskData, source: str, rows: dict[str, Tensor]) -> Tensor | None:

@@ -95,6 +95,7 @@ def path_patch(
 ) -> tuple[Tensor, list[Tensor]]:
     """(the clean quantities [n, Q], each sender's [n, Q]), with `held` in every pass, the clean run's and
     the reference run's included."""
+    data = data.paired_reference()
     if held and data.reference is not None and next(iter(data.reference.values())).shape[0] != data.n:
         raise ValueError("held heads need one reference prompt per prompt")
     with torch.inference_mode():

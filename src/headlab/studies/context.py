@@ -107,6 +107,8 @@ class RunContext:
                 with self.timed("build_task"):
                     data = task.build(self.cfg.task.n_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET, model=model)
             check_positions(positions_to_check(self.cfg), data, task.name)
+            if (start := task.prompt_start()) is not None:
+                self.meta["prompt_start"] = start
             self._prompts = data
         return self._prompts
 

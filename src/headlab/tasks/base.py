@@ -52,6 +52,11 @@ class TaskData:
     # The same roles' positions in the counterfactual prompts, where those are laid out otherwise (e.g.
     # the other kind of prompt): patching a role then reads the source there and writes it here.
     counterfactual_positions: dict[str, Tensor] | None = None
+    # The reference prompt paired with each prompt ([n]: the same layout, e.g. IOI's ABC version of it),
+    # the source of resample ablation and path patching, where the reference set holds more prompts than
+    # those pairs (for its means); None: prompt i's is reference prompt i where the sets are as large,
+    # else one drawn at random.
+    reference_rows: Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -82,6 +87,22 @@ class TaskData:
             groups=None if self.groups is None else self.groups[rows],
             reference_groups=None,
             counterfactual_positions=cut(self.counterfactual_positions),
+            reference_rows=None if self.reference_rows is None else self.reference_rows[rows],
+        )
+
+    def paired_reference(self) -> TaskData:
+        """The same prompts with the reference prompts paired to them alone, reference i for prompt i (itself
+        where the task pairs none)."""
+        if self.reference is None or self.reference_rows is None:
+            return self
+        rows = self.reference_rows
+        return replace(
+            self,
+            reference={k: v[rows.to(v.device)] for k, v in self.reference.items()},
+            reference_groups=None
+            if self.reference_groups is None
+            else self.reference_groups[rows.to(self.reference_groups.device)],
+            reference_rows=None,
         )
 
     def to(self, device: str) -> TaskData:
@@ -97,16 +118,22 @@ class TaskData:
             opt(self.groups),
             opt(self.reference_groups),
             move(self.counterfactual_positions),
+            self.reference_rows,
         )
 
     def answers_np(self) -> dict[str, np.ndarray]:
         return {k: v.cpu().numpy() for k, v in self.answers.items()}
 
 
+def pad_id(tokenizer: Any) -> int:
+    """The id that pads prompts: the tokenizer's pad token, else its EOS, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
 def right_padded(rows: Sequence[Sequence[int]], tokenizer: Any, width: int | None = None) -> Inputs:
     """Token rows right-padded to `width` (default: the longest) with the tokenizer's pad token (else its
     EOS, else 0): {"input_ids", "attention_mask"}, the mask 1 on real tokens and 0 on padding."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    pad = pad_id(tokenizer)
     width = max(map(len, rows)) if width is None else width
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -114,6 +141,22 @@ def right_padded(rows: Sequence[Sequence[int]], tokenizer: Any, width: int | Non
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, : len(row)] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def bos_prefix(tokenizer: Any, prepend_bos: bool | None) -> list[int]:
+    """The ids each prompt starts with: None follows the tokenizer's own convention (its BOS where it puts
+    one before a text: Gemma's <bos>; nothing for GPT-2, or SmolLM2, whose BOS token is a chat marker);
+    True its BOS token; False nothing."""
+    bos = tokenizer.bos_token_id
+    if prepend_bos is None:
+        plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+        special = tokenizer("a", add_special_tokens=True)["input_ids"]
+        return (
+            [bos]
+            if bos is not None and list(special[:1]) == [bos] and list(special[1:])[: len(plain)] == list(plain)
+            else []
+        )
+    return [bos] if prepend_bos and bos is not None else []
 
 
 def mean_of(column: int) -> Aggregate:
@@ -176,6 +219,11 @@ class Task:
         """rows [..., n, P, R], the logits at data.positions and vocab_rows' ids -> quantities [..., n,
         len(columns)], equal to per_prompt's columns."""
         raise NotImplementedError(f"task {self.name} reads its quantities from the whole vocabulary")
+
+    def prompt_start(self) -> str | None:
+        """The text every prompt starts with before its own (a BOS token; "" none), for meta.json; None: a
+        task whose prompts are not text."""
+        return None
 
     def evaluate_logits(self, logits: Tensor, data: TaskData) -> dict[str, float]:
         """Aggregate metrics from full logits [n, pos, vocab] of the clean prompts."""

@@ -9,8 +9,10 @@ one token layout, which is what makes per-template means and per-role positions 
 Sets, aligned prompt by prompt (same template, place and object, hence the same positions):
   clean           IO and S as above
   counterfactual  S2-flipped: S2 carries the IO name, so the roles (and the answer) flip
-  reference       ABC: three unrelated names; the source of mean ablation (means per template) and of
-                  path patching, as in the paper
+  reference       ABC: three unrelated names. Prompt i's own ABC version (reference_rows) is the source
+                  of path patching and resample ablation; mean ablation's means are taken per template over
+                  the whole set: those pairs and more ABC prompts over the same templates, n_reference in
+                  all (the authors' scale: 100 prompts over their templates)
 Quantities at END: logit difference IO - S, IO probability, correct (IO logit > S logit).
 """
 
@@ -18,16 +20,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..config_rules import COUNT, OneOf, at_least, setting
 from ..errors import HeadlabError
-from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, mean_of, right_padded
+from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, bos_prefix, mean_of, pad_id, right_padded
 
 log = logging.getLogger("headlab")
 PROB = 1  # the column of io_prob among IOITask.quantities
@@ -77,7 +80,12 @@ class IOIConfig(TaskConfig):
     # names (all but the held-out) | vocab (every capitalised word token but them)
     train_names: str = setting("names", OneOf(("names", "vocab")))
     eval_names: str = setting("all", OneOf(("all", "held_out", "train")))  # all | held_out | train
-    prepend_bos: bool = True
+    # ABC prompts behind mean ablation's means per template (at least n_prompts: each prompt's own ABC version
+    # and more over the same templates, each template in turn)
+    n_reference: int = setting(100, COUNT)
+    # None: as the model's tokenizer does (Gemma's <bos>; nothing for SmolLM2, whose BOS is a chat marker, or
+    # for GPT-2, as Wang et al.); true / false: its BOS token / nothing (tasks/base.py bos_prefix)
+    prepend_bos: bool | None = None
 
 
 @dataclass
@@ -157,12 +165,15 @@ class IOITask(Task):
         return 40
 
     # --- prompts ----------------------------------------------------------------------------------
-    def _fillers(self, n: int, rng: np.random.Generator, names: list[str], k: int) -> dict[str, np.ndarray]:
+    def _fillers(
+        self, n: int, rng: np.random.Generator, names: list[str], k: int, templates: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
         if len(names) < k:
             raise HeadlabError(f"ioi: need at least {k} names, have {len(names)}")
         picks = np.stack([rng.choice(len(names), size=k, replace=False) for _ in range(n)])
         return {
-            "template": rng.permutation(np.arange(n) % len(self.templates)),  # balanced: a mean per template
+            # balanced: a mean per template
+            "template": rng.permutation(np.arange(n) % len(self.templates)) if templates is None else templates,
             "names": np.asarray(names)[picks],
             "place": np.asarray(self._vocab["places"])[rng.integers(0, len(self._vocab["places"]), n)],
             "object": np.asarray(self._vocab["objects"])[rng.integers(0, len(self._vocab["objects"]), n)],
@@ -171,7 +182,7 @@ class IOITask(Task):
     def _encode(self, fill: dict[str, np.ndarray], a: np.ndarray, b: np.ndarray, b2: np.ndarray) -> Prompts:
         """Prompts from templates: [A] <- a, first [B] <- b, second [B] <- b2; the final [A] is cut off."""
         tok = self.tokenizer
-        bos = [tok.bos_token_id] if self.cfg.prepend_bos and tok.bos_token_id is not None else []
+        bos = bos_prefix(tok, self.cfg.prepend_bos)
         rows: list[list[int]] = []
         roles: dict[str, list[int]] = {r: [] for r in ROLES}
         for i, t in enumerate(fill["template"]):
@@ -203,6 +214,15 @@ class IOITask(Task):
         for other in (flipped, reference):
             if other.ids.shape != clean.ids.shape or any((other.roles[r] != clean.roles[r]).any() for r in ROLES):
                 raise HeadlabError("ioi: counterfactual prompts do not line up with the clean ones")
+        extra_n = max(self.cfg.n_reference - n, 0)
+        more_templates = _topped_up(fill["template"], extra_n)
+        if extra_n:
+            more = self._fillers(extra_n, rng, self.names(self.cfg.eval_names), 3, more_templates)
+            extra = self._encode(more, *more["names"].T).ids
+            width = max(clean.ids.shape[1], extra.shape[1])
+            wide = lambda ids: F.pad(ids, (0, width - ids.shape[1]), value=pad_id(self.tokenizer))  # noqa: E731
+            clean, flipped = (replace(p, ids=wide(p.ids)) for p in (clean, flipped))
+            reference = replace(reference, ids=torch.cat([wide(reference.ids), wide(extra)]))
         groups = torch.as_tensor(fill["template"], dtype=torch.long)
         return TaskData(
             inputs={"input_ids": clean.ids},
@@ -212,8 +232,13 @@ class IOITask(Task):
             reference={"input_ids": reference.ids},
             token_positions=clean.roles,
             groups=groups,
-            reference_groups=groups,
+            reference_groups=torch.cat([groups, torch.as_tensor(more_templates, dtype=torch.long)]),
+            reference_rows=torch.arange(n),
         )
+
+    def prompt_start(self) -> str:
+        tok = self.tokenizer
+        return tok.decode(bos_prefix(tok, self.cfg.prepend_bos)) if tok is not None else ""
 
     def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
         at_end = logits[..., 0, :]
@@ -247,6 +272,18 @@ class IOITask(Task):
         targets = torch.full_like(p.ids, -100)
         targets[torch.arange(batch), p.roles["END"]] = p.io
         return p.ids, targets
+
+
+def _topped_up(templates: np.ndarray, total: int) -> np.ndarray:
+    """Templates for `total` more reference prompts: the prompts' templates, the one with fewest so far
+    first (the lowest index among equals), so every template in use gets its share."""
+    used = np.unique(templates)
+    counts = np.bincount(templates, minlength=int(used.max()) + 1)
+    out = np.empty(total, dtype=templates.dtype)
+    for k in range(total):
+        t = used[np.argmin(counts[used])]
+        out[k], counts[t] = t, counts[t] + 1
+    return out
 
 
 def _token_id(tokenizer: Any, word: str) -> int:

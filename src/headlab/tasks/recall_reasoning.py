@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..config_rules import COUNT, NATURAL, SHARE, OneOf, at_least, setting
 from ..errors import HeadlabError, UsageError
-from .base import Task, TaskConfig, TaskData, right_padded
+from .base import Task, TaskConfig, TaskData, bos_prefix, right_padded
 
 PAD, BOS, IS, ARROW, SEP, QUERY, QUERY1 = range(7)
 SPECIAL = ("[PAD]", "[BOS]", "=", ">", ".", "?", "?1")  # ?1: a one-hop question, a training curriculum only
@@ -64,7 +64,9 @@ class RecallReasoningConfig(TaskConfig):
     one_hop_fraction: float = setting(0.2, SHARE)  # share of one-hop problems after one_hop_steps
     # training steps with one-hop problems only (besides facts): the curriculum
     one_hop_steps: int = setting(2000, NATURAL)
-    prepend_bos: bool = True  # facts: start each prompt with the tokenizer's BOS token
+    # facts: None starts each prompt as the tokenizer does (Gemma's <bos>; nothing for SmolLM2 or GPT-2);
+    # true / false: its BOS token / nothing (tasks/base.py bos_prefix)
+    prepend_bos: bool | None = None
     # facts: "statements" (cloze sentences, transitive / two-hop reasoning) | "questions" (the paper's Q/A pairs:
     # a recall question and a reasoning question over the same country, tasks/facts.py question_pairs)
     facts_style: str = setting("statements", OneOf(("statements", "questions")))
@@ -309,7 +311,7 @@ class RecallReasoningTask(Task):
             self._statement_rows(table, usable, tok, rng, half, (rows, kinds, answers, candidates))
         else:
             raise UsageError(f"unknown task.facts_style '{self.cfg.facts_style}'; choose from: statements, questions")
-        bos = [tok.bos_token_id] if self.cfg.prepend_bos and tok.bos_token_id is not None else []
+        bos = bos_prefix(tok, self.cfg.prepend_bos)
         encoded = [bos + tok(r, add_special_tokens=False)["input_ids"] for r in rows]
         ids = right_padded(encoded, tok)["input_ids"]  # no mask: each prompt reads at its own last token
         read = torch.tensor([len(e) - 1 for e in encoded])
