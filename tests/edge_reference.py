@@ -105,12 +105,18 @@ def _head(x: Tensor, weight: Tensor, bias: Tensor | None, i: int, hd: int) -> Te
 
 
 def split_forward(
-    model, input_ids: Tensor, receiver_inputs: dict[str, Callable] | None = None, embed: Tensor | None = None
+    model,
+    input_ids: Tensor,
+    receiver_inputs: dict[str, Callable] | None = None,
+    embed: Tensor | None = None,
+    sender_outputs: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict]:
     """Logits [batch, pos, vocab] of the hand-built forward pass in which each receiver reads its own copy of the
     residual stream; receiver_inputs maps a receiver name to a callable(resid) -> new resid applied to that copy only;
-    embed, where given, is the input sender's output in place of input_ids' embedding (EAP-IG's interpolation).
+    embed, where given, is the input sender's output in place of input_ids' embedding (EAP-IG's interpolation);
+    sender_outputs, where given, replaces those senders' outputs (every later receiver reads the replacement).
     Returns (logits, outputs) with outputs[sender] = that sender's output [batch, pos, d_model] in this run."""
+    fixed = sender_outputs or {}
     gpt2, n_layers, n_heads, n_kv = _shape(model)
     receiver_inputs = receiver_inputs or {}
     unknown = set(receiver_inputs) - set(receivers(model))
@@ -123,7 +129,7 @@ def split_forward(
         embed = core.wte(input_ids) + core.wpe(positions) if gpt2 else core.embed_tokens(input_ids)
     if not gpt2:
         cos, sin = core.rotary_emb(embed, positions)
-    outputs: dict[str, Tensor] = {"input": embed}
+    outputs: dict[str, Tensor] = {"input": fixed.get("input", embed)}
     const = torch.zeros_like(embed)  # attention output biases so far (not attributed to any sender)
 
     def read(receiver: str) -> Tensor:
@@ -159,10 +165,10 @@ def split_forward(
         for h in range(n_heads):
             pattern = _causal_softmax(q[:, h] @ k[:, h // group].transpose(-1, -2) * scale, fp32=not gpt2)
             z = pattern @ v[:, h // group]  # [batch, pos, hd]
-            outputs[f"a{l}.h{h}"] = z @ w_o[:, h * hd : (h + 1) * hd].T
+            outputs[f"a{l}.h{h}"] = fixed.get(f"a{l}.h{h}", z @ w_o[:, h * hd : (h + 1) * hd].T)
         if b_o is not None:
             const = const + b_o
-        outputs[f"m{l}"] = block.mlp(norm2(read(f"m{l}")))
+        outputs[f"m{l}"] = fixed.get(f"m{l}", block.mlp(norm2(read(f"m{l}"))))
     final_norm = core.ln_f if gpt2 else core.norm
     return model.lm_head(final_norm(read("logits"))), outputs
 
@@ -217,6 +223,42 @@ def eap_ig_scores(
             logits, _ = split_forward(model, clean_ids, fns, embed=embed)
             for r, g in zip(taps, torch.autograd.grad(metric(logits).mean(), list(taps.values()))):
                 grad[r] += g / steps
+    out = {}
+    for edge in edges(model):
+        sender, receiver = edge.split("->")
+        out[edge] = float((diffs[sender] * grad[receiver]).sum())
+    return out
+
+
+def eap_ig_activation_scores(
+    model, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, steps: int, steps_from: int
+) -> dict[str, float]:
+    """EAP-IG over activations, summed by hand as hannamw/EAP-IG's get_scores_ig_activations sums it: for each
+    node in turn (the input, layer l's attention, all its heads at once, layer l's MLP) and each alpha = k / steps,
+    k = steps_from .. steps_from+steps-1, a run of the clean prompts in which that node outputs
+    alpha * clean + (1 - alpha) * corrupt; the receivers' gradients averaged over every node and step."""
+    diffs = _sender_diffs(model, clean_ids, corrupt_ids)
+    with torch.no_grad():
+        _, clean = split_forward(model, clean_ids)
+        _, corrupt = split_forward(model, corrupt_ids)
+    n_layers = _shape(model)[1]
+    nodes = [["input"]] + [
+        group for l in range(n_layers) for group in ([s for s in clean if s.startswith(f"a{l}.h")], [f"m{l}"])
+    ]
+    grad = {r: torch.zeros_like(diffs["input"]) for r in receivers(model)}
+    for node in nodes:
+        for k in range(steps_from, steps_from + steps):
+            alpha = k / steps
+            fixed = {s: alpha * clean[s] + (1 - alpha) * corrupt[s] for s in node}
+            taps = {r: torch.zeros_like(diffs["input"], requires_grad=True) for r in receivers(model)}
+            with torch.enable_grad():
+                fns = {r: (lambda x, t=t: x + t) for r, t in taps.items()}
+                logits, _ = split_forward(model, clean_ids, fns, sender_outputs=fixed)
+                # a receiver of the fixed node is cut off from the metric: no gradient reaches it in this run
+                found = torch.autograd.grad(metric(logits).mean(), list(taps.values()), allow_unused=True)
+                for r, g in zip(taps, found):
+                    if g is not None:
+                        grad[r] += g / (steps * len(nodes))
     out = {}
     for edge in edges(model):
         sender, receiver = edge.split("->")

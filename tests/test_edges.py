@@ -404,6 +404,23 @@ def test_eap_ig_equals_a_sum_by_hand_in_both_conventions_which_differ(case):
         scores(case.model, case.task, case.data, case.graph, "eap_ig", steps=3, ig_steps_from=2)
 
 
+@WITH_LLAMA64
+def test_eap_ig_over_activations_equals_the_authors_sum_by_hand(case):
+    # hannamw/EAP-IG's get_scores_ig_activations: every node in turn, k = 1..steps (the default), unlike
+    # get_scores_eap_ig's k = 0..steps-1
+    real = case.graph.real
+    got = scores(case.model, case.task, case.data, case.graph, "eap_ig_activations", 2)
+    with case.reference():
+        by_hand = ref.eap_ig_activation_scores(case.hf, case.clean_ids, case.corrupt_ids, case.metric, 2, 1)
+        other = ref.eap_ig_activation_scores(case.hf, case.clean_ids, case.corrupt_ids, case.metric, 2, 0)
+    want = _values(case, by_hand)
+    scale = float(want.abs().max())
+    assert scale > 1e-4
+    err = float((got[real] - want).abs().max())
+    assert err <= min(1e-5, case.tol(scale)), (err, scale)
+    assert float((_values(case, other) - want).abs().max()) > 1e-2 * scale  # k = 0..1 is another number
+
+
 @pytest.mark.parametrize("method", ["eap_ig", "eap_ig_activations"])
 def test_scores_at_twice_the_steps_from_the_odd_alphas_equal_a_run_at_twice_the_steps(case, method):
     real = case.graph.real

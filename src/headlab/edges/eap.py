@@ -6,11 +6,13 @@ patched from the corrupted run. in_R is R's own copy of the residual stream (as 
 private copy), so its gradient is that of the receiver alone:
   eap                 the gradient on the clean run;
   eap_ig              its mean over `steps` runs whose input embeddings are interpolated from the
-                      corrupted to the clean ones (alpha = k/steps, k = 1..steps as the paper writes
-                      it; with ig_steps_from=0, k = 0..steps-1 as hannamw/EAP-IG's current code and
-                      MIB sum it: the corrupted endpoint in, the clean one out);
+                      corrupted to the clean ones (alpha = k/steps, k = 0..steps-1 as hannamw/EAP-IG's
+                      get_scores_eap_ig and MIB sum it: the corrupted endpoint in, the clean one out;
+                      ig_steps_from=1: k = 1..steps, as the paper writes it);
   eap_ig_activations  its mean over runs in which one node at a time (the input, a layer's attention,
-                      a layer's MLP) outputs the interpolation of its clean and corrupted outputs.
+                      a layer's MLP) outputs the interpolation of its clean and corrupted outputs
+                      (k = 1..steps, as get_scores_ig_activations sums it; ig_steps_from=0: 0..steps-1).
+ig_steps_from=None (the default) takes each method's own range from the authors' code (AUTHORS_STEPS_FROM).
 On a post-norm model the senders' outputs are postnorm.py's: under mib (MIB's code) a head's difference
 is taken before its layer's norm; an MLP node's output is after its norm, and under shares so is an
 attention node's.
@@ -52,12 +54,20 @@ class Interpolation:
     alpha: float = 1.0
 
 
-IG_STEPS_FROM = (0, 1)  # the first k of the sum: 0 (the authors' code, MIB) or 1 (the paper)
+IG_STEPS_FROM = (0, 1)  # the first k of the sum over alpha = k/steps
+# hannamw/EAP-IG (src/eap/attribute.py): get_scores_eap_ig sums k = 0..steps-1, get_scores_ig_activations 1..steps
+AUTHORS_STEPS_FROM = {"eap_ig": 0, "eap_ig_activations": 1}
 
 
-def runs_of(method: str, graph: EdgeGraph, steps: int, steps_from: int = 0) -> list[Interpolation]:
+def first_k(method: str, ig_steps_from: int | None) -> int:
+    """The first k of `method`'s sum: `ig_steps_from` where given, else the authors' code's."""
+    return AUTHORS_STEPS_FROM.get(method, 0) if ig_steps_from is None else ig_steps_from
+
+
+def runs_of(method: str, graph: EdgeGraph, steps: int, steps_from: int | None = None) -> list[Interpolation]:
     if method == "eap":
         return [Interpolation()]
+    steps_from = first_k(method, steps_from)
     if steps_from not in IG_STEPS_FROM:
         raise UsageError(f"ig_steps_from={steps_from}: choose 0 (k = 0..steps-1) or 1 (k = 1..steps)")
     return runs_at(method, graph, [k / steps for k in range(steps_from, steps_from + steps)])
@@ -87,10 +97,10 @@ def scores(
     steps: int = 5,
     prompts_per_pass: int = 16,
     show_progress: bool = False,
-    ig_steps_from: int = 0,
+    ig_steps_from: int | None = None,
 ) -> Tensor:
     """[senders, receivers] float64: each edge's score (NaN where there is no edge). `ig_steps_from`: the
-    first k of eap_ig*'s sum over alpha = k/steps (0: hannamw/EAP-IG's code and MIB, 1: the paper)."""
+    first k of eap_ig*'s sum over alpha = k/steps (None: the authors' code's for the method, first_k)."""
     runs = runs_of(method, graph, steps, ig_steps_from)
     total = _summed(model, task, data, graph, runs, prompts_per_pass, show_progress, method)
     total /= data.n * len(runs)
@@ -107,14 +117,14 @@ def doubled_steps(
     steps: int,
     prompts_per_pass: int = 16,
     show_progress: bool = False,
-    ig_steps_from: int = 0,
+    ig_steps_from: int | None = None,
 ) -> Tensor:
     """eap_ig*'s scores at 2 * steps interpolation steps, given `at_steps`, its scores at `steps`: the
     2m-step sum's even alphas, k/(2m) = j/m, are the m-step sum's own, so only its m odd alphas run (the
     same sums as scores(..., 2 * steps), to float64 rounding)."""
     if method not in ("eap_ig", "eap_ig_activations"):
         raise UsageError(f"only eap_ig and eap_ig_activations integrate over steps, not {method}")
-    first = ig_steps_from
+    first = first_k(method, ig_steps_from)
     odd = [k / (2 * steps) for k in range(first, first + 2 * steps) if k % 2]
     runs = runs_at(method, graph, odd)
     total = _summed(model, task, data, graph, runs, prompts_per_pass, show_progress, method)

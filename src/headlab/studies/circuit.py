@@ -62,9 +62,10 @@ class CircuitOptions(StudyOptions):
     method: CircuitMethod = CircuitMethod.eap_ig  # MIB's best-ranked edge method (2504.13151)
     level: CircuitLevel = CircuitLevel.edges
     steps: int = setting(5, COUNT)  # eap_ig*: interpolation steps (Hanna et al. use 5)
-    # eap_ig*: the sum runs over alpha = k/steps for k = ig_steps_from .. ig_steps_from + steps - 1: 0 (the
-    # corrupted endpoint in, the clean one out) is hannamw/EAP-IG's code and MIB's; 1 is the EAP-IG paper's k = 1..steps
-    ig_steps_from: int = setting(0, Range(0, 1, integer=True))  # 0 or 1 (attribution.IG_STEPS_FROM)
+    # eap_ig*: the sum runs over alpha = k/steps for k = ig_steps_from .. ig_steps_from + steps - 1; None: as
+    # hannamw/EAP-IG's code (MIB's) sums each method, eap_ig from 0 (the corrupted endpoint in, the clean one
+    # out), eap_ig_activations from 1 (edges/eap.py AUTHORS_STEPS_FROM); 1 is the EAP-IG paper's k = 1..steps
+    ig_steps_from: int | None = setting(None, Range(0, 1, integer=True))
     selection: CircuitSelection = CircuitSelection.top_n
     faithfulness: bool = True  # the faithfulness curve, CPR, CMD and the smallest circuit reaching target
     target: float = setting(0.8, SHARE)  # share of the clean-corrupted gap the reported circuit recovers
