@@ -10,7 +10,9 @@ Graph (EAP-IG / MIB convention):
   (z_h @ W_O[h], without the output bias, which is a constant) and ``m{l}`` (the MLP output, biases included);
 * receivers, per layer l: ``a{l}.h{h}<q>`` for every query head, then ``<k>`` for every key/value head, then ``<v>``
   for every key/value head (named ``a{l}.kv{j}<k>`` when the model has fewer kv heads than query heads, else
-  ``a{l}.h{j}<k>``), then ``m{l}``; finally ``logits`` (the final residual, before the final norm);
+  ``a{l}.h{j}<k>``), then ``m{l}``; finally ``logits`` (the final residual, before the final norm). A model whose
+  config says ``headlab_kv_edges = "ungrouped"`` has MIB's grouped-query graph instead: ``<k>`` and ``<v>`` for every
+  query head (``a{l}.h{h}<k>``), each computed from that head's own copy with its kv head's weights;
 * edges: every sender of layers < l feeds the attention receivers of layer l, ``m{l}`` also reads the heads of its
   own layer, ``logits`` reads every sender. Names are ``"{sender}->{receiver}"``.
 
@@ -42,9 +44,21 @@ def _shape(model) -> tuple[bool, int, int, int]:
     raise ValueError(f"edge_reference supports gpt2 and llama, not {cfg.model_type}")
 
 
+def _ungrouped(model) -> bool:
+    """Does each query head read a key and value input of its own (MIB's graph under GQA)?"""
+    _, _, n_heads, n_kv = _shape(model)
+    return n_kv < n_heads and getattr(model.config, "headlab_kv_edges", "grouped") == "ungrouped"
+
+
+def _kv_reads(model) -> int:
+    """Key (and value) receivers per layer."""
+    _, _, n_heads, n_kv = _shape(model)
+    return n_heads if _ungrouped(model) else n_kv
+
+
 def _kv_name(model, l: int, j: int, letter: str) -> str:
     _, _, n_heads, n_kv = _shape(model)
-    return f"a{l}.kv{j}<{letter}>" if n_kv < n_heads else f"a{l}.h{j}<{letter}>"
+    return f"a{l}.kv{j}<{letter}>" if n_kv < n_heads and not _ungrouped(model) else f"a{l}.h{j}<{letter}>"
 
 
 def senders(model) -> list[str]:
@@ -56,9 +70,9 @@ def senders(model) -> list[str]:
 
 
 def _attn_receivers(model, l: int) -> list[str]:
-    _, _, n_heads, n_kv = _shape(model)
+    _, _, n_heads, _ = _shape(model)
     qs = [f"a{l}.h{h}<q>" for h in range(n_heads)]
-    return qs + [_kv_name(model, l, j, c) for c in "kv" for j in range(n_kv)]
+    return qs + [_kv_name(model, l, j, c) for c in "kv" for j in range(_kv_reads(model))]
 
 
 def receivers(model) -> list[str]:
@@ -131,6 +145,7 @@ def split_forward(
         cos, sin = core.rotary_emb(embed, positions)
     outputs: dict[str, Tensor] = {"input": fixed.get("input", embed)}
     const = torch.zeros_like(embed)  # attention output biases so far (not attributed to any sender)
+    group, ungrouped = n_heads // n_kv, _ungrouped(model)  # query head h reads kv head h // group
 
     def read(receiver: str) -> Tensor:
         resid = const + sum(outputs[s] for s in _upstream(model, receiver))
@@ -157,14 +172,17 @@ def split_forward(
             scale = hd**-0.5
 
         q = torch.stack([_head(norm1(read(f"a{l}.h{h}<q>")), wq, bq, h, hd) for h in range(n_heads)], dim=1)
-        k = torch.stack([_head(norm1(read(_kv_name(model, l, j, "k"))), wk, bk, j, hd) for j in range(n_kv)], dim=1)
-        v = torch.stack([_head(norm1(read(_kv_name(model, l, j, "v"))), wv, bv, j, hd) for j in range(n_kv)], dim=1)
+        # receiver j's weights: kv head j, or (ungrouped) query head j's kv head, j // group
+        step = group if ungrouped else 1
+        reads = range(_kv_reads(model))
+        k = torch.stack([_head(norm1(read(_kv_name(model, l, j, "k"))), wk, bk, j // step, hd) for j in reads], 1)
+        v = torch.stack([_head(norm1(read(_kv_name(model, l, j, "v"))), wv, bv, j // step, hd) for j in reads], 1)
         if not gpt2:
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        group = n_heads // n_kv  # query head h reads kv head h // group
         for h in range(n_heads):
-            pattern = _causal_softmax(q[:, h] @ k[:, h // group].transpose(-1, -2) * scale, fp32=not gpt2)
-            z = pattern @ v[:, h // group]  # [batch, pos, hd]
+            kv = h if ungrouped else h // group  # the k and v query head h reads
+            pattern = _causal_softmax(q[:, h] @ k[:, kv].transpose(-1, -2) * scale, fp32=not gpt2)
+            z = pattern @ v[:, kv]  # [batch, pos, hd]
             outputs[f"a{l}.h{h}"] = fixed.get(f"a{l}.h{h}", z @ w_o[:, h * hd : (h + 1) * hd].T)
         if b_o is not None:
             const = const + b_o

@@ -5,6 +5,8 @@ and Llama-shaped with GQA (4 query heads, 2 kv heads). GPT-2 in float64 agrees w
 (~1e-15 of the largest value). HF Llama rounds through float32 inside RMSNorm, and the reference's Llama softmax does
 too (headlab's is float64), so plain Llama agrees only to float32 level; `llama64` is the same model with RMSNorm
 and the reference's softmax in float64 (rotary's cos/sin are shared by both sides), where GQA must agree to rounding.
+`llama` and `llama64` use the grouped key/value edges (kv_edges=grouped); `llama64u` is llama64 with MIB's
+ungrouped ones (each query head its own key and value inputs), the reference's graph switched alike.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ N_PROMPTS = 8
 FLOAT64 = 1e-10
 # float32 inside (plain Llama): besides, up to 1e-6 of the metric's scale (observed up to 3e-8 of it)
 FLOAT32 = 1e-6
-N_EDGES = {"gpt2": 110, "llama": 82, "llama64": 82}
+N_EDGES = {"gpt2": 110, "llama": 82, "llama64": 82, "llama64u": 110}
 
 # edges patched one at a time against the reference: every kind of receiver (q, k, v, mlp, logits) and sender
 SAMPLED_EDGES = {
@@ -65,6 +67,17 @@ SAMPLED_EDGES = {
         "a1.h1->m1",
         "m0->logits",
         "input->logits",
+    ],
+    # ungrouped: an edge into one query head's key or value, and into its sibling's
+    "llama64u": [
+        "input->a0.h1<q>",
+        "a0.h2->a1.h3<k>",
+        "a0.h2->a1.h2<k>",
+        "m0->a1.h0<v>",
+        "m0->a1.h1<v>",
+        "input->a0.h3<v>",
+        "a0.h3->m0",
+        "m0->logits",
     ],
     # plain Llama: one edge per kind of receiver is enough beside llama64's full sample
     "llama": ["input->a0.h1<q>", "a0.h2->a1.kv1<k>", "m0->a1.kv0<v>", "a0.h3->m0", "m0->logits"],
@@ -102,7 +115,7 @@ class Case:
 
     @cached_property
     def graph(self) -> EdgeGraph:
-        return EdgeGraph.of(self.model)
+        return EdgeGraph.of(self.model, kv_edges="ungrouped" if self.family == "llama64u" else "grouped")
 
     @property
     def clean_ids(self) -> Tensor:
@@ -121,7 +134,7 @@ class Case:
     @contextmanager
     def reference(self) -> Iterator[None]:
         """Around calls into the reference: for llama64, its Llama softmax in float64 too, as headlab's is."""
-        if self.family != "llama64":
+        if not self.family.startswith("llama64"):
             yield
             return
         softmax = ref._causal_softmax
@@ -178,10 +191,12 @@ def _build(family: str, tokenizer) -> Case:
             max_position_embeddings=64,
         )
     hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="headlab").double().eval()
-    if family == "llama64":  # this model's RMSNorms only, without HF's round trip through float32
+    if family.startswith("llama64"):  # this model's RMSNorms only, without HF's round trip through float32
         for module in hf.modules():
             if type(module).__name__ == "LlamaRMSNorm":
                 module.forward = MethodType(_rms_norm_float64, module)
+    if family == "llama64u":
+        hf.config.headlab_kv_edges = "ungrouped"  # the reference's graph (edge_reference._ungrouped)
     model = hook_hf(hf, f"tiny-{family}", FAMILIES[cfg.model_type], tokenizer)
     task = build_task(compose(["task=ioi", f"task.n_prompts={N_PROMPTS}"]).task)
     data = task.build(N_PROMPTS, 0, model)
@@ -208,7 +223,7 @@ def case(request, built) -> Case:
 
 
 # the comparisons with the reference also run on Llama in float64 throughout
-WITH_LLAMA64 = pytest.mark.parametrize("case", ["gpt2", "llama", "llama64"], indirect=True)
+WITH_LLAMA64 = pytest.mark.parametrize("case", ["gpt2", "llama", "llama64", "llama64u"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +259,18 @@ def test_graph_names_and_order_match_the_reference(case):
         ]
     some = case.mask(["m0->logits", "input->a0.h1<q>"])
     assert g.edge_names(some) == ["input->a0.h1<q>", "m0->logits"]  # sender-major
+
+
+def test_ungrouped_key_value_edges_are_one_per_query_head_and_grouped_ones_count_as_them(built):
+    case, grouped = built("llama64u"), built("llama64").graph
+    g = case.graph
+    assert [r.name for r in g.receivers] == ref.receivers(case.hf) and g.edge_names() == ref.edges(case.hf)
+    assert [r.name for r in g.receivers if r.layer == 0 and r.kind in "kv"] == [
+        *(f"a0.h{h}<k>" for h in range(4)),
+        *(f"a0.h{h}<v>" for h in range(4)),
+    ]
+    assert g.n_edges == g.total(ungrouped=True) == grouped.total(ungrouped=True) == N_EDGES["llama64u"]
+    assert not g.grouped and g.expands_kv and grouped.grouped and not grouped.expands_kv
 
 
 def test_an_attention_only_toy_model_has_no_mlp_nodes():
@@ -583,7 +610,7 @@ def test_a_post_normed_model_builds_its_graph_under_either_rule(family):
     assert EdgeGraph.of(hooked).post_norm == "mib"  # MIB's code, by default
     for rule in ("mib", "shares"):
         g = EdgeGraph.of(hooked, rule)
-        assert g.post_norm == rule and g.n_edges == N_EDGES["llama"] and g.n_kv_heads == 2
+        assert g.post_norm == rule and g.n_edges == N_EDGES["llama64u"] and g.n_kv_heads == 2
         assert g.to_json(torch.zeros(g.real.shape))["cfg"]["post_norm"] == rule
     _refused(lambda: EdgeGraph.of(hooked, "frozen"), "post_norm=frozen: choose one of mib, shares")
 

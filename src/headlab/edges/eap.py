@@ -219,7 +219,11 @@ def _layer_gradients(
     A head's receiver is the attention's input as that head's q (k, v) alone reads it: one backward pass
     gives the gradient at the q, k and v projections' outputs, whose columns are per head (nothing after
     them mixes heads); each head's part times its own weights is the gradient at the norm's output from
-    that head alone, and one pass of the norm over stacked copies takes them all back through it."""
+    that head alone, and one pass of the norm over stacked copies takes them all back through it. With
+    ungrouped key/value edges under GQA (graph.expands_kv) the attention is handed k and v one copy per
+    query head, so the backward pass gives each query head's gradient at its own copy; taken back to the
+    projections' outputs one member of every group at a time (through the rotary, and any k norm), each
+    is that query head's share of its key/value head's gradient."""
     x = x.detach().requires_grad_()
     kept: dict[str, Tensor] = {}
 
@@ -253,23 +257,63 @@ def _layer_gradients(
         )
         for i, module in enumerate(projs):
             stack.callback(module.register_forward_hook(keep(f"proj{i}")).remove)
+        if graph.expands_kv:
+            stack.enter_context(
+                model.hooks(layer, k=_expanded(kept, "k", graph.group), v=_expanded(kept, "v", graph.group))
+            )
         stack.enter_context(_interpolated(model, graph, run, layer, clean, corrupt))
         out = model.run_blocks(x, layer, trace, stop=layer + 1)
     outs = [kept[f"proj{i}"] for i in range(len(projs))]
-    wanted = [x, *outs] + ([kept["mlp_in"]] if has_mlp else [])
-    grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+    copies = [kept["k"], kept["v"]] if graph.expands_kv else []
+    wanted = [x, *outs, *copies] + ([kept["mlp_in"]] if has_mlp else [])
+    grads = torch.autograd.grad(out, wanted, grad_out, allow_unused=True, retain_graph=bool(copies))
     grad_x = grads[0]
     assert grad_x is not None
     # None: the layer's output does not depend on its q, k, v (an interpolated attention)
     at_proj = [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads[1 : 1 + len(outs)])]
-    per_head = torch.cat(
-        [torch.einsum("npge,gde->gnpd", g, w.to(g.dtype)) for g, w in zip(sites.qkv_split(at_proj), sites.W_QKV(layer))]
-    )
+    weights = list(sites.W_QKV(layer))
+    per_site = list(sites.qkv_split(at_proj))  # q, k, v: [n, pos, heads of the site, d_head]
+    if copies:
+        at_copies = grads[1 + len(outs) : 1 + len(outs) + 2]
+        per_site = [per_site[0]] + [
+            _per_query_head(kept[f"{site}_in"], outs, g, graph.group, sites.qkv_split, i)
+            for i, (site, g) in enumerate(zip("kv", at_copies), 1)
+        ]
+        weights = [weights[0]] + [w.repeat_interleave(graph.group, 0) for w in weights[1:]]
+    per_head = torch.cat([torch.einsum("npge,gde->gnpd", g, w.to(g.dtype)) for g, w in zip(per_site, weights)])
     parts = [_through_norm(norm, kept["attn_in"], per_head)]
     if has_mlp:
         g = grads[-1]
         parts.append((torch.zeros_like(x) if g is None else g).unsqueeze(0))
     return torch.cat(parts), grad_x
+
+
+def _expanded(kept: dict[str, Tensor], site: str, group: int) -> Callable[[Tensor], Tensor]:
+    """A k or v hook that hands the attention one copy per query head, a node of its own."""
+
+    def hook(t: Tensor) -> Tensor:  # t: [n, kv_head, pos, d_head]
+        kept[f"{site}_in"] = t
+        kept[site] = t.repeat_interleave(group, 1)  # [n, head, pos, d_head]
+        return kept[site]
+
+    return hook
+
+
+def _per_query_head(
+    site_in: Tensor, outs: list[Tensor], grad: Tensor | None, group: int, split: Callable, index: int
+) -> Tensor:
+    """[n, pos, head, d_head]: each query head's gradient at its key/value head's columns of the projection
+    output, from the gradient at its own copy of k or v (grad [n, head, pos, d_head]): the copies of group
+    member m (heads m, m + group, ...) taken back through what lies between projection and hook at once."""
+    n_kv = site_in.shape[1]
+    if grad is None:  # the layer's output does not read this site (an interpolated attention)
+        zero = split([torch.zeros_like(o) for o in outs])[index]
+        return zero.repeat_interleave(group, 2)
+    members = []
+    for m in range(group):
+        back = torch.autograd.grad(site_in, outs, grad[:, m::group], allow_unused=True, retain_graph=True)
+        members.append(split([torch.zeros_like(o) if b is None else b for o, b in zip(outs, back)])[index])
+    return torch.stack(members, 3).reshape(*members[0].shape[:2], n_kv * group, -1)  # head j*group+m at j, m
 
 
 def _through_norm(norm: nn.Module, reader: Tensor, cotangents: Tensor) -> Tensor:

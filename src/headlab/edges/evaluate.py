@@ -156,7 +156,8 @@ def _circuit_layer(
     gets its corrupted output instead (this run's cancels). The q/k/v receivers of the other heads each
     get a copy of the stream as far as its own head's q, k or v, projected alone; the block then runs
     once, each head taking its query from its q copy and its key and value from its kv head's copies,
-    the MLP reading its own input."""
+    the MLP reading its own input (ungrouped key/value edges under GQA: each query head its own key and
+    value)."""
     cols = graph.layer_receivers(layer)
     attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
     heads = graph.head_rows(layer)
@@ -174,14 +175,16 @@ def _circuit_layer(
             trace,
             copies,
             attn_in=lambda t: t + deltas.flatten(0, 1),
-            wanted=[(graph.receivers[c].kind, graph.receivers[c].head) for c in kept],  # type: ignore[misc]
+            wanted=[(graph.receivers[c].kind, graph.site_head(graph.receivers[c])) for c in kept],
         )
     ]
+    # each receiver's head of q, k or v from its own copy; ungrouped k and v: one per query head (expands_kv)
     assembled = {}
     for kind, t in zip(QKV, stacked):
-        sources = torch.tensor([copy_of.get(c, 0) for c in attn_cols if graph.receivers[c].kind == kind])
-        picked = t[sources.to(t.device), :, torch.arange(t.shape[2], device=t.device)]  # [head, n, pos, d_head]
-        assembled[kind] = picked.transpose(0, 1)
+        of_kind = [c for c in attn_cols if graph.receivers[c].kind == kind]
+        sources = torch.tensor([copy_of.get(c, 0) for c in of_kind], device=t.device)
+        site_heads = torch.tensor([graph.site_head(graph.receivers[c]) for c in of_kind], device=t.device)
+        assembled[kind] = t[sources, :, site_heads].transpose(0, 1)  # [n, head, pos, d_head]
     z_now: list[Tensor] = []
     attn_now: list[tuple[Tensor, Tensor]] = []
 

@@ -105,8 +105,11 @@ def _patched_layer(
     kinds = [graph.receivers[r] for _, r in chunk]
     attn_delta = torch.zeros(copies, *x.shape, dtype=x.dtype, device=x.device)
     mlp_delta = torch.zeros_like(attn_delta)
+    # ungrouped key/value edges under GQA (expands_kv): the attention gets k and v one copy per query head
+    per_query = graph.expands_kv
     keep = {
-        site: torch.zeros(copies, graph.n_heads if site == "q" else graph.n_kv_heads, dtype=torch.bool) for site in QKV
+        site: torch.zeros(copies, graph.n_heads if site == "q" or per_query else graph.n_kv_heads, dtype=torch.bool)
+        for site in QKV
     }
     for c, ((s, _), r) in enumerate(zip(chunk, kinds)):
         if r.kind == "mlp":
@@ -115,7 +118,11 @@ def _patched_layer(
             attn_delta[c] = delta[s]
             keep[r.kind][c, r.head] = True
     clean_sites = _clean_qkv(model, trace, layer, x)
-    fns: dict[str, Hook] = {site: _select(keep[site].to(x.device), clean_sites[site], n) for site in QKV}
+    repeat = {site: graph.group if per_query and site != "q" else 1 for site in QKV}
+    fns: dict[str, Hook] = {
+        site: _select(keep[site].to(x.device), clean_sites[site].repeat_interleave(repeat[site], 1), n, repeat[site])
+        for site in QKV
+    }
     has_mlp_edge = any(r.kind == "mlp" for r in kinds)
     with ExitStack() as stack:
         stack.enter_context(
@@ -136,11 +143,12 @@ def _clean_qkv(model: HookedModel, trace, layer: int, x: Tensor) -> dict[str, Te
     return {site: kept[(site, layer)] for site in QKV}
 
 
-def _select(keep: Tensor, clean: Tensor, n: int) -> Hook:
-    """A q/k/v hook over stacked copies: head j of copy c keeps its value where keep[c, j], else clean."""
+def _select(keep: Tensor, clean: Tensor, n: int, repeat: int = 1) -> Hook:
+    """A q/k/v hook over stacked copies: head j of copy c keeps its value where keep[c, j], else clean;
+    `repeat`: each head of the site first handed over as that many copies (one per query head)."""
 
     def hook(t: Tensor) -> Tensor:
-        stacked = t.unflatten(0, (keep.shape[0], n))
+        stacked = t.repeat_interleave(repeat, 1).unflatten(0, (keep.shape[0], n))
         chosen = torch.where(keep.view(keep.shape[0], 1, -1, 1, 1), stacked, clean.unsqueeze(0))
         return chosen.flatten(0, 1)
 

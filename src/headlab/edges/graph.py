@@ -2,18 +2,23 @@
 
 Senders, in forward order: `input` (the residual stream entering block 0), every attention head
 `a{l}.h{h}` (its output z_h W_O[h] into the residual stream) and every MLP `m{l}`. Receivers: each head's
-query input `a{l}.h{h}<q>`, each key/value head's key and value inputs (`a{l}.h{j}<k>`; under GQA the kv
-heads are receivers of their own, `a{l}.kv{j}<k>`, never ungrouped), each MLP's input `m{l}`, and
-`logits` (the final residual stream). An edge carries one sender's output into one receiver's input;
-it exists when the sender is upstream of the receiver.
+query input `a{l}.h{h}<q>`, key and value inputs, each MLP's input `m{l}`, and `logits` (the final
+residual stream). An edge carries one sender's output into one receiver's input; it exists when the
+sender is upstream of the receiver.
+
+Key and value inputs under grouped-query attention (`kv_edges`):
+  ungrouped  every query head reads keys and values of its own (`a{l}.h{h}<k>`), computed from its own
+             copy of the stream with its key/value head's weights, as MIB's graph has them
+             (TransformerLens's ungroup_grouped_query_attention, hannamw/EAP-IG's attribute); an edge
+             into one query head's key input leaves its siblings' keys clean;
+  grouped    each key/value head is one receiver (`a{l}.kv{j}<k>`) whose keys every query head of its
+             group reads: fewer, coarser edges (smollm2-135m: 70,651 against 123,211).
+Without GQA the two are the same graph (`a{l}.h{h}<k>`).
 
 Scores and circuits are [senders, receivers] matrices over this graph; `real` says which entries are
-edges. A circuit is a boolean matrix: the edges that keep their clean values.
-
-Counting edges: MIB and auto-circuit give every query head key and value inputs of its own, so under GQA
-their graph is larger (smollm2-135m: 123,211 edges against this graph's 70,651). `multiplicity` says how
-many of their edges each of ours stands for (the query heads sharing a key/value head; 1 elsewhere), so
-circuit sizes can be counted either way (`ungrouped=True`: theirs).
+edges. A circuit is a boolean matrix: the edges that keep their clean values. `multiplicity` says how many
+ungrouped edges each edge stands for (the query heads sharing a grouped key/value input; 1 elsewhere), so a
+grouped graph's circuit sizes can be counted either way (`ungrouped=True`: MIB's count).
 
 A model that normalises each component's output before the residual sum (Gemma 2 and 3) has the same
 graph; `post_norm` names the rule that says what its edges carry (postnorm.py; None elsewhere).
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
     from ..models.hooked import HookedModel
 
 QKV = ("q", "k", "v")
+KV_EDGES = ("ungrouped", "grouped")  # key/value inputs per query head (MIB's) or per key/value head
 
 
 @dataclass(frozen=True)
@@ -69,22 +75,24 @@ class EdgeGraph:
     parallel: bool
     mlp_layers: tuple[int, ...]
     post_norm: str | None = None  # mib | shares on a post-norm model (postnorm.py); None: a residual sum
+    kv_edges: str = "ungrouped"  # KV_EDGES: key/value inputs per query head, or per key/value head
     senders: list[Sender] = field(init=False)
     receivers: list[Receiver] = field(init=False)
     real: Tensor = field(init=False)  # [senders, receivers] bool: which entries are edges
     _owners: Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        grouped = self.n_kv_heads != self.n_heads
+        if self.kv_edges not in KV_EDGES:
+            raise UsageError(f"kv_edges={self.kv_edges}: choose from {', '.join(KV_EDGES)}")
+        node, kv_receivers = ("kv", self.n_kv_heads) if self.grouped else ("h", self.n_heads)
         self.senders = [Sender("input", "input", -1)]
         self.receivers = []
         for layer in range(self.n_layers):
             self.senders += [Sender(f"a{layer}.h{h}", "head", layer, h) for h in range(self.n_heads)]
             self.receivers += [Receiver(f"a{layer}.h{h}<q>", "q", layer, h) for h in range(self.n_heads)]
             for letter in ("k", "v"):
-                node = "kv" if grouped else "h"
                 self.receivers += [
-                    Receiver(f"a{layer}.{node}{j}<{letter}>", letter, layer, j) for j in range(self.n_kv_heads)
+                    Receiver(f"a{layer}.{node}{j}<{letter}>", letter, layer, j) for j in range(kv_receivers)
                 ]
             if layer in self.mlp_layers:
                 self.senders.append(Sender(f"m{layer}", "mlp", layer))
@@ -94,10 +102,32 @@ class EdgeGraph:
         orders = torch.tensor([s.order for s in self.senders])
         self.real = orders[:, None] < reads[None, :]
 
+    @property
+    def grouped(self) -> bool:
+        """Are key/value inputs receivers per key/value head (grouped-query attention, kv_edges=grouped)?"""
+        return self.n_kv_heads != self.n_heads and self.kv_edges == "grouped"
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    def site_head(self, r: Receiver) -> int:
+        """The head of q, k or v (as the model computes them: k and v per key/value head) that receiver r
+        reads its input into."""
+        assert r.head is not None, f"receiver {r.name} reads no head's q, k or v"
+        return r.head // self.group if r.kind in ("k", "v") and not self.grouped else r.head
+
+    @property
+    def expands_kv(self) -> bool:
+        """Do the query heads of a group read keys and values of their own (ungrouped edges under GQA)? Then
+        each layer's attention is handed k and v one copy per query head."""
+        return self.n_kv_heads != self.n_heads and not self.grouped
+
     @classmethod
-    def of(cls, model: HookedModel, post_norm: str = "mib") -> EdgeGraph:
+    def of(cls, model: HookedModel, post_norm: str = "mib", kv_edges: str = "ungrouped") -> EdgeGraph:
         """The model's graph; `post_norm`: the rule for a model with norms on its components' outputs
-        (postnorm.py: mib, MIB's code, or shares), unused elsewhere."""
+        (postnorm.py: mib, MIB's code, or shares), unused elsewhere; `kv_edges`: KV_EDGES."""
         rule = check_rule(model, post_norm)
         if any(module is None for module in model.attn_inputs):
             raise UsageError(f"{model.name}: headlab does not know where its attention reads the residual stream")
@@ -109,7 +139,7 @@ class EdgeGraph:
             for layer, (norm, mlp) in enumerate(zip(model.mlp_inputs, model.mlps))
             if norm is not None and mlp is not None
         )
-        return cls(model.n_layers, sites.n_heads, sites.n_kv_heads, sites.d_model, model.parallel, mlps, rule)
+        return cls(model.n_layers, sites.n_heads, sites.n_kv_heads, sites.d_model, model.parallel, mlps, rule, kv_edges)
 
     def _reads_below(self, r: Receiver) -> int:
         if r.kind == "logits":
@@ -131,7 +161,7 @@ class EdgeGraph:
     def multiplicity(self) -> Tensor:
         """[senders, receivers] int64: the ungrouped graph's edges each edge stands for (0 off the graph);
         read by every circuit a faithfulness curve builds, so computed once."""
-        group = self.n_heads // self.n_kv_heads
+        group = self.group if self.grouped else 1
         per_receiver = torch.tensor([group if r.kind in ("k", "v") else 1 for r in self.receivers])
         return self.real.long() * per_receiver[None, :]
 
@@ -163,7 +193,7 @@ class EdgeGraph:
 
     def _find_owners(self) -> Tensor:
         own = torch.zeros(len(self.senders), len(self.receivers), dtype=torch.bool)
-        group = self.n_heads // self.n_kv_heads
+        group = self.group if self.grouped else 1
         for j, r in enumerate(self.receivers):
             for i, s in enumerate(self.senders):
                 if s.layer != r.layer or r.kind == "logits":
@@ -247,7 +277,7 @@ class EdgeGraph:
     def to_json(self, scores: Tensor, mask: Tensor | None = None) -> dict[str, Any]:
         """The graph in EAP-IG's JSON layout (Graph.to_json / from_json, read by MIB's tools): cfg, nodes
         with in_graph, edges with score and in_graph. GQA models add cfg.n_key_value_heads and name their
-        key/value receivers a{l}.kv{j}<k|v>."""
+        key/value receivers a{l}.kv{j}<k|v> where they are grouped; ungrouped, the names are MIB's."""
         mask = torch.zeros_like(self.real) if mask is None else mask & self.real
         own = self.owners()
         in_graph = mask.any(1) | (own & mask.any(0)[None, :]).any(1)
@@ -259,6 +289,7 @@ class EdgeGraph:
         }
         if self.n_kv_heads != self.n_heads:
             cfg["n_key_value_heads"] = self.n_kv_heads
+            cfg["kv_edges"] = self.kv_edges
         if self.post_norm is not None:
             cfg["post_norm"] = self.post_norm
         nodes = {s.name: {"in_graph": bool(in_graph[i])} for i, s in enumerate(self.senders)}

@@ -158,22 +158,26 @@ def ioi_circuit(numbers: Numbers) -> str:
             mib,
         )
     )
-    lines.append(
-        row(
-            "edges in the graph: ungrouped (MIB's count) / grouped (one per key/value head)",
-            f"{fmt(ungrouped)} / {fmt(edges)}",
-            "",
-        )
-    )
     target, target_u = h.get("target_edges_eap_ig"), h.get("target_edges_ungrouped_eap_ig")
     share = lambda k, total: f" ({fmt(100 * k / total, 1)}%)" if isinstance(k, (int, float)) and total else ""  # noqa: E731
-    lines.append(
-        row(
-            "smallest circuit reaching 80% of the gap: ungrouped / grouped edges",
-            f"{fmt(_int(target_u))}{share(target_u, ungrouped)} / {fmt(_int(target))}{share(target, edges)}",
-            "",
+    if edges == ungrouped:  # study.kv_edges=ungrouped (or no GQA): one graph, MIB's
+        lines.append(row("edges in the graph (each query head's own key and value inputs, as MIB's)", fmt(edges), ""))
+        lines.append(row("smallest circuit reaching 80% of the gap", f"{fmt(_int(target))}{share(target, edges)}", ""))
+    else:  # study.kv_edges=grouped: one key and value input per key/value head, counted both ways
+        lines.append(
+            row(
+                "edges in the graph: ungrouped (MIB's count) / grouped (one per key/value head)",
+                f"{fmt(ungrouped)} / {fmt(edges)}",
+                "",
+            )
         )
-    )
+        lines.append(
+            row(
+                "smallest circuit reaching 80% of the gap: ungrouped / grouped edges",
+                f"{fmt(_int(target_u))}{share(target_u, ungrouped)} / {fmt(_int(target))}{share(target, edges)}",
+                "",
+            )
+        )
     conv = [h.get(f"convergence_{k}_eap_ig") for k in ("pearson", "top_1pct_kept", "max_change_over_max_score")]
     lines.append(
         row(

@@ -24,7 +24,7 @@ from ..edges.eap import doubled_steps
 from ..edges.eap import scores as attribution_scores
 from ..edges.exact import exact_node_scores, exact_scores
 from ..edges.faithfulness import Faithfulness, measure
-from ..edges.graph import EdgeGraph, Receiver, Sender, write_json
+from ..edges.graph import KV_EDGES, EdgeGraph, Receiver, Sender, write_json
 from ..edges.postnorm import POST_NORM_RULES
 from ..edges.record import metric_column
 from ..vocabulary import Site, hook_name
@@ -73,8 +73,12 @@ class CircuitOptions(StudyOptions):
         factory=lambda: [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0],
         rule=Each(Range(0, 1, low_open=True)),
     )
+    # grouped-query models' key and value edges (edges/graph.py): ungrouped, each query head's key and value
+    # inputs scored, ranked and patched apart, as MIB's graph has them; grouped, one per key/value head
+    kv_edges: str = setting("ungrouped", OneOf(KV_EDGES))
     # circuit sizes (the fractions, the target circuit) count edges as MIB and auto-circuit do, one per
-    # query head under GQA (ungrouped), or as this graph holds them, one per key/value head (grouped)
+    # query head under GQA (ungrouped), or as this graph holds them (grouped: one per key/value head under
+    # kv_edges=grouped; the same count under kv_edges=ungrouped)
     edge_count: str = setting("ungrouped", OneOf(("ungrouped", "grouped")))
     # eap_ig*: also score at twice the steps and report how far the scores moved (meta.json convergence)
     convergence: bool = False
@@ -93,7 +97,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     cfg, c = ctx.cfg, ctx.options
     metric_column(ctx.get_task())  # a task without a smooth metric is refused before any model is trained
     model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
-    graph = EdgeGraph.of(model, c.post_norm)
+    graph = EdgeGraph.of(model, c.post_norm, c.kv_edges)
     method, info = option(c.method), run_info(cfg)
     info.update(metric=task.smooth_quantity, n=data.n)
     n_ungrouped = graph.total(ungrouped=True)
@@ -101,6 +105,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         n_prompts=data.n,
         n_edges=graph.n_edges,
         n_edges_ungrouped=n_ungrouped,
+        kv_edges="grouped" if graph.grouped else "ungrouped",
         n_nodes=len(graph.senders),
         model_family=model.family,
     )
