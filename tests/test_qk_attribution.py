@@ -385,7 +385,14 @@ def _args(path, run_dir, *more: str) -> list[str]:
 
 def test_the_study_writes_a_tidy_table_whose_terms_add_up(tiny_llama_dir, tmp_path):
     run_dir = tmp_path / "run"
-    args = _args(tiny_llama_dir, run_dir, "study.heads=[L2H1,L1H3]", "study.edges=[END:IO,S2:S1+1]", "study.top=5")
+    args = _args(
+        tiny_llama_dir,
+        run_dir,
+        "study.heads=[L2H1,L1H3]",
+        "study.edges=[END:IO,S2:S1+1]",
+        "study.top=5",
+        "study.maps_vocab=prompts",
+    )
     result = run_headlab(*args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     table = pd.read_parquet(run_dir / "results.parquet")
@@ -407,12 +414,13 @@ def test_the_study_writes_a_tidy_table_whose_terms_add_up(tiny_llama_dir, tmp_pa
         effect = rows.loc[rows["metric"] == "ov_direct_effect", "value"].item()
         assert abs(rows.loc[rows["metric"] == "ov_source_total", "value"].sum() - effect) <= 1e-5
     assert set(table.loc[table["metric"] == "ov_source_total", "source"]) >= {"IO", "S1", "S2", "END", "first"}
-    maps = table[table["metric"] == "maps_target"]
+    assert not (table["method"] == "maps").any()  # the prompts' tokens alone: not MAPS, named for what they read
+    maps = table[table["metric"] == "prompt_token_target"]
     assert len(maps) == 2 * 5 * 5 and maps["token"].notna().all() and maps["target"].notna().all()
     model = headlab.load_model(str(tiny_llama_dir), tokenizer=str(GPT2_TOKENIZER), root=str(tmp_path))
     data = headlab.load_task("ioi").build(4, seed=20_000, model=model)  # the study's prompts: seed + 20,000
     words = {model.tokenizer.decode([t]) for t in data.inputs["input_ids"].unique().tolist()}
-    assert set(maps["token"]) <= words  # MAPS's sources: the prompts' tokens
+    assert set(maps["token"]) <= words  # the sources: the prompts' tokens
     qk_rows = table[table["method"] == "qk_attribution"]
     assert (qk_rows["hook"] == "blocks." + qk_rows["layer"].astype(str) + ".attn.hook_attn_scores").all()
     assert "L1H3" in result.stdout and "key side" in result.stdout
@@ -481,6 +489,25 @@ PAGE_PROBE = """<script>
   document.body.appendChild(probe);
 })();
 </script>"""
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_card_on_a_model_whose_norms_move_shows_its_largest_removal_held_and_free(family, gpt2_tokenizer):
+    from headlab.studies.head_attribution import attribution_cards
+
+    _, model = _random_model(family, gpt2_tokenizer)
+    ids = torch.tensor(gpt2_tokenizer(" the cat sat on the mat and the cat sat on the")["input_ids"])
+    cards = attribution_cards(model, ids, None)["attribution"]
+    if family == "llama":  # no QK-norm, no post-norms: the split alone
+        assert not any("removal" in card for card in cards.values())
+        return
+    assert qk.norms_move(model)
+    for card in cards.values():
+        name, held, free, _, qk_moved = card["removal"]
+        top, total = card["query"][0]
+        assert name == top and held == pytest.approx(total, abs=1e-3)  # held: the split's own total
+        assert qk_moved is not None
+    assert any(abs(card["removal"][2] - card["removal"][1]) > 1e-3 for card in cards.values())  # free moves
 
 
 def test_the_atlas_page_shows_the_split_and_a_legend_for_every_code(tmp_path):

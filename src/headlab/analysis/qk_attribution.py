@@ -105,6 +105,13 @@ def qk_norms(model: HookedModel, layer: int) -> tuple[nn.Module | None, nn.Modul
     return getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
 
+def norms_move(model: HookedModel) -> bool:
+    """Does the model hold norms whose scales a removed component moves far beyond the input norm's (QK-norm,
+    or post-norms on its components' outputs)? There the split, exact at the clean run's scales, can sit far
+    from what removing a component does with the scales free."""
+    return not model.residual_sum or any(any(m is not None for m in qk_norms(model, l)) for l in range(model.n_layers))
+
+
 def attention_scale(model: HookedModel, layer: int) -> float:
     """What the layer's attention multiplies q.k by: the module's own `scaling` (Gemma: query_pre_attn_scalar**-0.5,
     GPT-2: with its per-layer factor), else 1/sqrt(d_head) (the toy models)."""

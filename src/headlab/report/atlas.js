@@ -225,12 +225,21 @@
     const why = (data.attribution || {})[name];
     if (why) {
       const [q, k, w] = why.edge;
-      card.appendChild(el("h4", "why it attends there (QK attribution, exact)"));
+      card.appendChild(el("h4", "why it attends there (QK attribution, exact at the clean run's norm scales)"));
       card.appendChild(el("p", "its typical edge on the example prompt: query " + q + " " + JSON.stringify(why.tokens[0]) +
         " to key " + k + " " + JSON.stringify(why.tokens[1]) + ", attention " + fmt(w) + ", score " + fmt(why.score) +
         " (before the softmax, the norms' scales held: each side's parts add up to it)", { class: "edge" }));
       card.appendChild(parts("builds the query", why.query));
       card.appendChild(parts("builds the key", why.key));
+      if (why.removal) {
+        const [who, held, free, scale, qkScale] = why.removal;
+        const line = el("p", null, { class: "edge" });
+        line.append(document.createTextNode("taken out of the query side, "), component(who),
+          document.createTextNode(" lowers the score by " + fmt(held) + " with the norms' scales held (its split) and by " +
+            fmt(free) + " with them free (input norm's scale " + fmt(100 * scale) + "%" +
+            (qkScale === null ? "" : ", QK-norm's up to " + fmt(100 * qkScale) + "%") + ")"));
+        card.appendChild(line);
+      }
       const pairs = el("div", null, { class: "split" });
       pairs.appendChild(el("b", "largest pairs (query x key): "));
       why.pairs.forEach(([a, b, v], i) => {
@@ -245,7 +254,7 @@
     }
     const maps = (data.maps || {})[name];
     if (maps && maps.length) {
-      card.appendChild(el("h4", "maps tokens to (weights only: E W_OV W_U, MAPS; amplification x)"));
+      card.appendChild(el("h4", "maps this text's tokens to (weights only: E W_OV W_U as MAPS computes it, over the text's tokens, not MAPS's whole vocabulary; amplification x)"));
       const list = el("ul", null, { class: "maps" });
       for (const [src, amp, targets] of maps) {
         list.appendChild(el("li", JSON.stringify(src) + " (x" + fmt(amp) + ") -> " + targets.map((t) => JSON.stringify(t)).join(", ")));

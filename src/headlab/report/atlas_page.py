@@ -6,8 +6,9 @@ grid says each one and how many heads have it; a class most heads share is a mar
 a word, so the rarer ones stay legible; the rule on hover); a click opens the head's card (atlas.js, beside
 this file): every score with its interval and rank, its labels and why, its composition partners
 (clickable), its attention pattern on the example prompt, why it attends where it does on its typical edge
-there (which components build the query and which the key, exact: studies/head_attribution.py), what its
-output there writes and which components wrote it, MAPS's weights-only mappings, and the tokens it attends
+there (which components build the query and which the key, exact at the clean run's norm scales:
+studies/head_attribution.py; held beside free removal where the norms move), what its output there writes and
+which components wrote it, MAPS's weights-only mappings over the text's tokens, and the tokens it attends
 to and writes most on the text. Below, every head in a table to search and sort. Styles, script and data
 are inlined: the file opens with no network, like report.html.
 """

@@ -23,15 +23,18 @@ Rows (n: prompts; 95% bootstrap intervals over them; every row names the head in
   ov_direct_effect               edge "read": the head's direct effect at the task's read position
   ov_term                        component x source: the `study.top` largest
   ov_component_total, ov_source_total, ov_removal (held | free, norm_scale_change weighted by attention)
-  maps_amplification, maps_target   `token` the source (the `study.maps_salient` most amplified of the prompts'
-                                 tokens, or of the vocabulary), `target` a token it maps to, `rank`, `target_rank`
+  maps_amplification, maps_target   `token` the source (the `study.maps_salient` most amplified tokens of the
+                                 vocabulary), `target` a token it maps to, `rank`, `target_rank`; with
+                                 study.maps_vocab=prompts (the prompts' tokens alone) prompt_token_amplification,
+                                 prompt_token_target
 hook: blocks.{l}.attn.hook_attn_scores (the QK rows: TransformerLens's pre-softmax scores),
 blocks.{l}.attn.hook_result (the OV rows: the head's output), none for MAPS (weights).
 
 The atlas's cards (`atlas_probe`, cached under output.root/atlas/<model>/attribution-<key>): every head's typical
 edge on the atlas's example prompt (its strongest from the repeated half to a key after the first token) split the
-same way, what its output there writes through the final norm and who wrote its values, and MAPS over the text's
-tokens; one prompt and one block call per layer, so every head is on the page.
+same way, what its output there writes through the final norm and who wrote its values, and MAPS's products
+over the text's tokens alone (labelled so: MAPS reads the vocabulary); one prompt and one block call per layer, so
+every head is on the page.
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ class HeadAttributionOptions(StudyOptions):
     ov: bool = True  # the OV split and direct effect at the task's read position (a task with a smooth metric)
     maps_salient: int = setting(5, NATURAL)  # MAPS: the most amplified source tokens per head; 0: no MAPS
     maps_targets: int = setting(5, COUNT)  # the tokens each source maps to most
-    # MAPS's source tokens: those of the task's prompts (IOI: names, places, objects), or every token of the vocabulary
-    maps_vocab: str = setting("prompts", OneOf(MAPS_VOCABS))
+    # MAPS's source tokens: every token of the vocabulary, as MAPS reads them (all); or the task's prompts' tokens
+    # alone (prompts: IOI's names, places, objects), rows then named prompt_token_* as they are not MAPS's
+    maps_vocab: str = setting("all", OneOf(MAPS_VOCABS))
     maps_first_mlp: bool = True  # as MAPS: heads after layer 0 read a token as block 0's MLP writes it
 
 
@@ -315,16 +319,16 @@ def ov_rows(
     return {"components": order[:5], "sum_error": worst, "removal_error": max(checked, default=0.0) / scale}
 
 
-def maps_rows(rows: list[dict], model: HookedModel, found: dict, base: dict) -> None:
-    """MAPS rows (one value each, no interval: weights)."""
+def maps_rows(rows: list[dict], model: HookedModel, found: dict, base: dict, prefix: str = "maps") -> None:
+    """MAPS rows (one value each, no interval: weights): {prefix}_amplification and {prefix}_target."""
     tok = model.tokenizer
     word = (lambda t: tok.decode([t])) if tok is not None else str
     for (layer, head), mappings in found.items():
         for rank, m in enumerate(mappings, 1):
             label = {**base, "layer": layer, "head": head, "token": word(m.source), "rank": rank}
-            rows.append({**label, "metric": "maps_amplification", "value": m.amplification})
+            rows.append({**label, "metric": f"{prefix}_amplification", "value": m.amplification})
             for j, (target, value) in enumerate(m.targets, 1):
-                mapped = {"metric": "maps_target", "target": word(target), "target_rank": j, "value": value}
+                mapped = {"metric": f"{prefix}_target", "target": word(target), "target_rank": j, "value": value}
                 rows.append({**label, **mapped})
 
 
@@ -426,7 +430,9 @@ def run(ctx: RunContext) -> pd.DataFrame:
                 model, heads, opts.maps_salient, opts.maps_targets, vocab, through_first_mlp=opts.maps_first_mlp
             )
         plain: list[dict] = []
-        maps_rows(plain, model, found, {"method": "maps", "intervention": "none", "n": 1})
+        # MAPS reads the vocabulary; over the prompts' tokens alone the same products are named for what they read
+        method = "maps" if opts.maps_vocab == "all" else "prompt_token"
+        maps_rows(plain, model, found, {"method": method, "intervention": "none", "n": 1}, method)
         table = pd.concat([table, pd.DataFrame(plain)], ignore_index=True)
     ctx.meta.update(
         {
@@ -539,8 +545,11 @@ def card_of(
     word: Callable[[int], str],
     special: torch.Tensor | None = None,
 ) -> dict:
-    """One head's card: its typical edge split over the components on each side, and what its output there
-    writes (through the final norm held at its clean scale) and which components wrote it."""
+    """One head's card: its typical edge split over the components on each side (exact at the clean run's norm
+    scales), and what its output there writes (through the final norm held at its clean scale) and which
+    components wrote it. On a model whose norms move (qk.norms_move) also `removal`: [the query side's largest
+    component, the score's drop with it taken out and the scales held (its split total), the drop with them
+    free, the input norm's scale change, QK-norm's largest (None: none)]."""
     model = comps.model
     query, key, weight = typical_edge(comps.pattern[layer][0, head], special)
     kv = model.sites.kv_head_of(head)
@@ -561,7 +570,21 @@ def card_of(
     with torch.no_grad():
         held = qk.held_norm(final, x, final(x))
     ids = comps.inputs["input_ids"][0]
+    checked = {}
+    if qk.norms_move(model):  # the query side's largest component taken out, the scales held and free
+        name = names[int(terms.sum(1).abs().argmax())]
+        at = (torch.tensor([query]), torch.tensor([key]))
+        held_r, free_r = (qk.removal(comps, layer, head, name, "query", *at, held=h) for h in (True, False))
+        moved = None if free_r.qk_norm_change is None else round(float(free_r.qk_norm_change[0]), 4)
+        checked["removal"] = [
+            name,
+            round(float(held_r.change[0]), 4),
+            round(float(free_r.change[0]), 4),
+            round(float(free_r.norm_change[0]), 4),
+            moved,
+        ]
     return {
+        **checked,
         "edge": [query, key, round(weight, 4)],
         "tokens": [word(int(ids[query])), word(int(ids[key]))],
         "score": round(float(parts.score(head, kv, query, key)), 4),
@@ -611,7 +634,7 @@ def atlas_probe(ctx: RunContext, model: HookedModel, options: AtlasOptions) -> d
     text = model.tokenizer is not None
     cfg = probe_config(ctx.cfg, text_overrides(options, 0) if text else [])
     plain = to_plain(cfg)
-    key = cache_key({**{k: plain[k] for k in ("model", "train", "task", "seed")}, "probe": "attribution-2"})
+    key = cache_key({**{k: plain[k] for k in ("model", "train", "task", "seed")}, "probe": "attribution-3"})
     where = cache_dir(ctx.cfg, "attribution", key)
     ctx.meta.setdefault("probes", {})["attribution"] = {"dir": str(where), "cached": (where / ATTRIBUTION).is_file()}
     if (where / ATTRIBUTION).is_file():
