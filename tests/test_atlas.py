@@ -120,14 +120,14 @@ def test_labels_only_where_the_stated_rule_passes():
         [
             dict(layer=0, head=0, metric="induction_score", value=0.7, ci_low=0.45, ci_high=0.8),
             dict(layer=0, head=1, metric="induction_score", value=0.7, ci_low=0.35, ci_high=0.9),  # interval too low
-            dict(layer=0, head=2, metric="retrieval_score", value=0.11, ci_low=0.0, ci_high=0.2),
+            dict(layer=0, head=2, metric="needle_copy_score", value=0.11, ci_low=0.0, ci_high=0.2),
             dict(layer=0, head=3, metric="ioi_logit_diff_change", value=-1.0, ci_low=-2, ci_high=0, clean=3.0),
             dict(layer=1, head=0, metric="ioi_logit_diff_change", value=-1.0, ci_low=-2, ci_high=0, clean=-0.5),
         ]
     )
     got = labelled(rows)
-    assert got["label"].tolist() == ["induction", "", "retrieval", "IOI-supporting", ""]
-    assert "0.4" in got["rule"][0] and "Wu et al. 2024" in got["rule"][2] and "(3): -0.6" in got["rule"][3]
+    assert got["label"].tolist() == ["induction", "", "needle-copy", "IOI-supporting", ""]
+    assert "0.4" in got["rule"][0] and "headlab's screen" in got["rule"][2] and "(3): -0.6" in got["rule"][3]
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_llama_atlas_scores_equal_their_own_studies(llama_atlas):
     model, table, root = llama_atlas
     per_head = table[~table["metric"].str.contains("composition")].groupby("metric").size()
     assert (per_head == 12).all() and len(per_head) == 10
-    assert "retrieval_score" not in set(table["metric"])  # random weights recall no needle: left out
+    assert "needle_copy_score" not in set(table["metric"])  # random weights recall no needle: left out
     text = headlab.load_task("text", path=str(CORPUS), seq_len=SMALL["text_len"])
     sweep = headlab.sweep(model, text, ablate="heads", n_prompts=SMALL["text_docs"], n_boot=100)
     clean = sweep.loc[(sweep["intervention"] == "none") & (sweep["metric"] == "ce_loss"), "value"].item()

@@ -60,7 +60,7 @@ CODES = {
     "copy": "CP",
     "negative-copy": "NCP",
     "sink": "SNK",
-    "retrieval": "RET",
+    "needle-copy": "NDC",
     "IOI-supporting": "IO+",
     "IOI-opposing": "IO-",
     "loss-critical": "LC",

@@ -115,7 +115,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             table, task = run_probe(ctx, model, probe, options)
         except UsageError:
             raise
-        except HeadlabError as e:  # the study ran and found nothing to score (retrieval: no needle recalled)
+        except HeadlabError as e:  # the study ran and found nothing to score (needle_copy: no needle recalled)
             ctx.note(f"atlas: {', '.join(probe.scores)} left out: {e}")
             continue
         rows = probe.rows(table)

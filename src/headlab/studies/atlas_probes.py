@@ -198,10 +198,12 @@ PROBES = (
         True,
         score_rows({"gu_first_token_attention": "gu_first_token_attention"}),
     ),
+    # Wu et al.'s retrieval score on headlab's needle-copy screen, labelled as the screen it is (their protocol:
+    # `headlab run task=needle scores=retrieval`, minutes per 1K-token prompt on a CPU)
     Probe(
-        "retrieval",
+        "needle_copy",
         RETRIEVAL,
-        ("retrieval",),
+        ("needle_copy",),
         lambda o: [
             "task=needle",
             f"task.haystack={CORPUS}",
@@ -209,8 +211,8 @@ PROBES = (
             "study=retrieval",
             f"study.top_k={o.top_k}",
             "study.n_random=1",
-            # a screen, not Wu et al.'s protocol (minutes per 1K-token prompt on a CPU): 0.2's short cue
-            # prompt, needle-length greedy answers scored on tokens, masking teacher-forced, no induction overlap
+            # 0.2's short cue prompt (an induction head can copy the needle on), needle-length greedy answers
+            # scored on tokens, masking teacher-forced, no induction overlap
             "task.prompt=cue",
             "study.max_new_tokens=0",
             "study.recall=tokens",
@@ -218,7 +220,7 @@ PROBES = (
             "study.overlap_sequences=0",
         ],
         True,
-        score_rows({"retrieval_score": "retrieval_score"}),
+        score_rows({"retrieval_score": "needle_copy_score"}),
     ),
     Probe(
         "composition",
@@ -256,7 +258,7 @@ SCORE_METRICS = {
     "copy": ("copy_score",),
     "negative_copy": ("negative_copy_score",),
     "sink": ("gu_first_token_attention",),
-    "retrieval": ("retrieval_score",),
+    "needle_copy": ("needle_copy_score",),
     "text_ablation": ("text_loss_increase",),
     "ioi_ablation": ("ioi_logit_diff_change",),
     "composition": tuple(f"{m}_composition_{side}" for m in ("q", "k", "v") for side in ("in", "out")),

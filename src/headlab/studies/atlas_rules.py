@@ -81,13 +81,14 @@ RULES = (
         "Gu et al. 2024: a head is a sink head when its first-token attention exceeds epsilon = 0.3",
     ),
     Rule(
-        "retrieval",
-        "retrieval_score",
+        "needle-copy",
+        "needle_copy_score",
         ">",
         0.1,
         "value",
         False,
-        "Wu et al. 2024: heads of retrieval score above 0.1 are retrieval heads (3-6% of heads in their models)",
+        "headlab's screen: Wu et al.'s retrieval score (needle tokens copied from where attention peaks) above "
+        "their 0.1, on a cue prompt an induction head solves, teacher-forced; not their retrieval heads",
     ),
     Rule(
         "IOI-supporting",
