@@ -379,3 +379,35 @@ def test_node_patching_adds_the_nodes_patch_at_its_normalised_output(case, rule)
         finally:
             handle.remove()
         _close(float(got[names.index(sender)]), want, abs(want), sender)
+
+
+@RULES
+def test_ungrouped_key_value_edges_add_up_to_the_grouped_ones(case, rule):
+    # a key/value head's input gradient is the sum of its query heads' shares: EAP on the ungrouped graph summed
+    # over a group is EAP on the grouped graph; cutting every query head's edge of a group is cutting the kv edge
+    grouped = case.graph(rule)
+    ungrouped = EdgeGraph.of(case.model, rule, kv_edges="ungrouped")
+    assert ungrouped.expands_kv and ungrouped.n_edges == grouped.total(ungrouped=True)
+    want = scores(case.model, case.task, case.data, grouped, "eap")
+    got = scores(case.model, case.task, case.data, ungrouped, "eap")
+    names = {r.name: j for j, r in enumerate(ungrouped.receivers)}
+    heads = [f"a1.h{h}" for h in range(grouped.group)]  # the query heads of layer 1's kv head 0
+    scale = float(want[grouped.real].abs().max())
+    for letter in "kv":
+        j = [r.name for r in grouped.receivers].index(f"a1.kv0<{letter}>")
+        summed = sum(got[:, names[f"{h}<{letter}>"]] for h in heads)
+        real = grouped.real[:, j]
+        assert float((summed[real] - want[real, j]).abs().max()) <= 1e-9 * scale
+    # the same cut, in either graph: every edge from a0.h1 into layer 1's kv head 0 (grouped) or its query heads
+    cut_g = grouped.real.clone()
+    cut_u = ungrouped.real.clone()
+    s = [x.name for x in grouped.senders].index("a0.h1")
+    for letter in "kv":
+        cut_g[s, [r.name for r in grouped.receivers].index(f"a1.kv0<{letter}>")] = False
+        for h in heads:
+            cut_u[s, names[f"{h}<{letter}>"]] = False
+    a = circuit_metric(case.model, case.task, case.data, grouped, cut_g)
+    b = circuit_metric(case.model, case.task, case.data, ungrouped, cut_u)
+    full = circuit_metric(case.model, case.task, case.data, grouped, grouped.real)
+    assert float((a - b).abs().max()) <= 1e-9 * float(full.abs().max())
+    assert float((a - full).abs().max()) > 1e-6  # the cut matters
