@@ -21,4 +21,4 @@ from .errors import HeadlabError as HeadlabError
 from .errors import UsageError as UsageError
 from .interventions import Intervention as Intervention
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
