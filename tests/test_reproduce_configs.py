@@ -54,6 +54,12 @@ def recall_reasoning_runs(quick: bool) -> list[list[str]]:
     return [["experiment=recall_reasoning", *fast]]
 
 
+def recall_reasoning_facts_runs(quick: bool) -> list[list[str]]:
+    facts = ["task.source=facts", "task.facts_style=questions", "task.n_prompts=40"]
+    fast = ["task.n_prompts=8", "output.n_boot=50"] if quick else []
+    return [["experiment=recall_reasoning", "model=smollm2-135m", *facts, *fast]]
+
+
 def attn_sae_runs(quick: bool) -> list[list[str]]:
     base = ["experiment=attn_sae"]
     relu = ["sae.l1_warmup_steps=300", "sae.resample_every=750"]  # relu_l1's own options, as before 0.2
@@ -112,6 +118,7 @@ REFERENCE = {
     "count01": (count01_runs, "run"),
     "markov": (markov_runs, "run"),
     "recall_reasoning": (recall_reasoning_runs, "run"),
+    "recall_reasoning_facts": (recall_reasoning_facts_runs, "run"),
     "attn_sae": (attn_sae_runs, "sae"),
     "ioi": (ioi_runs, "run"),
     "ioi_trained": (ioi_trained_runs, "run"),
@@ -128,7 +135,9 @@ def test_declared_grid_expands_to_the_python_grid(name, quick):
     runs, command = REFERENCE[name]
     repro = reproduce.get(name)
     assert repro.runs(quick) == runs(quick)
-    figures = {"retrieval_heads": "scores", "ioi_trained": "ioi"}.get(name, name)  # the per-head score figures serve it
+    figures = {"retrieval_heads": "scores", "ioi_trained": "ioi", "recall_reasoning_facts": "recall_reasoning"}.get(
+        name, name
+    )  # the per-head score figures serve it
     assert repro.command == command and repro.figures == figures and repro.figures in FIGURES
 
 

@@ -133,8 +133,16 @@ def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
     clean = table[(table["intervention"] == "none") & table["metric"].isin(["recall_acc", "reasoning_acc"])]
     base = ko[ko["method"] == "clean"].iloc[0] if (ko["method"] == "clean").any() else None
     ablated = comps[comps["intervention"] != "patch_head"]
+    n = int(clean["n"].iloc[0]) if len(clean) and "n" in clean else 0
     out: dict = {
+        "model": str(table["model"].iloc[0]) if "model" in table and len(table) else None,
         "clean": {m: round(float(v), 4) for m, v in zip(clean["metric"], clean["value"])},
+        "clean_ci": {
+            m: [round(float(lo), 4), round(float(hi), 4)] for m, lo, hi in clean[["metric", "ci_low", "ci_high"]].values
+        },
+        # half the prompts are recall, half reasoning (the i-th of each about one subject): the questions answered
+        "n_prompts": n,
+        "answered": {m.removesuffix("_acc"): round(float(v) * n / 2) for m, v in zip(clean["metric"], clean["value"])},
         # the paper reports accuracy drops of "up to 15%" of a 0-100 accuracy: percentage points, as ours
         "paper_max_drop_pp": PAPER_MAX_DROP_PP,
         "classes": {k: int(v) for k, v in ablated["class"].value_counts().items()},

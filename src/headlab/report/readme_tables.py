@@ -288,6 +288,57 @@ def _int(x: Any) -> Any:
     return int(x) if isinstance(x, float) and x.is_integer() else x
 
 
+# --- recall vs reasoning on pretrained models ------------------------------------------------------------
+
+
+def recall_reasoning_models(files: dict[str, Numbers]) -> str:
+    """`reproduce recall_reasoning_facts` of each numbers file (one model each) beside the paper's finding."""
+    models = {n.get("model") or name: n for name, n in files.items()}
+    lines = [header("", *models, "the paper (2510.03366)")]
+
+    def per_model(label: str, cell: Callable[[Numbers], str], paper: str = "") -> None:
+        lines.append(row(label, *(cell(n) for n in models.values()), paper))
+
+    def acc(n: Numbers, kind: str) -> str:
+        return with_ci(get(n, f"clean.{kind}_acc"), get(n, f"clean_ci.{kind}_acc"), 2)
+
+    per_model(
+        "question pairs; answered: recall / reasoning",
+        lambda n: (
+            f"{fmt(_int(n.get('n_prompts', 0) / 2))}; {fmt(get(n, 'answered.recall'))} / "
+            f"{fmt(get(n, 'answered.reasoning'))}"
+        ),
+    )
+    per_model(
+        "clean accuracy: recall / reasoning [95% interval]", lambda n: f"{acc(n, 'recall')} / {acc(n, 'reasoning')}"
+    )
+    per_model(
+        "components classed recall / reasoning / shared (of all ablated)",
+        lambda n: (
+            " / ".join(fmt(get(n, f"classes.{c}") or 0) for c in ("recall", "reasoning", "shared"))
+            + f" (of {fmt(sum((n.get('classes') or {}).values()))})"
+        ),
+        "distinct recall and reasoning components",
+    )
+    per_model(
+        "largest drop of one head: recall / reasoning (pp)",
+        lambda n: f"{fmt(get(n, 'heads.max_recall_drop_pp'), 1)} / {fmt(get(n, 'heads.max_reasoning_drop_pp'), 1)}",
+        f"up to {fmt(next(iter(models.values()), {}).get('paper_max_drop_pp'), 0)}",
+    )
+    for method, label in (
+        ("recall_top", "top 3 recall components"),
+        ("reasoning_top", "top 3 reasoning components"),
+        ("random", "3 random components (mean over the draws)"),
+    ):
+
+        def drops(n: Numbers, m: str = method) -> str:
+            at = f"knockout_{m}.3"
+            return f"{fmt(get(n, at + '.recall_drop_pp'), 1)} / {fmt(get(n, at + '.reasoning_drop_pp'), 1)}"
+
+        per_model(f"{label} knocked out: recall / reasoning drop (pp)", drops)
+    return "\n".join(lines)
+
+
 # --- markov -------------------------------------------------------------------------------------------
 
 MARKOV_ROWS = (
@@ -395,4 +446,5 @@ TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
 # tables that set several numbers files side by side (a block named "a+b/table")
 TABLES_OF_FILES: dict[tuple[str, str], Callable[[dict[str, Numbers]], str]] = {
     ("ioi+ioi-gemma3-270m", "models"): ioi_models,
+    ("recall_reasoning_facts+recall_reasoning_facts-gemma3-270m", "models"): recall_reasoning_models,
 }
