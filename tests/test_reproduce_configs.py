@@ -60,6 +60,29 @@ def recall_reasoning_facts_runs(quick: bool) -> list[list[str]]:
     return [["experiment=recall_reasoning", "model=smollm2-135m", *facts, *fast]]
 
 
+def head_attribution_runs(quick: bool) -> list[list[str]]:
+    fast = ["task.n_prompts=4", "output.n_boot=50"] if quick else []
+    cases = [
+        ("smollm2-135m", "L17H4,L18H6", "S2:S1+1"),
+        ("smollm2-135m", "L23H0,L23H1,L23H2,L23H7,L24H4", "END:IO"),
+        ("smollm2-135m", "L20H0", "END:S2"),
+        ("gemma3-270m", "L5H2,L5H3", "S2:S1+1"),
+        ("gemma3-270m", "L11H2,L12H1,L17H0", "END:IO"),
+    ]
+    return [
+        [
+            f"model={m}",
+            "study=head_attribution",
+            "task=ioi",
+            "task.n_prompts=16",
+            f"study.heads=[{h}]",
+            f"study.edges=[{e}]",
+        ]
+        + fast
+        for m, h, e in cases
+    ]
+
+
 def attn_sae_runs(quick: bool) -> list[list[str]]:
     base = ["experiment=attn_sae"]
     relu = ["sae.l1_warmup_steps=300", "sae.resample_every=750"]  # relu_l1's own options, as before 0.2
@@ -119,6 +142,7 @@ REFERENCE = {
     "markov": (markov_runs, "run"),
     "recall_reasoning": (recall_reasoning_runs, "run"),
     "recall_reasoning_facts": (recall_reasoning_facts_runs, "run"),
+    "head_attribution": (head_attribution_runs, "run"),
     "attn_sae": (attn_sae_runs, "sae"),
     "ioi": (ioi_runs, "run"),
     "ioi_trained": (ioi_trained_runs, "run"),

@@ -27,5 +27,16 @@ def _lazy(name: str) -> Draw:
 
 FIGURES: dict[str, Draw] = {
     name: _lazy(name)
-    for name in ("attn_sae", "circuit", "count01", "heads", "ioi", "markov", "recall_reasoning", "reuse", "scores")
+    for name in (
+        "attn_sae",
+        "circuit",
+        "count01",
+        "head_attribution",
+        "heads",
+        "ioi",
+        "markov",
+        "recall_reasoning",
+        "reuse",
+        "scores",
+    )
 }

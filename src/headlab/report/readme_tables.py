@@ -339,6 +339,80 @@ def recall_reasoning_models(files: dict[str, Numbers]) -> str:
     return "\n".join(lines)
 
 
+# --- head attribution ------------------------------------------------------------------------------------
+
+
+def _classes_by_model(files: dict[str, Numbers]) -> dict[str, dict[str, str]]:
+    """model -> {head name L{l}H{h}: its IOI class}, from the IOI numbers files among `files`."""
+    found: dict[str, dict[str, str]] = {}
+    for n in files.values():
+        model = ioi_model(n)
+        for cls, heads in (get(model, "headline.classes") or {}).items():
+            for h in heads:
+                layer, head = h.split(".")
+                found.setdefault(str(model.get("model")), {})[f"L{layer}H{head}"] = cls
+    return found
+
+
+def head_attribution_cases(files: dict[str, Numbers]) -> str:
+    """`reproduce head_attribution`'s splits, each head named with its class from `reproduce ioi`."""
+    split = files["head_attribution"]
+    classes = _classes_by_model({k: v for k, v in files.items() if k != "head_attribution"})
+    lines = [
+        header(
+            "model: head (class by path patching)",
+            "edge",
+            "score, attention",
+            "built by (query side) [95% interval of the first]",
+            "built by (key side) [95% interval of the first]",
+        )
+    ]
+
+    def side(parts: list) -> str:
+        shown = [f"{name} {signed(v)}" for name, v, _, _ in parts]
+        if parts:
+            shown[0] += f" [{fmt(parts[0][2])}, {fmt(parts[0][3])}]"
+        return ", ".join(shown)
+
+    for case in split.get("cases", []):
+        cls = classes.get(case["model"], {}).get(case["head"])
+        lines.append(
+            row(
+                f"{case['model']}: {case['head']}" + (f" ({cls})" if cls else ""),
+                case["edge"],
+                f"{fmt(case['score'])}, {fmt(case['attention'])}",
+                side(case["query"]),
+                side(case["key"]),
+            )
+        )
+    return "\n".join(lines)
+
+
+def head_attribution_norms(numbers: Numbers) -> str:
+    """How far the norms move when a removed component leaves them free, per model."""
+    lines = [
+        header(
+            "model",
+            "removals checked",
+            "input norm's scale: median / largest change",
+            "QK-norm's scales: median / largest change",
+            "score's change free vs held: median / largest |free - held| / |held|",
+        )
+    ]
+    pct = lambda n, k: f"{fmt(100 * n[k], 1)}%" if isinstance(n.get(k), (int, float)) else "none"  # noqa: E731
+    for model, n in (numbers.get("free_norms") or {}).items():
+        lines.append(
+            row(
+                model,
+                fmt(n.get("removals")),
+                f"{pct(n, 'norm_scale_change_median')} / {pct(n, 'norm_scale_change_max')}",
+                f"{pct(n, 'qk_norm_scale_change_median')} / {pct(n, 'qk_norm_scale_change_max')}",
+                f"{pct(n, 'score_change_vs_held_median')} / {pct(n, 'score_change_vs_held_max')}",
+            )
+        )
+    return "\n".join(lines)
+
+
 # --- markov -------------------------------------------------------------------------------------------
 
 MARKOV_ROWS = (
@@ -442,9 +516,11 @@ TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
     ("count01", "claims"): count01_claims,
     ("ioi", "circuit"): ioi_circuit,
     ("ioi", "classes"): ioi_classes,
+    ("head_attribution", "norms"): head_attribution_norms,
 }
 # tables that set several numbers files side by side (a block named "a+b/table")
 TABLES_OF_FILES: dict[tuple[str, str], Callable[[dict[str, Numbers]], str]] = {
     ("ioi+ioi-gemma3-270m", "models"): ioi_models,
     ("recall_reasoning_facts+recall_reasoning_facts-gemma3-270m", "models"): recall_reasoning_models,
+    ("head_attribution+ioi+ioi-gemma3-270m", "cases"): head_attribution_cases,
 }
