@@ -29,6 +29,7 @@ from headlab.sae.head_attribution import (
     direct_feature_attribution,
     head_polysemanticity,
     head_roles,
+    random_polysemantic_fraction,
     top_activations,
 )
 from headlab.sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
@@ -567,6 +568,19 @@ def test_head_roles_read_each_heads_top_features_so_the_share_ranges_from_none_t
         assert head["min_class_overlap"] == (0.0 if h < mixed_heads else 1.0)
     old = head_polysemanticity(shares, frequency, 0.5, classes)
     assert [h["n_dominated"] for h in old] == [0] * H and [h["polysemantic_dominated"] for h in old] == [0.0] * H
+
+
+def test_the_rules_null_rate_is_how_often_random_features_of_unrelated_classes_are_drawn_together():
+    # 20 live features, 10 whose contexts are all class 0 and 10 all class 1: two drawn at random overlap
+    # nothing with probability 10 * 10 / C(20, 2) = 10 / 19; all of one class: never
+    classes = torch.tensor([[0] * 10 + [1] * 10] * 4)
+    frequency = torch.full((20,), 0.1)
+    got = random_polysemantic_fraction(frequency, classes, 2, 4000, seed=1)
+    assert got == pytest.approx(10 / 19, abs=0.03)
+    assert random_polysemantic_fraction(frequency, torch.zeros(4, 20, dtype=torch.long), 2, 200) == 0
+    dead = frequency.clone()
+    dead[10:] = 0  # the class-1 features never fire: only class 0 is drawn
+    assert random_polysemantic_fraction(dead, classes, 2, 200) == 0
 
 
 def test_head_roles_skip_dead_features_and_rank_by_share():

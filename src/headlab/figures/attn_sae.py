@@ -33,6 +33,7 @@ SUMMARY = (
     "ce_loss_recovered",
     "dead_fraction",
     "polysemantic_head_fraction",
+    "polysemantic_random_fraction",
     "polysemantic_dominated_head_fraction",
     "multi_feature_head_fraction",
 )

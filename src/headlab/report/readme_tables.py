@@ -488,6 +488,7 @@ SAE_COLUMNS = (
     ("ce_loss_recovered", "CE recovered", 3),
     ("dead_fraction", "dead", 2),
     ("polysemantic_head_fraction", "polysemantic", 2),
+    ("polysemantic_random_fraction", "the same rule, features assigned at random", 2),
     ("polysemantic_dominated_head_fraction", "polysemantic (dominance rule)", 2),
 )
 

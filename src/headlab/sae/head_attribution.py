@@ -104,6 +104,23 @@ def head_roles(shares: Tensor, frequency: Tensor, classes: Tensor, n_top: int) -
     return out
 
 
+def random_polysemantic_fraction(frequency: Tensor, classes: Tensor, n_top: int, draws: int, seed: int = 0) -> float:
+    """head_roles' rule on features assigned to heads at random (its null rate): the share of `draws` sets of
+    n_top readable features, drawn without replacement, whose least class overlap is under UNRELATED_OVERLAP.
+    A measured polysemantic share near this one says the rule fires whatever the heads' features are."""
+    dist = class_distributions(classes)
+    candidates = ((frequency > 0) & (dist.sum(1) > 0)).nonzero().squeeze(1)
+    if len(candidates) < 2:
+        return math.nan
+    gen = torch.Generator().manual_seed(seed)
+    size = min(n_top, len(candidates))
+    fired = [
+        least_overlap(dist[candidates[torch.randperm(len(candidates), generator=gen)[:size]]]) < UNRELATED_OVERLAP
+        for _ in range(draws)
+    ]
+    return sum(fired) / draws
+
+
 def head_polysemanticity(shares: Tensor, frequency: Tensor, dominance: float, classes: Tensor) -> list[dict]:
     """The old rule. One dict per head: n_dominated, effective_features, multi_feature (effective >= 2),
     n_context_classes_dominated (distinct majority classes of its dominated features),

@@ -49,7 +49,13 @@ from ..sae import build_sae
 from ..sae.activations import Corpus, corpus_z, real_tokens, stream, task_corpus, text_corpus
 from ..sae.export import CFG, WEIGHTS, hook_name, load_sae, save_sae
 from ..sae.fit import fit
-from ..sae.head_attribution import decoder_head_shares, head_polysemanticity, head_roles, top_activations
+from ..sae.head_attribution import (
+    decoder_head_shares,
+    head_polysemanticity,
+    head_roles,
+    random_polysemantic_fraction,
+    top_activations,
+)
 from ..sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
 from ..tasks import Task
 from .context import RunContext
@@ -70,6 +76,7 @@ ROLE_METRICS = (  # head_roles: Kissane et al.'s reading
     "min_class_overlap",
     "polysemantic",
 )
+NULL_DRAWS = 1000  # random feature sets behind polysemantic_random_fraction
 DOMINATED_METRICS = (  # head_polysemanticity: the old rule
     "n_dominated",
     "effective_features",
@@ -264,6 +271,10 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
     roles = head_roles(shares, frequency, classes, sc.head_features)
     dominated = head_polysemanticity(shares, frequency, sc.dominance, classes)
     metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in roles) / n_heads
+    # the same rule on features assigned to heads at random: how often it fires by itself
+    metrics["polysemantic_random_fraction"] = random_polysemantic_fraction(
+        frequency, classes, sc.head_features, NULL_DRAWS, cfg.seed
+    )
     metrics["polysemantic_dominated_head_fraction"] = sum(h["polysemantic_dominated"] for h in dominated) / n_heads
     metrics["multi_feature_head_fraction"] = sum(h["multi_feature"] for h in dominated) / n_heads
     info = {
