@@ -396,7 +396,7 @@ def head_attribution_norms(numbers: Numbers) -> str:
             "removals checked",
             "input norm's scale: median / largest change",
             "QK-norm's scales: median / largest change",
-            "score's change free vs held: median / largest |free - held| / |held|",
+            "score's change, free against held, relative to held: median / largest",
         )
     ]
     pct = lambda n, k: f"{fmt(100 * n[k], 1)}%" if isinstance(n.get(k), (int, float)) else "none"  # noqa: E731
