@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 from headlab.report import numbers as readme_numbers
 from headlab.report.readme_tables import TABLES
@@ -11,6 +13,18 @@ from headlab.report.readme_tables import TABLES
 REPRODUCTIONS = readme_numbers.ROOT / "docs" / "reproductions"
 # the index of reproductions names them and their configs: it holds no measured number
 INDEX = ("| name | paper | experiment configs |", "| --- | --- | --- |")
+# a number that reads as measured: a decimal, a percentage, a count with thousands separators (not an arXiv
+# id, nor a version or a name's part: 1.0.1, llama-3.2-1b)
+MEASURED = re.compile(r"(?<![\w.-])(\d+\.\d+|\d+(?:\.\d+)?%|\d{1,3}(?:,\d{3})+)(?![\w.-])")
+ARXIV = re.compile(r"\b\d{4}\.\d{4,5}\b")
+FENCE = re.compile(r"```.*?```", re.S)
+# Tables typed by hand that hold such numbers, frozen by their content (sha256, 12 hex) until each is rendered
+# from a numbers file: a new one, or any edit to one of these, fails test_no_docs_table_holds_a_typed_number.
+TYPED_TABLES = {
+    "docs/benchmarks/index.md": ["2d83dfb22966"],  # the benchmarks' commands: versions and vocabulary sizes
+    "docs/guides/atlas.md": ["50d388c6b1b2", "7a7bd3476b90"],  # the labels' cuts; smollm2's classes
+    "docs/guides/saes.md": ["24c861ad87b5"],  # smollm2's layer-0 SAE beside Kissane et al.
+}
 
 
 def test_every_table_is_what_its_numbers_file_renders():
@@ -31,6 +45,45 @@ def test_every_table_of_the_reproductions_pages_is_rendered_from_a_numbers_file(
         typed = [line for line in outside.splitlines() if line.startswith("|") and line not in index]
         assert typed == [], f"a table typed by hand in {page.name}: {typed[:1]}"
     assert len(index) > 3
+
+
+def typed_tables(text: str) -> list[str]:
+    """The content hashes of a page's tables outside numbers blocks and code that hold a measured-looking
+    number."""
+    outside = FENCE.sub("", readme_numbers.BLOCK.sub("", text))
+    tables: list[list[str]] = [[]]
+    for line in outside.splitlines():
+        if line.startswith("|"):
+            tables[-1].append(line)
+        elif tables[-1]:
+            tables.append([])
+    return [
+        hashlib.sha256("\n".join(t).encode()).hexdigest()[:12]
+        for t in tables
+        if any(MEASURED.search(ARXIV.sub("", line)) for line in t[2:])  # past the header and its rule
+    ]
+
+
+def test_no_docs_table_holds_a_typed_number():
+    pages = [*sorted((readme_numbers.ROOT / "docs").rglob("*.md")), readme_numbers.README]
+    found = {str(p.relative_to(readme_numbers.ROOT)): typed_tables(p.read_text()) for p in pages}
+    found = {page: hashes for page, hashes in found.items() if hashes}
+    new = {page: sorted(set(h) - set(TYPED_TABLES.get(page, []))) for page, h in found.items()}
+    assert {page: h for page, h in new.items() if h} == {}, (
+        "a docs table holds a number typed by hand: render it from docs/numbers/ (headlab.report.numbers)"
+    )
+    assert found == TYPED_TABLES  # a frozen table rendered from a file since: take it off the list
+
+
+def test_a_number_planted_in_a_docs_table_is_caught():
+    page = readme_numbers.ROOT / "docs" / "guides" / "circuits.md"
+    text = page.read_text() + "\n| method | CPR |\n| --- | --- |\n| eap_ig | 2.20 |\n"
+    assert len(typed_tables(text)) == len(typed_tables(page.read_text())) + 1
+    atlas = readme_numbers.ROOT / "docs" / "guides" / "atlas.md"
+    edited = atlas.read_text().replace("gu_first_token_attention above 0.3", "gu_first_token_attention above 0.35")
+    assert set(typed_tables(edited)) - set(TYPED_TABLES["docs/guides/atlas.md"])  # an edit to a frozen table
+    definitions = "\n| option | default |\n| --- | --- |\n| steps | 5 |\n| paper | arXiv 2504.13151 |\n"
+    assert typed_tables(definitions) == []
 
 
 def test_a_changed_number_in_a_file_shows_as_a_differing_table(tmp_path):
