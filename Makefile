@@ -88,8 +88,9 @@ threads-bench: $(STAMP)  # a run beside a busy process: headlab's own thread cou
 
 .PHONY: atlas-pictures
 atlas-pictures: $(STAMP)  # README's and the docs' atlas pictures from fresh atlases (needs chromium), with their seconds
-	$(BIN)/python scripts/atlas_picture.py smollm2-135m docs/atlas_smollm2.png
-	$(BIN)/python scripts/atlas_picture.py gemma3-270m docs/atlas_gemma3.png
+	rm -f docs/benchmarks/atlas_pictures.txt
+	$(BIN)/python scripts/atlas_picture.py smollm2-135m docs/atlas_smollm2.png --log docs/benchmarks/atlas_pictures.txt
+	$(BIN)/python scripts/atlas_picture.py gemma3-270m docs/atlas_gemma3.png --log docs/benchmarks/atlas_pictures.txt
 
 .PHONY: long-context
 long-context: $(VENV)/.headlab-bench  # memory of head sweeps on smollm2 at 4 x 2048 tokens, and who fits under a 3 GB limit, ~6 min

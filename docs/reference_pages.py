@@ -326,6 +326,11 @@ BENCHMARK_OUTPUTS: dict[str, tuple[str, str]] = {
         "make profile (benchmarks/profile_phases.py atlas model=smollm2-135m)",
         "the same for `headlab atlas model=smollm2-135m`",
     ),
+    "benchmarks/atlas_pictures.txt": (
+        "make atlas-pictures (scripts/atlas_picture.py)",
+        "a fresh `headlab atlas` of smollm2-135m and of gemma3-270m (no probe cached): its wall clock and the "
+        "load beside it, for README's and the docs' atlas pictures",
+    ),
     "threads_busy_cpu.txt": (
         "make threads-bench",
         "a smollm2-135m IOI sweep beside a process spinning on one of 2 cores: headlab's own thread count "
