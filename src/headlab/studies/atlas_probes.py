@@ -198,8 +198,8 @@ PROBES = (
         True,
         score_rows({"gu_first_token_attention": "gu_first_token_attention"}),
     ),
-    # Wu et al.'s retrieval score on headlab's needle-copy screen, labelled as the screen it is (their protocol:
-    # `headlab run task=needle scores=retrieval`, minutes per 1K-token prompt on a CPU)
+    # Wu et al.'s retrieval score on headlab's needle-copy screen, labelled as the screen it is (their protocol
+    # on real text: `headlab run experiment=retrieval_heads_smollm2`, minutes per 1K-token prompt on a CPU)
     Probe(
         "needle_copy",
         RETRIEVAL,

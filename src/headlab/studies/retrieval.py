@@ -1,9 +1,12 @@
 """`headlab run task=needle scores=retrieval`: retrieval heads (Wu et al. 2024, analysis/retrieval.py).
 
-By default Wu et al.'s protocol (their retrieval_head_detection.py and needle_in_haystack_with_mask.py):
-the prompt ends with the question and "Answer:" (task.prompt=question), the answer is decoded greedily up
-to 50 tokens or a newline (study.max_new_tokens), scored by ROUGE-1 recall on words (study.recall), and
-masked heads are masked while the answer is decoded, the response scored again (study.masking).
+By default Wu et al.'s decoding and scoring (their retrieval_head_detection.py and
+needle_in_haystack_with_mask.py): the prompt ends with the question and "Answer:" (task.prompt=question), the
+answer is decoded greedily up to 50 tokens or a newline (study.max_new_tokens), scored by ROUGE-1 recall on
+words (study.recall), and masked heads are masked while the answer is decoded, the response scored again
+(study.masking). The prompts are task=needle's: by default random tokens in a 48-token random haystack, not
+Wu et al.'s; their natural-text haystacks and sentence needles are `experiment=retrieval_heads_smollm2`'s
+(1,000-token windows of data/alice.txt), and their grid of lengths times 10 depths is not run by default.
 `study.haystack_lens` runs one set of task.n_prompts prompts per haystack length (Wu et al.: 1K tokens
 and up), the scores pooled over every set as theirs are. headlab 0.2's variants stay as options:
 task.prompt=cue, study.max_new_tokens=0, study.recall=tokens, study.masking=teacher_forced,
