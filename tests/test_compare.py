@@ -35,7 +35,7 @@ def atlas_table(layers: int, heads: int, seed: int, retrieval: bool) -> pd.DataF
     rng = np.random.default_rng(seed)
     metrics = ["induction_score", "prev_token_score", "gu_first_token_attention", "attention_entropy"]
     rows = []
-    for metric in metrics + (["retrieval_score"] if retrieval else []):
+    for metric in metrics + (["needle_copy_score"] if retrieval else []):
         for layer in range(layers):
             for head in range(heads):
                 value = float(rng.uniform(0, 0.8))
@@ -104,7 +104,7 @@ def test_atlas_classes_per_model_equal_a_count_of_the_labels(tmp_path):
                 assert mine.loc[cls, "depth"] == pytest.approx(depth(names, layers))
         assert (mine["n_layers"] == layers).all() and (mine["n_model_heads"] == layers * heads).all()
     narrow = got[got["model"] == "narrow"].set_index("class")
-    assert not narrow.loc["retrieval", "measured"] and pd.isna(narrow.loc["retrieval", "n_heads"])
+    assert not narrow.loc["needle-copy", "measured"] and pd.isna(narrow.loc["needle-copy", "n_heads"])
     assert "IOI-supporting" not in set(got["class"])  # neither model scored it
     assert "induction" in result.stdout and "narrow" in result.stdout
 

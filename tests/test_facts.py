@@ -196,8 +196,8 @@ def test_question_style_task_pairs_the_ith_recall_with_the_ith_reasoning_prompt(
     assert kind.tolist() == [0] * 10 + [1] * 10
     continents = {gpt2_tokenizer(" " + c)["input_ids"][0] for c in ("Europe", "Asia", "Africa")}
     for i in range(10):
-        recall = gpt2_tokenizer.decode(ids[i, 1 : read[i] + 1])
-        reasoning = gpt2_tokenizer.decode(ids[10 + i, 1 : read[10 + i] + 1])
+        recall = gpt2_tokenizer.decode(ids[i, : read[i] + 1])  # no BOS: GPT-2's tokenizer puts none
+        reasoning = gpt2_tokenizer.decode(ids[10 + i, : read[10 + i] + 1])
         country = PAIR_REASONING.match(reasoning).group(1)
         recall_answer = gpt2_tokenizer.decode([int(data.answers["answer"][i])])
         assert country in recall or recall_answer == " " + country  # one country in both prompts of a pair

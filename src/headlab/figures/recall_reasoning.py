@@ -137,8 +137,11 @@ def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
     out: dict = {
         "model": str(table["model"].iloc[0]) if "model" in table and len(table) else None,
         "clean": {m: round(float(v), 4) for m, v in zip(clean["metric"], clean["value"])},
+        # a table without intervals (output.n_boot=0) has none to give
         "clean_ci": {
-            m: [round(float(lo), 4), round(float(hi), 4)] for m, lo, hi in clean[["metric", "ci_low", "ci_high"]].values
+            m: [round(float(lo), 4), round(float(hi), 4)]
+            for m, lo, hi in clean.reindex(columns=["metric", "ci_low", "ci_high"]).values
+            if pd.notna(lo)
         },
         # half the prompts are recall, half reasoning (the i-th of each about one subject): the questions answered
         "n_prompts": n,
