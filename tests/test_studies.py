@@ -223,3 +223,16 @@ def test_each_study_prints_its_own_summary(capsys):
     registry.get("sweep").summary(pd.DataFrame(sweep), 1)
     shown = " ".join(capsys.readouterr().out.split())  # titles wrap at the table's width
     assert "1 of 2 interventions, largest change in acc" in shown and "0.200" in shown and "0.850" not in shown
+    # scores per head (every row intervention none): the heads that score highest, in 100 columns, no name cut
+    scores = [
+        {**base, "intervention": "none", "method": "score", "layer": l, "head": h, "metric": m, "value": v}
+        for l in range(6)
+        for h in range(5)
+        for m, v in (("gu_first_token_attention", (7 * l + 3 * h) % 10 / 10), ("sink_ratio_first_token", 0.5))
+    ]
+    registry.get("sinks").summary(pd.DataFrame(scores), 4)
+    out = capsys.readouterr().out
+    shown = " ".join(out.split())
+    assert "the 4 of 30 heads with the largest gu_first_token_attention" in shown
+    assert "…" not in out and max(map(len, out.splitlines())) <= 100
+    assert shown.count(" 0.900 ") == 2 and " 0.100 " not in shown  # the 2 heads at 0.9, then two at 0.8

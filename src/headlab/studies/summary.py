@@ -8,8 +8,8 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-# rich finds sys.stdout when it prints, so a caller's redirect is honoured
-console = Console(width=None if sys.stdout.isatty() else 120)
+# rich finds sys.stdout when it prints, so a caller's redirect is honoured; off a terminal, 100 columns
+console = Console(width=None if sys.stdout.isatty() else 100)
 
 
 def aggregated(df: pd.DataFrame) -> pd.DataFrame:
@@ -19,7 +19,8 @@ def aggregated(df: pd.DataFrame) -> pd.DataFrame:
 
 def head_table(df: pd.DataFrame, max_rows: int) -> None:
     """One row per intervention (clean first), one column per metric; past max_rows, the interventions
-    that change the first metric most."""
+    that change the first metric most. A table of scores alone (every row a head's score, no intervention)
+    shows the max_rows heads of the largest first metric. Column names fold onto more lines, never cut."""
     agg = aggregated(df)
     if agg.empty:
         return
@@ -31,16 +32,19 @@ def head_table(df: pd.DataFrame, max_rows: int) -> None:
     metrics = [m for m in agg["metric"].unique()]
     clean = wide[wide["intervention"] == "none"]
     rest = wide[wide["intervention"] != "none"]
-    if len(rest) > max_rows and len(clean):
+    title = f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]} ({int(agg['n'].iloc[0])} prompts)"
+    if rest.empty and len(clean) > max_rows:  # scores per head: the heads that score highest
+        title += f": the {max_rows} of {len(clean)} heads with the largest {metrics[0]}"
+        clean = clean.nlargest(max_rows, metrics[0])
+    elif len(rest) > max_rows and len(clean):
         key = metrics[0]
+        title += f": {max_rows} of {len(rest)} interventions, largest change in {key}"
         rest = rest.assign(_drop=(clean[key].iloc[0] - rest[key]).abs()).nlargest(max_rows, "_drop")
     shown = pd.concat([clean, rest])
-    title = f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]} ({int(agg['n'].iloc[0])} prompts)"
-    if len(wide) - len(clean) > len(rest):
-        title += f": {len(rest)} of {len(wide) - len(clean)} interventions, largest change in {metrics[0]}"
     table = Table(title=title)
     for col in keys + metrics:
-        table.add_column(col, justify="right" if col not in ("intervention", "method") else "left")
+        justify = "left" if col in ("intervention", "method") else "right"
+        table.add_column(col, justify=justify, overflow="fold")
     fmt = lambda v: "" if pd.isna(v) else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     for _, r in shown.iterrows():
         table.add_row(*[fmt(r[c]) for c in keys + metrics])
