@@ -429,7 +429,7 @@ def test_the_study_writes_a_tidy_table_whose_terms_add_up(tiny_llama_dir, tmp_pa
 @pytest.mark.parametrize(
     ("more", "said"),
     [
-        ((), "needs study.heads"),
+        ((), "study.heads=[]: expected a list of at least 1, each a head LnHm"),
         (("study.heads=[L7H0]",), "L7H0 is not a head"),
         (("study.heads=[L1H0]", "study.edges=[IO:END]"), "key after its query"),
         (("study.heads=[L1H0]", "study.edges=[END:XY]"), "no role XY"),

@@ -81,15 +81,18 @@ class Matches:
 
 @dataclass(frozen=True)
 class Each:
-    """Every element of a list (or of each inner list) satisfies `rule`."""
+    """Every element of a list (or of each inner list) satisfies `rule`; at least `least` of them."""
 
     rule: Range | OneOf | Matches
+    least: int = 0
 
     def accepts(self, value: Any) -> bool:
-        return all(self.rule.accepts(v) for v in flat(value))
+        leaves = flat(value)
+        return len(leaves) >= self.least and all(self.rule.accepts(v) for v in leaves)
 
     def describe(self) -> str:
-        return f"a list, each {self.rule.describe()}"
+        size = f" of at least {self.least}" if self.least else ""
+        return f"a list{size}, each {self.rule.describe()}"
 
 
 Rule = Range | OneOf | Matches | Each

@@ -77,7 +77,9 @@ STRING_COLUMNS = ("edge", "query_component", "key_component", "component", "sour
 @dataclass
 class HeadAttributionOptions(StudyOptions):
     name: str = "head_attribution"
-    heads: list[str] = setting(factory=list, rule=Each(HEAD))  # the heads to explain (none: refused)
+    heads: list[str] = setting(
+        factory=list, rule=Each(HEAD, least=1)
+    )  # the heads to explain (none: refused at the door)
     # attention edges QUERY:KEY (roles of the task's prompts, with an offset, or positions); none: each head's
     # n_edges strongest among the task's roles (each role as a query, each role and the token after it as a key)
     edges: list[str] = setting(factory=list, rule=Each(EDGE))
@@ -101,8 +103,7 @@ class Edge:
 
 
 def parse_heads(names: list[str], model: HookedModel) -> list[tuple[int, int]]:
-    if not names:
-        raise UsageError("study=head_attribution needs study.heads, e.g. study.heads=[L18H6,L23H0]")
+    """The heads named (the door has refused an empty list), each one the model has."""
     heads = []
     for name in names:
         layer, head = (int(x) for x in name[1:].split("H"))

@@ -43,8 +43,7 @@ def head_table(df: pd.DataFrame, max_rows: int) -> None:
     shown = pd.concat([clean, rest])
     table = Table(title=title)
     for col in keys + metrics:
-        justify = "left" if col in ("intervention", "method") else "right"
-        table.add_column(col, justify=justify, overflow="fold")
+        table.add_column(col, justify="left" if col in ("intervention", "method") else "right", overflow="fold")
     fmt = lambda v: "" if pd.isna(v) else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     for _, r in shown.iterrows():
         table.add_row(*[fmt(r[c]) for c in keys + metrics])
