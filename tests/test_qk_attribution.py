@@ -449,7 +449,8 @@ def test_the_study_yaml_holds_the_options_defaults():
 
     from headlab.studies.head_attribution import HeadAttributionOptions
 
-    assert dataclasses.asdict(compose(["study=head_attribution"]).study) == dataclasses.asdict(HeadAttributionOptions())
+    composed = compose(["study=head_attribution", "study.heads=[L0H0]"]).study  # no heads: refused at the door
+    assert dataclasses.asdict(composed) == dataclasses.asdict(HeadAttributionOptions(heads=["L0H0"]))
 
 
 # --- the atlas's cards -------------------------------------------------------------------------------------
