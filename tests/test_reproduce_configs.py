@@ -83,6 +83,10 @@ def head_attribution_runs(quick: bool) -> list[list[str]]:
     ]
 
 
+def attn_sae_smollm2_runs(quick: bool) -> list[list[str]]:
+    return [["experiment=attn_sae_smollm2", *(["sae.steps=50"] if quick else [])]]
+
+
 def attn_sae_runs(quick: bool) -> list[list[str]]:
     base = ["experiment=attn_sae"]
     relu = ["sae.l1_warmup_steps=300", "sae.resample_every=750"]  # relu_l1's own options, as before 0.2
@@ -144,6 +148,7 @@ REFERENCE = {
     "recall_reasoning_facts": (recall_reasoning_facts_runs, "run"),
     "head_attribution": (head_attribution_runs, "run"),
     "attn_sae": (attn_sae_runs, "sae"),
+    "attn_sae_smollm2": (attn_sae_smollm2_runs, "sae"),
     "ioi": (ioi_runs, "run"),
     "ioi_trained": (ioi_trained_runs, "run"),
 }
@@ -159,9 +164,12 @@ def test_declared_grid_expands_to_the_python_grid(name, quick):
     runs, command = REFERENCE[name]
     repro = reproduce.get(name)
     assert repro.runs(quick) == runs(quick)
-    figures = {"retrieval_heads": "scores", "ioi_trained": "ioi", "recall_reasoning_facts": "recall_reasoning"}.get(
-        name, name
-    )  # the per-head score figures serve it
+    figures = {
+        "retrieval_heads": "scores",
+        "ioi_trained": "ioi",
+        "recall_reasoning_facts": "recall_reasoning",
+        "attn_sae_smollm2": "attn_sae",
+    }.get(name, name)  # the per-head score figures serve it
     assert repro.command == command and repro.figures == figures and repro.figures in FIGURES
 
 
