@@ -182,7 +182,8 @@ def test_a_run_that_needs_an_environment_variable_runs_only_where_it_is_set(monk
 
 
 def test_unknown_reproduction_names_the_known_ones():
-    with pytest.raises(UsageError, match="unknown reproduction 'nope'; choose from: attn_sae, count01"):
+    known = "attn_sae, attn_sae_smollm2, count01"
+    with pytest.raises(UsageError, match=f"unknown reproduction 'nope'; choose from: {known}"):
         reproduce.get("nope")
 
 
