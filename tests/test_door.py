@@ -52,6 +52,11 @@ def fields_of(schema: type, prefix: str, choice: tuple[str, ...]) -> list[Option
     ]
 
 
+# options a choice cannot run without (their defaults are refused at the door): set, so that each other
+# option's refusal is the one a case sees (a case for the option itself sets it again, after them)
+NEEDED = {"study=head_attribution": ("study.heads=[L0H0]",)}
+
+
 @cache
 def every_option() -> tuple[Option, ...]:
     """Every field of every option of every config group (a group config.py adds later included), and the
@@ -65,7 +70,8 @@ def every_option() -> tuple[Option, ...]:
         for name in group_options(group):
             schema = schema_of(group, name)
             if schema is not None:  # experiment=...: a preset of the other groups' options, no schema
-                found += fields_of(schema, f"{group}.", (f"{group}={name}",))
+                choice = (f"{group}={name}", *NEEDED.get(f"{group}={name}", ()))
+                found += fields_of(schema, f"{group}.", choice)
     return tuple(found)
 
 
