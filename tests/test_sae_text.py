@@ -33,6 +33,42 @@ def test_text_classes_name_each_tokens_place_in_the_text():
     assert text_classes(two, lambda i: pieces[i])[0].tolist() == [[P, D, D], [S, N, P]]
 
 
+class _GemmaLike:
+    """A character tokenizer that puts its BOS (id 1) before a text with special tokens, as Gemma's does."""
+
+    bos_token_id, eos_token_id = 1, 2
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [3 + ord(c) % 50 for c in text]
+        return {"input_ids": [1, *ids] if add_special_tokens else ids}
+
+
+class _Plain(_GemmaLike):
+    """The same tokenizer without a BOS before its texts (SmolLM2's and GPT-2's convention)."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + ord(c) % 50 for c in text]}
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_text_windows_start_as_the_tokenizer_starts_a_text(bos, tmp_path):
+    from types import SimpleNamespace
+
+    from headlab.sae.activations import text_corpus
+
+    text = "Alice was beginning to get very tired of sitting by her sister on the bank. " * 4
+    (tmp_path / "a.txt").write_text(text)
+    tok = _GemmaLike() if bos else _Plain()
+    corpus = text_corpus(str(tmp_path / "a.txt"), SimpleNamespace(tokenizer=tok, name="m"), 16)
+    stream = [3 + ord(c) % 50 for c in text] + [2]
+    width = 15 if bos else 16
+    n = len(stream) // width
+    assert corpus.ids.shape == (n, 16)
+    assert (corpus.ids[:, 0] == 1).all() == bos
+    body = corpus.ids[:, 1:] if bos else corpus.ids
+    assert body.flatten().tolist() == stream[: n * width]  # every token once, in order, after its BOS
+
+
 def test_a_pretrained_model_on_a_task_of_its_own_vocabulary_reads_the_shipped_text():
     def path(*overrides):
         cfg = compose(*overrides)

@@ -513,6 +513,7 @@ def attn_sae_layers(numbers: Numbers) -> str:
 TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
     ("attn_sae", "layers"): attn_sae_layers,
     ("attn_sae_smollm2", "layers"): attn_sae_layers,
+    ("attn_sae_smollm2-gemma3-270m", "layers"): attn_sae_layers,
     ("markov", "pruning"): markov_pruning,
     ("markov", "accuracy"): markov_accuracy,
     ("count01", "claims"): count01_claims,

@@ -29,6 +29,7 @@ from torch import Tensor
 from ..errors import HeadlabError, UsageError
 from ..locations import text_path
 from ..models.hooked import HookedModel
+from ..tasks.base import bos_prefix
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 AFTER_CURRICULUM = 10**9  # a training step past every task's curriculum: the stream the model ended on
@@ -80,10 +81,14 @@ def text_corpus(path: str, model: HookedModel, context_size: int) -> Corpus:
     stream: list[int] = []
     for doc in docs:
         stream += tok(doc, add_special_tokens=False)["input_ids"] + sep
-    n = len(stream) // context_size
+    # each window starts as the tokenizer starts a text (Gemma's <bos>: without it Gemma reads text badly)
+    start = bos_prefix(tok, None)
+    width = context_size - len(start)
+    n = len(stream) // width if width > 0 else 0
     if n < 2:
         raise HeadlabError(f"corpus {path} has {len(stream)} tokens: fewer than two windows of {context_size}")
-    ids = torch.tensor(stream[: n * context_size]).view(n, context_size)
+    body = torch.tensor(stream[: n * width]).view(n, width)
+    ids = torch.cat([torch.tensor(start, dtype=body.dtype).expand(n, len(start)), body], 1)
     lengths = torch.full((n,), context_size)
     return Corpus(ids, lengths, _next_tokens(ids, lengths))
 
