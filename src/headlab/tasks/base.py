@@ -146,17 +146,15 @@ def right_padded(rows: Sequence[Sequence[int]], tokenizer: Any, width: int | Non
 def bos_prefix(tokenizer: Any, prepend_bos: bool | None) -> list[int]:
     """The ids each prompt starts with: None follows the tokenizer's own convention (its BOS where it puts
     one before a text: Gemma's <bos>; nothing for GPT-2, or SmolLM2, whose BOS token is a chat marker);
-    True its BOS token; False nothing."""
-    bos = tokenizer.bos_token_id
+    True its BOS token; False nothing. A tokenizer without a BOS token gives nothing."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
     if prepend_bos is None:
         plain = tokenizer("a", add_special_tokens=False)["input_ids"]
         special = tokenizer("a", add_special_tokens=True)["input_ids"]
-        return (
-            [bos]
-            if bos is not None and list(special[:1]) == [bos] and list(special[1:])[: len(plain)] == list(plain)
-            else []
-        )
-    return [bos] if prepend_bos and bos is not None else []
+        return [bos] if list(special[:1]) == [bos] and list(special[1:])[: len(plain)] == list(plain) else []
+    return [bos] if prepend_bos else []
 
 
 def mean_of(column: int) -> Aggregate:
