@@ -77,9 +77,8 @@ STRING_COLUMNS = ("edge", "query_component", "key_component", "component", "sour
 @dataclass
 class HeadAttributionOptions(StudyOptions):
     name: str = "head_attribution"
-    heads: list[str] = setting(
-        factory=list, rule=Each(HEAD, least=1)
-    )  # the heads to explain (none: refused at the door)
+    # the heads to explain (none: refused at the door)
+    heads: list[str] = setting(factory=list, rule=Each(HEAD, least=1))
     # attention edges QUERY:KEY (roles of the task's prompts, with an offset, or positions); none: each head's
     # n_edges strongest among the task's roles (each role as a query, each role and the token after it as a key)
     edges: list[str] = setting(factory=list, rule=Each(EDGE))
