@@ -140,8 +140,27 @@ def retrieval_heads_runs(quick: bool) -> list[list[str]]:
     ]
 
 
+def retrieval_wu_runs(quick: bool) -> list[list[str]]:
+    if quick:
+        return [
+            [
+                "experiment=retrieval_heads_smollm2",
+                "task.depths=2",
+                "task.n_prompts=2",
+                "study.n_random=1",
+                "output.n_boot=50",
+            ]
+        ]
+    grid = ["task.depths=10", "task.n_prompts=10", "study.haystack_lens=[1000,2000,4000]"]
+    return [
+        ["experiment=retrieval_heads_smollm2", *grid],
+        ["experiment=retrieval_heads_smollm2", "model=gemma3-270m", "task.prompt=question", *grid],
+    ]
+
+
 REFERENCE = {
     "retrieval_heads": (retrieval_heads_runs, "run"),
+    "retrieval_wu": (retrieval_wu_runs, "run"),
     "count01": (count01_runs, "run"),
     "markov": (markov_runs, "run"),
     "recall_reasoning": (recall_reasoning_runs, "run"),
@@ -166,6 +185,7 @@ def test_declared_grid_expands_to_the_python_grid(name, quick):
     assert repro.runs(quick) == runs(quick)
     figures = {
         "retrieval_heads": "scores",
+        "retrieval_wu": "scores",
         "ioi_trained": "ioi",
         "recall_reasoning_facts": "recall_reasoning",
         "attn_sae_smollm2": "attn_sae",

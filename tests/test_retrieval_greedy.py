@@ -224,3 +224,22 @@ def test_random_heads_stay_outside_the_top_random_outside():
     draws, apart = random_heads(4, 2, avoid, 2, 20, seed=0)
     assert apart and all(not set(d) & set(avoid) and len(set(d)) == 2 for d in draws)
     assert {h for d in draws for h in d} == {(0, 1), (1, 1), (3, 0), (3, 1)}
+
+
+def test_wu_depth_grid_places_prompt_i_at_its_share_of_the_haystack(gpt2_tokenizer):
+    # Wu et al.'s retrieval_head_detection.py: np.round(np.linspace(0, 100, 10)) percent
+    percents = [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
+    symbols = needle_task(depths=10, haystack_len=50).build(20, seed=1)
+    assert (symbols.answers["depth"] * 50).round().long().tolist() == [round(p / 2) for p in percents] * 2
+
+    class WithTokenizer:
+        tokenizer = gpt2_tokenizer
+        vocab_size = 50257
+        module = None
+
+    task = needle_task(haystack=str(ALICE), needles="sentences", haystack_len=300, needle_len=6, depths=10)
+    facts = task.build(10, seed=0, model=WithTokenizer())
+    share = facts.answers["depth"]
+    # moved back to a sentence end: at most the grid's share (Alice's sentences run up to ~90 tokens here)
+    gap = torch.tensor(percents) / 100 - share
+    assert (gap >= -1e-9).all() and gap.median() < 0.1 and share[0] == 0 and share[-1] > 0.75

@@ -36,11 +36,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..config_rules import COUNT, NEEDLES, Joint, OneOf, setting
+from ..config_rules import COUNT, NATURAL, NEEDLES, Joint, OneOf, setting
 from ..errors import UsageError
 from ..locations import text_path
 from .base import PRETRAINED_DEFAULTS, Task, TaskConfig, TaskData, mean_of
-from .needle_facts import FactNeedles, asked, framing
+from .needle_facts import FactNeedles, asked, draw_depths, framing
 
 PAD, BOS, KEY, ASK = range(4)
 SPECIAL = ("[PAD]", "[BOS]", "[KEY]", "[ASK]")
@@ -72,6 +72,9 @@ class NeedleConfig(TaskConfig):
     haystack: str | None = None
     haystack_len: int = setting(48, COUNT)  # haystack tokens per prompt (the needle and its statement come on top)
     needle_len: int = setting(6, COUNT)
+    # 0: each prompt's needle at a random depth; N: Wu et al.'s grid (retrieval_head_detection.py's
+    # round(linspace(0, 100, N)) percent of the haystack, N = 10 there), prompt i at the (i mod N)-th depth
+    depths: int = setting(0, NATURAL)
     n_symbols: int = setting(64, COUNT)  # models trained here: ordinary tokens of the task's own vocabulary
     # models with a tokenizer: random (needle_len random ordinary tokens after "The secret sequence is:") |
     # sentences (a fact, e.g. "The best thing to do in San Francisco is to eat a sandwich ...", asked
@@ -138,7 +141,7 @@ class NeedleTask(Task):
             raise UsageError("task.needles=sentences needs a model with a tokenizer (model=gpt2 or model.path=<dir>)")
         if isinstance(vocab, _Words) and self.cfg.needles == "sentences":
             return self._build_facts(vocab, n, gen)
-        depth = torch.randint(0, self.cfg.haystack_len + 1, (n,), generator=gen)
+        depth = draw_depths(self.cfg.depths, self.cfg.haystack_len, n, gen)
         needle, hay = vocab.draw(n, gen)
         other = vocab.other_needle(needle, gen)
         ref_needle, ref_hay = vocab.draw(self.cfg.n_reference, gen)

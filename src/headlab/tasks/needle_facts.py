@@ -130,6 +130,15 @@ class FactPrompts:
     answer: Tensor  # [n, A]: each fact's whole answer (the needle first), padded with -1
 
 
+def draw_depths(grid: int, size: int, n: int, gen: torch.Generator) -> Tensor:
+    """[n] depths into haystacks of `size` tokens: uniform in 0..size, or with `grid` N > 0 prompt i at
+    round(linspace(0, 100, N))[i mod N] percent of it, as Wu et al.'s depth grid places needles."""
+    if grid == 0:
+        return torch.randint(0, size + 1, (n,), generator=gen)
+    percent = torch.linspace(0, 100, grid, dtype=torch.double).round()
+    return (percent[torch.arange(n) % grid] / 100 * size).round().long()
+
+
 class FactNeedles:
     """Prompts from FACTS over the haystack `text` (token ids) of a model's tokenizer."""
 
@@ -165,8 +174,8 @@ class FactNeedles:
         """other_needle(needle [n, L], gen) -> [n, L]: ordinary tokens, none of them the needle's."""
         facts = torch.randint(0, len(FACTS), (n,), generator=gen)
         windows, depths = [], []
-        for f in facts.tolist():
-            window, depth = self._window(f, gen, snap=True)
+        for i, f in enumerate(facts.tolist()):
+            window, depth = self._window(f, gen, snap=True, row=i)
             windows.append(window)
             depths.append(depth)
         needle = torch.stack([self.answers[f][: self.cfg.needle_len] for f in facts.tolist()])
@@ -187,12 +196,15 @@ class FactNeedles:
             answer[i, : len(a)] = a
         return FactPrompts(clean, swapped, torch.stack(reference), needle, starts, share, answer)
 
-    def _window(self, fact: int, gen: torch.Generator, snap: bool) -> tuple[Tensor, int]:
-        """A window of the text of this fact's hay length at a random offset, and a random depth in it
-        (moved back to just after a sentence end, or to 0, when `snap`)."""
+    def _window(self, fact: int, gen: torch.Generator, snap: bool, row: int = 0) -> tuple[Tensor, int]:
+        """A window of the text of this fact's hay length at a random offset, and a depth in it (random, or
+        row `row`'s of task.depths's grid), moved back to just after a sentence end, or to 0, when `snap`."""
         size = self.hay_len[fact]
         start = int(torch.randint(0, len(self.text) - size + 1, (1,), generator=gen))
-        depth = int(torch.randint(0, size + 1, (1,), generator=gen))
+        if self.cfg.depths:
+            depth = int(draw_depths(self.cfg.depths, size, row + 1, gen)[row])
+        else:
+            depth = int(torch.randint(0, size + 1, (1,), generator=gen))
         if snap:
             ends = self.sentence_end[start : start + depth].nonzero()
             depth = int(ends[-1]) + 1 if len(ends) else 0
