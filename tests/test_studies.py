@@ -188,6 +188,8 @@ def test_a_study_added_outside_the_package_runs_through_the_cli(tally_study, tmp
     assert low.returncode == 2 and "study.copies=0: expected an integer >= 1" in error_line(low)
     listed = run_headlab("list", "study", cwd=tmp_path)
     assert "counts to copies" in listed.stdout
+    short = compose(["tally=mine", "tally.copies=5"]).study  # its record's short form: the door names no study
+    assert (short.name, short.label, short.copies) == ("tally", "mine", 5)
     env = {**os.environ, "HEADLAB_PLUGINS": "tally_study", "PYTHONPATH": str(tmp_path / "plugins")}
     own = subprocess.run(
         [sys.executable, "-m", "headlab", "run", "study=tally", f"hydra.run.dir={tmp_path / 'p'}"],

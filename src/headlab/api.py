@@ -29,24 +29,17 @@ from .door import compose as compose_config
 from .door import compose_checked, group_options, option_overrides
 from .errors import UsageError
 from .interventions import CLEAN, Intervention
-
-# Every room's options reach Hydra through config.OPTION_SOURCES as its module is imported: here, where
-# every command enters, so that any config composes (the studies', tasks' and models' come in above).
-from .interventions import options as intervention_options  # noqa: F401, E402
 from .interventions.user import checked
 from .io import atomic_write_bytes
-from .models import pathnet  # noqa: F401, E402
 from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .models.loading import ModelConfig, ModelKind
-from .sae import registry as sae_registry  # noqa: F401, E402
 from .studies.context import RunContext, apply_threads
 from .studies.registry import get as get_study
 from .studies.registry import named_study, resolve
 from .studies.runner import execute_run, run_in_memory
 from .task_models import choose_model
 from .tasks import Task, TaskData, build_task
-from .train import options as train_options  # noqa: F401, E402
 from .train.obtain import is_trained_here, obtain_model
 
 log = logging.getLogger("headlab")

@@ -2,8 +2,8 @@
 room's options to Hydra's ConfigStore.
 
 Each task, study, model source and SAE architecture declares its options as a dataclass in its own module
-and registers it through its room's registry (OPTION_SOURCES below; the door makes the ConfigStore
-entry `<group>/base_<name>`); each configs/<group>/<name>.yaml starts with `defaults: [base_<name>]`, so an
+and its room hands it to the door (ROOMS below; the door makes the ConfigStore entry
+`<group>/base_<name>`); each configs/<group>/<name>.yaml starts with `defaults: [base_<name>]`, so an
 unknown key or a value of the wrong type fails at composition, and each field's rule (config_rules.setting)
 is checked by the door.
 """
@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -44,17 +43,19 @@ def config_dir() -> Path:
     raise FileNotFoundError("headlab: configs/ not found (set HEADLAB_CONFIG_DIR)")
 
 
-# Where each room's options come from: a function per room giving (group, name, options dataclass), added
-# by the room's registry as it is imported; the door hands each to Hydra's ConfigStore as
-# `<group>/base_<name>` before it composes.
-OptionSource = Callable[[], Iterable[tuple[str, str, Any]]]  # the options: a dataclass or an instance of one
-OPTION_SOURCES: list[OptionSource] = []
-
-
-def option_source(source: OptionSource) -> OptionSource:
-    """Add a room's options (usable as a decorator)."""
-    OPTION_SOURCES.append(source)
-    return source
+# The rooms that declare options: each module defines options() -> [(group, name, options dataclass)] (a
+# registry's covers what was registered into it: a plugin's task or study), and the studies' room also the
+# short forms that name a study (forms()). The door imports them and hands each options dataclass to
+# Hydra's ConfigStore as `<group>/base_<name>` before it composes.
+ROOMS = (
+    "headlab.models.loading",
+    "headlab.models.pathnet",
+    "headlab.tasks.registry",
+    "headlab.studies.registry",
+    "headlab.interventions.options",
+    "headlab.train.options",
+    "headlab.sae.registry",
+)
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Composing a run's config: Hydra's composition of configs/ plus overrides, validation at the door
 (one line for an unknown option, key, type or value out of range), the typed result, the short forms that
-name a study, and Python keyword options as overrides. Each group's options live beside the code that
-reads them (config.OPTION_SOURCES lists them), each rule with its field (config_rules.setting).
+name a study (each declared by its study's record), and Python keyword options as overrides. Each group's
+options live beside the code that reads them (config.ROOMS lists the rooms), each rule with its field
+(config_rules.setting).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import re
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache
@@ -16,7 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .config import GROUPS, OPTION_SOURCES, Config, EngineConfig, OutputConfig, config_dir
+from .config import GROUPS, ROOMS, Config, EngineConfig, OutputConfig, config_dir
 from .config_rules import check_device, clipped, validate
 from .errors import UsageError
 from .models.loading import model_name
@@ -33,8 +35,8 @@ def schemas() -> dict[str, dict[str, Any]]:
     """Every group's options dataclasses by name, from each room's source, each stored in Hydra's
     ConfigStore as `<group>/base_<name>` (a task or study registered since is stored on the next call)."""
     found: dict[str, dict[str, Any]] = {}
-    for source in OPTION_SOURCES:
-        for group, name, schema in source():
+    for room in ROOMS:
+        for group, name, schema in importlib.import_module(room).options():
             found.setdefault(group, {})[name] = schema
             if STORED.get((group, name)) != schema:  # an instance (a study's named options) compares by value
                 ConfigStore.instance().store(group=group, name=f"base_{name}", node=schema)
@@ -42,46 +44,48 @@ def schemas() -> dict[str, dict[str, Any]]:
     return found
 
 
-# The short forms that name a study, in one table: `scores=<study>` is `study=<study>`, `circuit=<method>`
-# is `study=circuit study.method=<method>`, and the options they held are the study's (`scores.top_k` is
-# `study.top_k`). An option that only one study runs (IMPLIED) brings its study along where the user names
-# none; studies/registry.implied refuses a composed config whose study disagrees with one.
-SHORT_FORMS: dict[str, tuple[str | None, str | None]] = {"scores": (None, None), "circuit": ("circuit", "method")}
-OLD_PREFIXES = ("scores.", "circuit.", "study.options.")  # options of the short forms, and of 0.1's study.options
-SWEEP_OPTIONS = ("attention_by_token", "head_scores", "sequence_scores")  # top-level in 0.1: the sweep's now
-# (group, its option as typed, the field of the composed section that holds the option) -> the study
-IMPLIED = {
-    ("ablate", "circuits", "sweep"): "recall_reasoning",
-    ("model", "pathnet", "kind"): "pathnet",
-    ("task", "markov", "name"): "pathnet",
-}
-IMPLIED_FORMS = {f"{group}={value}": study for (group, value, _), study in IMPLIED.items()}
+# `scores=<study>` is `study=<study>` and `scores.<option>` is `study.<option>`; the short forms that
+# name one study come from the rooms that hold studies (a room's forms(): studies.registry's, from each
+# study's record).
+ANY_STUDY = "scores"
+
+
+def _study_forms() -> tuple[dict[str, str], dict[str, str]]:
+    """({key: the study option `<key>=<value>` sets}, {`group=value` as typed: the study it brings})."""
+    short: dict[str, str] = {}
+    implied: dict[str, str] = {}
+    for room in ROOMS:
+        module = importlib.import_module(room)
+        if hasattr(module, "forms"):
+            more_short, more_implied = module.forms()
+            short |= more_short
+            implied |= more_implied
+    return short, implied
 
 
 def expand_short_forms(overrides: Sequence[str]) -> list[str]:
-    """The overrides with each short form spelled as its study (SHORT_FORMS); two that name different
+    """The overrides with each short form spelled as its study (`<study>=<value>` where the study's
+    record has a short_form, `scores=<study>`, an option only one study runs); two that name different
     studies are refused in one line."""
+    short, implied = _study_forms()
+    prefixes = tuple(f"{name}." for name in (ANY_STUDY, *short))
     out: list[str] = []
     named: list[tuple[str, str]] = []  # (as the user typed it, the study it names)
     for override in overrides:
         key, sep, value = override.partition("=")
         bare = key.lstrip("+~")
-        if sep and bare in SHORT_FORMS:
-            study, field = SHORT_FORMS[bare]
-            named.append((override, study or value))
-            out += [f"study={study}", f"study.{field}={value}"] if study else [f"study={value}"]
+        if sep and (bare in short or bare == ANY_STUDY):
+            named.append((override, bare if bare in short else value))
+            out += [f"study={bare}", f"study.{short[bare]}={value}"] if bare in short else [f"study={value}"]
             continue
-        if bare in SWEEP_OPTIONS:
-            out.append(f"{key.replace(bare, f'study.{bare}')}{sep}{value}")
-            continue
-        old = next((p for p in OLD_PREFIXES if bare.startswith(p)), None)
+        old = next((p for p in prefixes if bare.startswith(p)), None)
         if old is not None:
             out.append(f"{key[: len(key) - len(bare)]}study.{bare[len(old) :]}{sep}{value}")
             continue
         if bare == "study" and sep:
             named.append((override, value))
-        elif override in IMPLIED_FORMS:
-            named.append((override, IMPLIED_FORMS[override]))
+        elif override in implied:
+            named.append((override, implied[override]))
         out.append(override)
     explicit = [study for typed, study in named if typed.lstrip("+").startswith("study=")]
     for typed, study in named:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..config import option_source
 from ..config_rules import POSITION, POSITIVE, RECEIVER, SHARE, Each, OneOf, setting
 from ..vocabulary import HEAD_SITES
 
@@ -80,4 +79,5 @@ class PatchConfig:
     receiver_site: str = setting("q", OneOf(("q", "k", "v")))
 
 
-option_source(lambda: [("ablate", "ablate", AblateConfig), ("patch", "patch", PatchConfig)])
+def options() -> list[tuple[str, str, type]]:
+    return [("ablate", "ablate", AblateConfig), ("patch", "patch", PatchConfig)]

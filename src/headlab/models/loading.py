@@ -11,7 +11,7 @@ from typing import cast
 
 from omegaconf import MISSING
 
-from ..config import option, option_source
+from ..config import option
 from ..config_rules import COUNT, DTYPES, NATURAL, OneOf, setting
 from ..errors import HeadlabError
 from .hooked import HookedModel
@@ -65,7 +65,8 @@ class ModelConfig:
     layer_norm: bool = True
 
 
-option_source(lambda: [("model", "model", ModelConfig)])
+def options() -> list[tuple[str, str, type]]:
+    return [("model", "model", ModelConfig)]
 
 
 GENERIC = "hf"  # configs/model/hf.yaml's name: any model by path, hub id or GGUF file

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..config import option_source
 from ..config_rules import COUNT, HEAD_KINDS, NATURAL, NON_NEGATIVE, POSITIVE, Each, OneOf, setting
 from ..errors import UsageError
 from .loading import ModelConfig, ModelKind
@@ -67,7 +66,8 @@ class PathNetConfig(ModelConfig):
 BOS_SCORE = 1.5  # between a same-state (2) and a different-state (0) previous token
 
 
-option_source(lambda: [("model", "pathnet", PathNetConfig)])
+def options() -> list[tuple[str, str, type]]:
+    return [("model", "pathnet", PathNetConfig)]
 
 
 def head_template(kind: str, n_features: int, n_tokens: int, gen: torch.Generator, random_strength: float) -> Tensor:

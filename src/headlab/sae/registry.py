@@ -4,7 +4,7 @@ Hydra as `sae/base_<name>`."""
 
 from __future__ import annotations
 
-from ..config import option, option_source
+from ..config import option
 from ..errors import UsageError
 from .base import SaeConfig, SparseAutoencoder
 from .relu_l1 import ReluL1SAE
@@ -24,8 +24,7 @@ register_sae_class("relu_l1", ReluL1SAE, ReluL1SAE.options)
 register_sae_class("topk", TopKSAE, TopKSAE.options)
 
 
-@option_source
-def sae_options() -> list[tuple[str, str, type]]:
+def options() -> list[tuple[str, str, type]]:
     return [("sae", name, cls.options) for name, cls in ARCHITECTURES.items()]
 
 

@@ -369,4 +369,5 @@ STUDY = Study(
     reads=("train", "engine"),
     schema=CircuitOptions,
     figures="circuit",
+    short_form="method",
 )

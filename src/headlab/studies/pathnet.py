@@ -409,4 +409,5 @@ STUDY = Study(
     summary=head_table,
     reads=("model", "task", "train"),
     sections=("model",),
+    implied_by=(("model", "pathnet", "kind"), ("task", "markov", "name")),
 )

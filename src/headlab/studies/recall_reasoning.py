@@ -255,4 +255,5 @@ STUDY = Study(
     summary=head_table,
     reads=("model", "task", "train", "ablate", "engine"),
     sections=("ablate",),
+    implied_by=(("ablate", "circuits", "sweep"),),
 )

@@ -3,8 +3,9 @@
 A study is a module of this package holding a `STUDY = Study(...)` record (study.py), its options
 dataclass beside it, and a configs/study/<name>.yaml: found by its module alone. A study from outside the
 package (a plugin, a test) enters with register(). The short forms `scores=<kind>`, `circuit=<method>`,
-`ablate=circuits`, `model=pathnet` and `task=markov` name a study too (the door's SHORT_FORMS); a config
-whose study disagrees with them is refused in one line.
+`ablate=circuits`, `model=pathnet` and `task=markov` name a study too, each declared by its study's record
+(`short_form`, `implied_by`) and handed to the door by forms(); a config whose study disagrees with them is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from ..config import Config, option, option_source
-from ..door import IMPLIED
+from ..config import Config, option
 from ..errors import UsageError
 from .study import Study
 
@@ -41,8 +41,7 @@ def studies() -> dict[str, Study]:
     return {**{s.name: s for s in builtin()}, **REGISTERED}
 
 
-@option_source
-def study_options() -> list[tuple[str, str, Any]]:
+def options() -> list[tuple[str, str, Any]]:
     """Each study's options with its name filled in (several studies share the plain StudyOptions)."""
     return [("study", name, study.schema(name=name)) for name, study in studies().items()]
 
@@ -68,12 +67,21 @@ def named_study(overrides: Sequence[str]) -> str | None:
     return named[-1] if named else None
 
 
+def forms() -> tuple[dict[str, str], dict[str, str]]:
+    """For the door: ({key: the study option `<key>=<value>` sets} for each study with a short form (its
+    name is the key), {`group=value` as typed: the study} for each option only one study runs)."""
+    found = studies().values()
+    short = {s.name: s.short_form for s in found if s.short_form}
+    return short, {f"{group}={value}": s.name for s in found for group, value, _ in s.implied_by}
+
+
 def implied(cfg: Config) -> list[tuple[str, str]]:
     """(the option as a user types it, the study it belongs to) for each option of the config that only
-    one study runs (the door's IMPLIED, whose short forms add `study=<name>` before composing)."""
+    one study runs (its record's implied_by, whose short forms add `study=<name>` before composing)."""
     return [
-        (f"{group}={value}", study)
-        for (group, value, field), study in IMPLIED.items()
+        (f"{group}={value}", s.name)
+        for s in studies().values()
+        for group, value, field in s.implied_by
         if option(getattr(getattr(cfg, group), field)) == value
     ]
 

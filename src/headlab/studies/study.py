@@ -41,6 +41,12 @@ class Study:
     # its options (`study.<option>`), a StudyOptions subclass in its module; the registry hands it to Hydra
     # as study/base_<name>
     schema: type = StudyOptions
+    # the option that `<name>=<value>` sets: `circuit=eap_ig` is `study=circuit study.method=eap_ig`, and
+    # `circuit.<option>` is `study.<option>`
+    short_form: str | None = None
+    # options of other groups that only this study runs, (group, its value as typed, the composed section's
+    # field that holds it): `ablate=circuits` brings study=recall_reasoning where the user names no study
+    implied_by: tuple[tuple[str, str, str], ...] = ()
 
     def hash(self, cfg: Config) -> str:
         """The run's cache key: this study's name and options, what else it reads, and CACHE_VERSION."""

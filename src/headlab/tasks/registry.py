@@ -11,7 +11,6 @@ import pkgutil
 from functools import cache
 from typing import Any
 
-from ..config import option_source
 from ..errors import UsageError
 from .base import Task
 
@@ -45,8 +44,8 @@ def register(task: type[Task]) -> type[Task]:
     return task
 
 
-@option_source
-def task_options() -> list[tuple[str, str, type]]:
+def options() -> list[tuple[str, str, type]]:
+    """Each task's options, for the door (config.ROOMS)."""
     return [("task", name, task.options) for name, task in registry().items()]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..config import option_source
 from ..config_rules import BETA, COUNT, NATURAL, NON_NEGATIVE, POSITIVE, SHARE, setting
 
 
@@ -39,4 +38,5 @@ class TrainConfig:
     loss_positions: LossPositions = LossPositions.all
 
 
-option_source(lambda: [("train", "train", TrainConfig)])
+def options() -> list[tuple[str, str, type]]:
+    return [("train", "train", TrainConfig)]
