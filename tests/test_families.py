@@ -64,14 +64,21 @@ def test_a_row_says_where_its_norms_are_and_whether_its_components_sum(family, t
     row = FAMILIES[family]
     model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
     assert (
-        model.family == family and model.residual_sum == (not row.post_norm) and model.runs_suffixes == row.suffix_runs
+        model.family == family
+        and model.residual_sum == (row.post_norms is None)
+        and model.runs_suffixes == row.suffix_runs
     )
     ids = torch.randint(0, 50257, (2, 7), generator=torch.Generator().manual_seed(0))
     inputs, outputs = _record(model, ids)
     resid, attn_out, mlp_out = inputs[""], outputs[row.attn], outputs[row.mlp]
     summed = resid + attn_out + mlp_out
-    if row.post_norm:
+    if row.post_norms:
         assert not torch.allclose(outputs[""], summed, atol=1e-3)
+        # the row's post-norms are what the block adds: resid + post_attn(attention) + post_mlp(mlp)
+        post_attn, post_mlp = row.post_norms
+        torch.testing.assert_close(inputs[post_attn], attn_out, atol=0, rtol=0)
+        torch.testing.assert_close(inputs[post_mlp], mlp_out, atol=0, rtol=0)
+        torch.testing.assert_close(outputs[""], resid + outputs[post_attn] + outputs[post_mlp], atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(outputs[""], summed, atol=1e-5, rtol=1e-5)
     if row.attn_norm is None:  # the attention reads the residual stream itself

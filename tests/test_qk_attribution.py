@@ -261,7 +261,7 @@ def test_the_ov_split_adds_up_to_the_heads_direct_effect(case):
         out = ov.ov_vectors(comps, parts, LAYER, HEAD, b, int(reads[b])).sum(0)
         final = comps.model.final_norm
         x = comps.trace.resid_final[b, reads[b]]
-        held = qk.held_norm(final, x, final(x))
+        held = qk.held_norm(final, x, final(x), model.norm_offset)
         w_u = hf.get_output_embeddings().weight
         want = held.linear(out) @ (w_u[data.answers["io"][b]] - w_u[data.answers["s"][b]])
         assert abs(float(want - effect[b])) <= TOL * float(want.abs().clamp_min(1e-3))
@@ -516,6 +516,7 @@ def test_the_atlas_page_shows_the_split_and_a_legend_for_every_code(tmp_path):
     import re
 
     from headlab.report.atlas_page import page
+    from headlab.studies.atlas_probes import rules
     from headlab.studies.atlas_rules import rule_texts
     from headlab.studies.head_attribution import attribution_cards
     from test_report import CHROMIUM, chromium, script_error
@@ -542,7 +543,7 @@ def test_the_atlas_page_shows_the_split_and_a_legend_for_every_code(tmp_path):
             for n, lab in labels.items()
         ]
     )
-    text = page(table, {**cards, "rules": rule_texts(), "model": "toy-induction"})
+    text = page(table, {**cards, "rules": rule_texts(rules()), "model": "toy-induction"})
     probed = tmp_path / "atlas.html"
     probed.write_text(text.replace("</body>", PAGE_PROBE + "</body>"))
     dom = chromium("--dump-dom", "--window-size=1200,900", probed.as_uri(), profile=tmp_path / "profile").stdout

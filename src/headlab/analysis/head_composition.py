@@ -56,7 +56,7 @@ def _head_factors(model: HookedModel, layer: int, fold_norms: bool, centre_write
     w_q, w_k, w_v = (w.detach().double() for w in sites.W_QKV(layer))
     w_o = sites.W_O(layer).detach().double()
     if fold_norms:
-        norm = norm_factors(model.attn_inputs[layer])
+        norm = norm_factors(model.attn_inputs[layer], model.norm_offset)
         if norm.scale is not None:
             scale = norm.scale.double().to(w_q.device)[None, :, None]
             w_q, w_k, w_v = w_q * scale, w_k * scale, w_v * scale
@@ -66,13 +66,12 @@ def _head_factors(model: HookedModel, layer: int, fold_norms: bool, centre_write
             w_o = w_o - w_o.mean(-1, keepdim=True)
         # Gemma 3 and Qwen3 norm each head's q and k, Gemma 2 and 3 each attention's output: their scales
         # (the 1/rms that moves with the input stays out, as the input norm's does)
-        attn = sites.attn_modules[layer]
-        for norm_name, i in (("q_norm", 0), ("k_norm", 1)):
-            qk = norm_factors(getattr(attn, norm_name, None)).scale
+        for i, module in enumerate((model.q_norms[layer], model.k_norms[layer])):
+            qk = norm_factors(module, model.norm_offset).scale
             if qk is not None:
                 scaled = (w_q, w_k)[i] * qk.double().to(w_q.device)
                 w_q, w_k = (scaled, w_k) if i == 0 else (w_q, scaled)
-        out = norm_factors(attn_out_norm(model, layer)).scale
+        out = norm_factors(attn_out_norm(model, layer), model.norm_offset).scale
         if out is not None:
             w_o = w_o * out.double().to(w_o.device)
     group = sites.n_heads // sites.n_kv_heads
@@ -82,7 +81,7 @@ def _head_factors(model: HookedModel, layer: int, fold_norms: bool, centre_write
 
 def centres_writes(model: HookedModel) -> bool:
     """Whether fold_norms centres W_O: every attention reads through a norm that removes the mean."""
-    return all(norm_factors(module).centres for module in model.attn_inputs)
+    return all(norm_factors(module, model.norm_offset).centres for module in model.attn_inputs)
 
 
 def _r(m: Tensor) -> Tensor:

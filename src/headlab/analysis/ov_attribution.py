@@ -56,7 +56,7 @@ def share_factor(comps: Components, layer: int) -> Tensor | None:
     if io is None:
         return None
     norm = postnorm.attn_norm(comps.model, layer)
-    return postnorm.shares(norm, io[0], io[1], torch.ones_like(io[0])[None])[0]
+    return postnorm.shares(norm, io[0], io[1], torch.ones_like(io[0])[None], comps.model.norm_offset)[0]
 
 
 def final_held(comps: Components, positions: Tensor):
@@ -65,7 +65,7 @@ def final_held(comps: Components, positions: Tensor):
     x = comps.trace.resid_final[rows, positions.to(rows.device)]
     with torch.no_grad():
         out = comps.model.final_norm(x)
-    return held_norm(comps.model.final_norm, x, out), out
+    return held_norm(comps.model.final_norm, x, out, comps.model.norm_offset), out
 
 
 def adjoint(held, w: Tensor) -> Tensor:
@@ -145,8 +145,11 @@ def removal(
     if held:  # the scales are the clean ones by construction
         return OVRemoval(change, torch.zeros_like(change))
     norm = comps.model.attn_inputs[layer]
-    clean = comps.clean(layer)["norm"]
-    moved = (held_norm(norm, *edited["norm"]).scale / held_norm(norm, *clean).scale - 1).squeeze(-1).abs()
+    clean_in, clean_out = comps.clean(layer)["norm"]
+    edited_in, edited_out = edited["norm"]
+    offset = comps.model.norm_offset
+    before = held_norm(norm, clean_in, clean_out, offset).scale
+    moved = (held_norm(norm, edited_in, edited_out, offset).scale / before - 1).squeeze(-1).abs()
     rows = torch.arange(comps.batch)
     weights = comps.pattern[layer][rows, head, queries]  # [B, T]
     return OVRemoval(change, (weights * moved).sum(-1))
@@ -178,9 +181,9 @@ def embedding(model: HookedModel) -> nn.Module:
     return module
 
 
-def _folded(module: nn.Module | None, x: Tensor) -> Tensor:
+def _folded(module: nn.Module | None, x: Tensor, offset: float) -> Tensor:
     """x through a norm's weights alone (TransformerLens's fold_ln: the gain, and a LayerNorm's centring)."""
-    factors = norm_factors(module)
+    factors = norm_factors(module, offset)
     if factors.centres:
         x = x - x.mean(-1, keepdim=True)
     return x if factors.scale is None else x * factors.scale.to(x)
@@ -249,7 +252,7 @@ def maps(
                 x = sources(ids, layer, e, e1)
                 size = x.norm(dim=-1).clamp_min(1e-30)
                 w_v = weights[layer][0]
-                folded = _folded(model.attn_inputs[layer], x)
+                folded = _folded(model.attn_inputs[layer], x, model.norm_offset)
                 ys = {kv: folded @ w_v[kv] for kv in sorted({sites.kv_head_of(h) for h in mine})}
                 for h in mine:
                     y = ys[sites.kv_head_of(h)]
@@ -271,10 +274,11 @@ def _targets(
     rows = []
     for (layer, h), (_, ids) in best.items():
         w_v, w_o = sites.W_QKV(layer)[2].detach(), sites.W_O(layer).detach()
-        r = _folded(model.attn_inputs[layer], sources(ids, layer)) @ w_v[sites.kv_head_of(h)] @ w_o[h]
+        offset = model.norm_offset
+        r = _folded(model.attn_inputs[layer], sources(ids, layer), offset) @ w_v[sites.kv_head_of(h)] @ w_o[h]
         if not model.residual_sum:
-            r = _folded(postnorm.attn_norm(model, layer), r)
-        rows.append(_folded(model.final_norm, r))
+            r = _folded(postnorm.attn_norm(model, layer), r, offset)
+        rows.append(_folded(model.final_norm, r, offset))
     values, index = top_tokens(model, torch.cat(rows), k, chunk)
     out: dict[tuple[int, int], list[Mapping]] = {}
     at = 0

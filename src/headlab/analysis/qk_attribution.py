@@ -84,9 +84,10 @@ class HeldNorm:
         return (x if self.gain is None else x * self.gain) * self.scale
 
 
-def held_norm(module: nn.Module | None, x: Tensor, out: Tensor) -> HeldNorm:
-    """The norm `module` as it ran on x (out = module(x)), its scale held."""
-    factors = norm_factors(module)
+def held_norm(module: nn.Module | None, x: Tensor, out: Tensor, offset: float) -> HeldNorm:
+    """The norm `module` (of a model whose norm_offset is `offset`) as it ran on x (out = module(x)), its
+    scale held."""
+    factors = norm_factors(module, offset)
     bias = getattr(module, "bias", None)
     bias = bias.detach() if isinstance(bias, Tensor) else None
     wide = torch.promote_types(x.dtype, torch.float32)
@@ -101,8 +102,7 @@ def held_norm(module: nn.Module | None, x: Tensor, out: Tensor) -> HeldNorm:
 
 def qk_norms(model: HookedModel, layer: int) -> tuple[nn.Module | None, nn.Module | None]:
     """The attention's per-head query and key norms (Qwen3, Gemma 3), else None."""
-    attn = model.sites.attn_modules[layer]
-    return getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return model.q_norms[layer], model.k_norms[layer]
 
 
 def norms_move(model: HookedModel) -> bool:
@@ -115,7 +115,7 @@ def norms_move(model: HookedModel) -> bool:
 def attention_scale(model: HookedModel, layer: int) -> float:
     """What the layer's attention multiplies q.k by: the module's own `scaling` (Gemma: query_pre_attn_scalar**-0.5,
     GPT-2: with its per-layer factor), else 1/sqrt(d_head) (the toy models)."""
-    return float(getattr(model.sites.attn_modules[layer], "scaling", model.sites.d_head**-0.5))
+    return model.attn_scales[layer]
 
 
 def check_model(model: HookedModel) -> None:
@@ -126,10 +126,10 @@ def check_model(model: HookedModel) -> None:
         postnorm.check_rule(model, "shares")  # Gemma 2 and 3; OLMo 2 and unknown post-norm families refused
     for layer in range(model.n_layers):
         q_norm, _ = qk_norms(model, layer)
-        if q_norm is not None and norm_factors(q_norm).scale is not None:
-            width = norm_factors(q_norm).scale.shape[-1]  # type: ignore[union-attr]
-            if width != model.sites.d_head:
-                raise UsageError(f"{model.name}: its q/k norms span every head ({width} wide), not one head's d_head")
+        scale = norm_factors(q_norm, model.norm_offset).scale
+        if scale is not None and scale.shape[-1] != model.sites.d_head:
+            width = scale.shape[-1]
+            raise UsageError(f"{model.name}: its q/k norms span every head ({width} wide), not one head's d_head")
 
 
 # --- the clean pass's components ---------------------------------------------------------------------
@@ -185,7 +185,7 @@ class Components:
         if io is not None:
             norm = postnorm.attn_norm(self.model, layer)
             before, after = io[0][pick], io[1][pick]
-            r = postnorm.shares(norm, before, after, r)
+            r = postnorm.shares(norm, before, after, r, self.model.norm_offset)
         return r[:, 0] if single else r
 
     def bias(self, layer: int) -> Tensor:
@@ -351,7 +351,7 @@ def layer_parts(comps: Components, layer: int, b: int) -> LayerParts:
         norm = model.attn_inputs[layer]
         x = comps.trace.resid_pre[layer][b][None]
         clean = norm(x)  # type: ignore[misc]
-        held = held_norm(norm, x, clean)
+        held = held_norm(norm, x, clean, model.norm_offset)
         normed = held.linear(rows)
         if held.bias is not None:
             normed[-1] = normed[-1] + held.bias
@@ -376,7 +376,7 @@ def layer_parts(comps: Components, layer: int, b: int) -> LayerParts:
             return out
 
         def held_qk(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-            one = held_norm(module, args[0][-1:], out[-1:])
+            one = held_norm(module, args[0][-1:], out[-1:], model.norm_offset)
             return torch.cat([one.linear(args[0][:-1]), out[-1:]])
 
         with ExitStack() as stack:
@@ -423,7 +423,7 @@ def run_layer(
             if clean is None:
                 return out
             x0, out0 = clean[key]
-            return out0 + held_norm(module, x0, out0).linear(args[0] - x0)
+            return out0 + held_norm(module, x0, out0, model.norm_offset).linear(args[0] - x0)
 
         return hook
 
@@ -492,16 +492,18 @@ def removal(
     key = "q_norm" if side == "query" else "k_norm"
     if held:  # the scales are the clean ones by construction
         return Removal(change, torch.zeros_like(change), torch.zeros_like(change) if key in clean else None)
-    norm_change = _scale_change(model.attn_inputs[layer], clean["norm"], edited["norm"])[rows, at]
+    norm_change = _scale_change(model.attn_inputs[layer], clean["norm"], edited["norm"], model.norm_offset)[rows, at]
     qk_change = None
     if key in clean:
-        moved = _scale_change(qk_norms(model, layer)[side == "key"], clean[key], edited[key]).abs()
+        moved = _scale_change(qk_norms(model, layer)[side == "key"], clean[key], edited[key], model.norm_offset).abs()
         qk_change = moved.flatten(1).amax(1)
     return Removal(change, norm_change, qk_change)
 
 
-def _scale_change(module: nn.Module | None, clean: tuple[Tensor, Tensor], edited: tuple[Tensor, Tensor]) -> Tensor:
+def _scale_change(
+    module: nn.Module | None, clean: tuple[Tensor, Tensor], edited: tuple[Tensor, Tensor], offset: float
+) -> Tensor:
     """edited / clean - 1 of a norm's fitted scales, [...] (the last dimension dropped)."""
-    before = held_norm(module, *clean).scale
-    after = held_norm(module, *edited).scale
+    before = held_norm(module, *clean, offset).scale
+    after = held_norm(module, *edited, offset).scale
     return (after / before - 1).squeeze(-1)

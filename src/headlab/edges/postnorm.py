@@ -66,15 +66,6 @@ class EdgeGraph(Protocol):
 
 
 POST_NORM_RULES = ("mib", "shares")
-# family -> (the norm on the attention's output, the norm on the MLP's output): attributes of a block
-_POST_NORMS = {
-    "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm"),
-    "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
-}
-_REFUSED = {
-    "olmo2": "its attention reads the residual stream through no norm and its q/k norms span every head, "
-    "so a head's query and key inputs are not its own"
-}
 
 
 def check_rule(model: HookedModel, rule: str) -> str | None:
@@ -82,11 +73,11 @@ def check_rule(model: HookedModel, rule: str) -> str | None:
     defined; an unknown rule is refused for every model."""
     if rule not in POST_NORM_RULES:
         raise UsageError(f"post_norm={rule}: choose one of {', '.join(POST_NORM_RULES)}")
+    if model.edges_refused:
+        raise UsageError(f"{model.name}: headlab's edges do not cover {model.family}: {model.edges_refused}")
     if model.residual_sum:
         return None
-    if model.family in _REFUSED:
-        raise UsageError(f"{model.name}: headlab's edges do not cover {model.family}: {_REFUSED[model.family]}")
-    if model.family not in _POST_NORMS:
+    if model.post_norms is None:
         raise UsageError(
             f"{model.name} normalises each component's output before the residual sum ({model.family}): "
             "its edges are not defined"
@@ -98,17 +89,17 @@ def check_rule(model: HookedModel, rule: str) -> str | None:
 
 def attn_out_norm(model: HookedModel, layer: int) -> nn.Module | None:
     """The norm on the attention's output of `layer` (Gemma 2 and 3), None where the family has none."""
-    return None if model.residual_sum or model.family not in _POST_NORMS else attn_norm(model, layer)
+    return None if model.post_norms is None else model.post_norms[0][layer]
 
 
 def attn_norm(model: HookedModel, layer: int) -> nn.Module:
-    module: nn.Module = getattr(model.blocks[layer], _POST_NORMS[model.family][0])
-    return module
+    assert model.post_norms is not None, f"{model.name} has no norm on its components' outputs"
+    return model.post_norms[0][layer]
 
 
 def mlp_norm(model: HookedModel, layer: int) -> nn.Module:
-    module: nn.Module = getattr(model.blocks[layer], _POST_NORMS[model.family][1])
-    return module
+    assert model.post_norms is not None, f"{model.name} has no norm on its components' outputs"
+    return model.post_norms[1][layer]
 
 
 @contextmanager
@@ -135,11 +126,11 @@ def mlp_output(model: HookedModel, graph: EdgeGraph, layer: int, fn: Callable[[T
         handle.remove()
 
 
-def shares(norm: nn.Module, before: Tensor, after: Tensor, heads: Tensor) -> Tensor:
+def shares(norm: nn.Module, before: Tensor, after: Tensor, heads: Tensor, offset: float) -> Tensor:
     """[head, n, pos, d]: g * r_h * c, where after = norm(before) = g * before * c (c one number per
     position): c is fitted to the module's own output, so its epsilon and rounding are the norm's (the fit
     in float32 at least: a half-precision sum over d_model would lose the scale's digits)."""
-    g = norm_factors(norm).scale
+    g = norm_factors(norm, offset).scale
     wide = torch.promote_types(before.dtype, torch.float32)
     gained = before.to(wide) if g is None else before.to(wide) * g.to(wide)
     c = (after.to(wide) * gained).sum(-1, keepdim=True) / (gained * gained).sum(-1, keepdim=True).clamp_min(1e-30)

@@ -78,7 +78,7 @@ def head_senders(
     if graph.post_norm != "shares":
         return heads
     assert attn is not None
-    return shares(attn_norm(model, layer), *attn, heads)
+    return shares(attn_norm(model, layer), *attn, heads, model.norm_offset)
 
 
 def sender_outputs(model: HookedModel, graph: EdgeGraph, rec: Recording) -> Tensor:

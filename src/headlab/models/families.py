@@ -1,17 +1,18 @@
 """What headlab knows of each Hugging Face model family, one `Family` row per transformers `model_type`.
 
 Attention itself needs no row: every family computes it through headlab's attention function (sites.py).
-A row says where the modules around it are and the few ways families differ that headlab must know: how
-q, k and v are stored, whether a norm sits on each component's output, and whether a block can run on a
-suffix of positions. A random-weight model of every row is held to its row (tests/test_families.py), to the
-checks of `headlab check` (tests/test_check.py) and, where it claims suffix runs, to full passes
-(tests/test_prefix.py).
+A row says where the modules around it are and every way families differ that headlab must know: how
+q, k and v are stored, the norms (their gain offset, the norms on each component's output, per-head q/k
+norms), the soft-caps, what edges it admits, and whether a block can run on a suffix of positions. The row
+is resolved once, when the model is hooked (hf.hook_hf): no module outside models/ asks a family's name.
+A random-weight model of every row is held to its row (tests/test_families.py), to the checks of `headlab
+check` (tests/test_check.py) and, where it claims suffix runs, to full passes (tests/test_prefix.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
@@ -88,9 +89,18 @@ class Family:
     down_proj: str = "mlp.down_proj"  # the MLP's output projection (its input is "neurons")
     attn_norm: str | None = "input_layernorm"  # the norm the attention reads the residual stream through
     mlp_norm: str | None = "post_attention_layernorm"  # the same for the MLP; None: the block has none
-    # a norm on each component's output before the residual sum: the residual stream is then no sum of
-    # the components' outputs, and edges between them (circuit=...) follow a rule of edges/postnorm.py
-    post_norm: bool = False
+    # the norms on the attention's and the MLP's outputs before the residual sum (block attributes): the
+    # residual stream is then no sum of the components' outputs, and edges between them (circuit=...)
+    # follow a rule of edges/postnorm.py; None: a residual sum
+    post_norms: tuple[str, str] | None = None
+    # why headlab's edges are not defined on the family (refused in one line); None: they are
+    edges_refused: str | None = None
+    # the per-head query and key norms inside the attention module (QK-norm); None: none
+    qk_norms: tuple[str, str] | None = None
+    # its RMSNorms multiply by norm_offset + weight (Gemma's store the scale less one)
+    norm_offset: float = 0.0
+    # the config's soft-caps of the attention scores and of the logits (tanh(s / cap) * cap), by attribute
+    softcaps: tuple[str, str] | None = None
     # the blocks take positions only through the arguments a Trace keeps (masks [batch, 1, query, key],
     # rotary tables [batch, pos, d], position ids), so a sweep may run them on a suffix of positions;
     # tests/test_prefix.py holds every row that says so to full passes. False for a family whose blocks
@@ -99,15 +109,20 @@ class Family:
 
 
 _LLAMA = Family("model.layers", "self_attn", "o_proj", "model.norm")
-# Gemma 2 and 3 norm each component's output (post_attention_layernorm, post_feedforward_layernorm) and
-# read the MLP through pre_feedforward_layernorm
+_QK_NORMS = ("q_norm", "k_norm")
+_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+_SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+# Gemma 2 and 3 norm each component's output and read the MLP through pre_feedforward_layernorm; Gemma 3
+# norms each head's q and k
 _GEMMA2 = Family(
     "model.layers",
     "self_attn",
     "o_proj",
     "model.norm",
     mlp_norm="pre_feedforward_layernorm",
-    post_norm=True,
+    post_norms=_POST_NORMS,
+    norm_offset=1.0,
+    softcaps=_SOFTCAPS,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -137,11 +152,11 @@ FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
     "qwen2": _LLAMA,
     "mistral": _LLAMA,
-    "qwen3": _LLAMA,
-    "gemma": _LLAMA,
+    "qwen3": replace(_LLAMA, qk_norms=_QK_NORMS),
+    "gemma": replace(_LLAMA, norm_offset=1.0),
     "olmo": _LLAMA,
     "gemma2": _GEMMA2,
-    "gemma3_text": _GEMMA2,
+    "gemma3_text": replace(_GEMMA2, qk_norms=_QK_NORMS),
     # OLMo 2 norms only the components' outputs (post_attention_layernorm, post_feedforward_layernorm)
     "olmo2": Family(
         "model.layers",
@@ -150,6 +165,9 @@ FAMILIES: dict[str, Family] = {
         "model.norm",
         attn_norm=None,
         mlp_norm=None,
-        post_norm=True,
+        post_norms=_POST_NORMS,
+        qk_norms=_QK_NORMS,
+        edges_refused="its attention reads the residual stream through no norm and its q/k norms span every "
+        "head, so a head's query and key inputs are not its own",
     ),
 }

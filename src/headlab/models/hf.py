@@ -175,8 +175,9 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         out_projs=outs,
         qkv_projs=projs,
         qkv_split=qkv_split,
-        attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
+        attn_softcap=getattr(cfg, family.softcaps[0], None) if family.softcaps else None,
     )
+    post = family.post_norms
     return HookedModel(
         name=name,
         module=model,
@@ -187,16 +188,28 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
         call=_call_hf,
         family=cfg.model_type,
         tokenizer=tokenizer,
-        logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+        logit_softcap=getattr(cfg, family.softcaps[1], None) if family.softcaps else None,
         mlps=[getattr(b, family.mlp, None) for b in blocks],
         width=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
         down_projs=[_find(b, family.down_proj) for b in blocks],
         attn_inputs=[_find(b, family.attn_norm) for b in blocks],
         mlp_inputs=[_find(b, family.mlp_norm) for b in blocks],
         parallel=bool(getattr(cfg, "use_parallel_residual", False)),
-        residual_sum=not family.post_norm,
         runs_suffixes=family.suffix_runs,
+        post_norms=None
+        if post is None
+        else ([attribute(b, post[0]) for b in blocks], [attribute(b, post[1]) for b in blocks]),
+        qk_norms=None if family.qk_norms is None else _qk_norms(attns, family.qk_norms),
+        norm_offset=family.norm_offset,
+        edges_refused=family.edges_refused,
+        # transformers' attention modules keep their scale (GPT-2's with its per-layer factor)
+        attn_scales=[float(getattr(a, "scaling", d_head**-0.5)) for a in attns],
     )
+
+
+def _qk_norms(attns: list[nn.Module], names: tuple[str, str]) -> tuple[list[nn.Module | None], list[nn.Module | None]]:
+    """Each attention's query and key norms (a layer may have none: None)."""
+    return [getattr(a, names[0], None) for a in attns], [getattr(a, names[1], None) for a in attns]
 
 
 def _fuse_activations(model: nn.Module) -> None:

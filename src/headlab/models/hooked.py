@@ -137,8 +137,12 @@ class HookedModel:
         attn_inputs: list[nn.Module | None] | None = None,
         mlp_inputs: list[nn.Module | None] | None = None,
         parallel: bool = False,
-        residual_sum: bool = True,
         runs_suffixes: bool = False,
+        post_norms: tuple[list[nn.Module], list[nn.Module]] | None = None,
+        qk_norms: tuple[list[nn.Module | None], list[nn.Module | None]] | None = None,
+        norm_offset: float = 0.0,
+        edges_refused: str | None = None,
+        attn_scales: list[float] | None = None,
     ):
         self.name = name
         self.module = module
@@ -157,9 +161,18 @@ class HookedModel:
         self.attn_inputs = attn_inputs or [None] * len(blocks)
         self.mlp_inputs = mlp_inputs or [None] * len(blocks)
         self.parallel = parallel  # attention and MLP both read the block's input (GPT-NeoX, GPT-J)
-        # False where a norm sits on a component's output (Gemma 2 and 3, OLMo 2): the residual stream is
-        # then no sum of the components' outputs, and edges between them follow edges/postnorm.py's rules
-        self.residual_sum = residual_sum
+        # per layer: the norms on the attention's and the MLP's outputs (Family.post_norms: Gemma 2 and 3,
+        # OLMo 2); None: the residual stream is a sum of the components' outputs
+        self.post_norms = post_norms
+        # False where a norm sits on a component's output: edges then follow edges/postnorm.py's rules
+        self.residual_sum = post_norms is None
+        # per layer: the attention's per-head query and key norms (QK-norm: Qwen3, Gemma 3), else None
+        none: list[nn.Module | None] = [None] * len(blocks)
+        self.q_norms, self.k_norms = qk_norms or (none, none)
+        self.norm_offset = norm_offset  # its RMSNorms multiply by norm_offset + weight (models/norms.py)
+        self.edges_refused = edges_refused  # why edges are not defined on it (Family.edges_refused)
+        # per layer: what the attention multiplies q.k by (Gemma: query_pre_attn_scalar**-0.5)
+        self.attn_scales = attn_scales or [sites.d_head**-0.5] * len(blocks)
         # run_blocks may run its blocks on a suffix of positions: they take positions only through the
         # extra arguments a Trace keeps (Family.suffix_runs; toy models)
         self.runs_suffixes = runs_suffixes

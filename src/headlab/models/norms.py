@@ -19,8 +19,10 @@ class NormFactors:
     centres: bool  # the norm subtracts the mean over d_model: a reader sees only the centred residual stream
 
 
-def norm_factors(module: nn.Module | None) -> NormFactors:
-    """The factors of an attention's input norm; None (a family without one, OLMo 2) or Identity: none."""
+def norm_factors(module: nn.Module | None, offset: float) -> NormFactors:
+    """The factors of a norm of a model whose RMSNorms multiply by `offset` + weight (HookedModel.norm_offset,
+    from its family's row: Gemma's store the scale less one); None (a family without one, OLMo 2) or
+    Identity: none."""
     if module is None or isinstance(module, nn.Identity):
         return NormFactors(None, False)
     name = type(module).__name__
@@ -30,8 +32,7 @@ def norm_factors(module: nn.Module | None) -> NormFactors:
     if isinstance(module, nn.LayerNorm) or name.endswith("LayerNorm"):
         return NormFactors(weight, True)
     if name.endswith("RMSNorm") and weight is not None:
-        # Gemma's RMSNorms (Gemma, Gemma2, Gemma3) store the scale less one and multiply by 1 + weight
-        return NormFactors(1 + weight if name.startswith("Gemma") else weight, False)
+        return NormFactors(offset + weight if offset else weight, False)
     raise UsageError(
         f"study.fold_norms: headlab does not know how a {name} scales its input; set study.fold_norms=false"
     )
