@@ -17,7 +17,7 @@ import torch
 import headlab
 from conftest import GPT2_TOKENIZER, run_headlab
 from headlab.analysis.attention_stats import entropy_and_distance
-from headlab.studies.atlas_probes import CORPUS
+from headlab.studies.atlas_probes import CORPUS, rules
 from headlab.studies.atlas_rules import labelled
 from test_report import CHROMIUM, chromium, script_error
 
@@ -125,7 +125,7 @@ def test_labels_only_where_the_stated_rule_passes():
             dict(layer=1, head=0, metric="ioi_logit_diff_change", value=-1.0, ci_low=-2, ci_high=0, clean=-0.5),
         ]
     )
-    got = labelled(rows)
+    got = labelled(rows, rules())
     assert got["label"].tolist() == ["induction", "", "needle-copy", "IOI-supporting", ""]
     assert "0.4" in got["rule"][0] and "headlab's screen" in got["rule"][2] and "(3): -0.6" in got["rule"][3]
 
@@ -209,6 +209,37 @@ PROBE = """<script>
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed (Debian package: chromium)")
+def test_an_atlas_score_added_from_outside_is_one_record(tiny_hf_dir, tmp_path):
+    """A probe (a study, its overrides, its rows) with one score, its rule and code, registered from outside
+    the package (docs/extending/atlas-score.md): the atlas runs it, labels by its rule and shows its code."""
+    from headlab.studies import atlas_probes
+    from headlab.studies.atlas_rules import Rule
+    from headlab.studies.induction import STUDY as INDUCTION
+
+    rule = Rule("any-prev", "AP", "my_prev_token", ">", -1.0, "value", False, "this test's cut: every head")
+    probe = atlas_probes.register(
+        atlas_probes.Probe(
+            "my_prev",
+            INDUCTION,
+            (atlas_probes.Score("my_prev", ("my_prev_token",), (rule,)),),
+            lambda o: ["study=induction", "study.icl_text=''", "study.n_sequences=4", "study.repeat_len=8"],
+            False,
+            atlas_probes.score_rows({"prev_token_score": "my_prev_token"}),
+        )
+    )
+    try:
+        with pytest.raises(headlab.UsageError, match="my_prev is taken"):
+            atlas_probes.register(probe)
+        model = headlab.load_model(str(tiny_hf_dir("llama")), tokenizer=str(GPT2_TOKENIZER), root=str(tmp_path))
+        table = headlab.atlas(model, scores=["my_prev"], out=tmp_path / "run", root=str(tmp_path), n_boot=0)
+    finally:
+        atlas_probes.PROBES.remove(probe)
+    mine = table[table["metric"] == "my_prev_token"]
+    assert len(mine) == model.n_layers * model.n_heads and (mine["label"] == "any-prev").all()
+    page = (tmp_path / "run" / "atlas.html").read_text()
+    assert '"any-prev": "AP"' in page and "this test&#x27;s cut" in page
+
+
 def test_atlas_page_in_headless_chromium(llama_atlas, tmp_path):
     _, table, root = llama_atlas
     page = root / "run" / "atlas.html"

@@ -12,6 +12,7 @@ import pytest
 from conftest import error_line, run_headlab
 from headlab import compare, results
 from headlab.multirun import STATUS, summarize
+from headlab.studies.atlas_probes import rules
 from headlab.studies.atlas_rules import labelled
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -41,7 +42,7 @@ def atlas_table(layers: int, heads: int, seed: int, retrieval: bool) -> pd.DataF
                 value = float(rng.uniform(0, 0.8))
                 rows.append(dict(layer=layer, head=head, metric=metric, value=value, ci_low=value - 0.05))
     rows = pd.DataFrame(rows).assign(ci_high=lambda d: d["value"] + 0.05)
-    return labelled(rows).assign(intervention="none", method="score", task="repeat", n=10)
+    return labelled(rows, rules()).assign(intervention="none", method="score", task="repeat", n=10)
 
 
 def ioi_table(layers: int, heads: int, seed: int) -> pd.DataFrame:

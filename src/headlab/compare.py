@@ -79,14 +79,14 @@ def load(directory: Path) -> tuple[pd.DataFrame, str]:
 
 def atlas_members(rows: pd.DataFrame) -> Members:
     from .studies.atlas import heads_with
-    from .studies.atlas_rules import RULES
+    from .studies.atlas_probes import rules
 
     if "label" not in rows:
         raise refuse("compare: an atlas table without its label column (written before the atlas's rules)")
     scored = set(rows["metric"])
     return {
         rule.label: [head_of(name) for name in heads_with(rows, rule.label)] if rule.metric in scored else None
-        for rule in RULES
+        for rule in rules()
     }
 
 

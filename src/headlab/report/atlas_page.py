@@ -1,16 +1,16 @@
 """atlas.html: every head of a model on one self-contained page (studies/atlas.py writes it).
 
-The layer x head grid, coloured by the score the menu picks, as wide as the page (layers across where a
-model has more layers than heads); a head's labels on its cell as short codes (CODES, the legend beside the
-grid says each one and how many heads have it; a class most heads share is a mark in the cell's corner, not
-a word, so the rarer ones stay legible; the rule on hover); a click opens the head's card (atlas.js, beside
-this file): every score with its interval and rank, its labels and why, its composition partners
-(clickable), its attention pattern on the example prompt, why it attends where it does on its typical edge
-there (which components build the query and which the key, exact at the clean run's norm scales:
+The layer x head grid, coloured by the score the menu picks, as wide as the page (layers across where a model
+has more layers than heads); a head's labels on its cell as short codes (extras' `codes`: each rule's own; the
+legend beside the grid says each one and how many heads have it; a class most heads share is a mark in the
+cell's corner, not a word, so the rarer ones stay legible; the rule on hover); a click opens the head's card
+(atlas.js, beside this file): every score with its interval and rank, its labels and why, its composition
+partners (clickable), its attention pattern on the example prompt, why it attends where it does on its typical
+edge there (which components build the query and which the key, exact at the clean run's norm scales:
 studies/head_attribution.py; held beside free removal where the norms move), what its output there writes and
-which components wrote it, MAPS's weights-only mappings over the text's tokens, and the tokens it attends
-to and writes most on the text. Below, every head in a table to search and sort. Styles, script and data
-are inlined: the file opens with no network, like report.html.
+which components wrote it, MAPS's weights-only mappings over the text's tokens, and the tokens it attends to
+and writes most on the text. Below, every head in a table to search and sort. Styles, script and data are
+inlined: the file opens with no network, like report.html.
 """
 
 from __future__ import annotations
@@ -52,19 +52,6 @@ body { max-width: 1500px; }
 """
 
 
-# each label's code on the grid (a label not listed here: its first three letters); atlas_rules.py's labels
-CODES = {
-    "previous-token": "PT",
-    "duplicate-token": "DT",
-    "induction": "IND",
-    "copy": "CP",
-    "negative-copy": "NCP",
-    "sink": "SNK",
-    "needle-copy": "NDC",
-    "IOI-supporting": "IO+",
-    "IOI-opposing": "IO-",
-    "loss-critical": "LC",
-}
 COMMON = 0.5  # a label more than this share of the heads have is a mark on its cells, not a code
 
 
@@ -112,7 +99,6 @@ def atlas_data(table: pd.DataFrame, extras: dict) -> dict:
         "scores": scores,
         "signed": signed,
         "labels": labels,
-        "codes": CODES,
         "common": COMMON,
         **extras,
     }

@@ -29,17 +29,7 @@ from ..report.atlas_page import page
 from ..tables import head_name
 from ..tasks import build_task
 from .atlas_cards import attention_probe
-from .atlas_probes import (
-    ATTENTION_SCORES,
-    PROBES,
-    SCORE_METRICS,
-    SCORES,
-    AtlasOptions,
-    Probe,
-    cache_dir,
-    partners,
-    probe_config,
-)
+from .atlas_probes import AtlasOptions, Probe, cache_dir, partners, probe_config, probes, rules, scores
 from .atlas_rules import labelled, rule_texts
 from .context import RunContext
 from .head_attribution import atlas_probe as attribution_probe
@@ -51,10 +41,11 @@ PAGE = "atlas.html"
 
 
 def chosen_scores(options: AtlasOptions) -> list[str]:
-    unknown = [s for s in options.scores if s not in SCORES]
+    known = list(scores())
+    unknown = [s for s in options.scores if s not in known]
     if unknown:
-        raise UsageError(f"atlas: unknown score {unknown[0]!r}; choose from: {', '.join(SCORES)}")
-    return list(options.scores) or list(SCORES)
+        raise UsageError(f"atlas: unknown score {unknown[0]!r}; choose from: {', '.join(known)}")
+    return list(options.scores) or known
 
 
 def run_probe(ctx: RunContext, model: HookedModel, probe: Probe, options: AtlasOptions) -> tuple[pd.DataFrame, str]:
@@ -98,15 +89,17 @@ def run(ctx: RunContext) -> pd.DataFrame:
     model = ctx.get_model(runs_task=False)
     model.place(cfg.device)
     with ctx.timed("attention"):  # first: the cheap probes before the ablations, which take most of the time
-        attention, cards = attention_probe(ctx, model, options, set(ATTENTION_SCORES) & set(wanted))
+        attention, cards = attention_probe(ctx, model, options, {"entropy", "distance"} & set(wanted))
     with ctx.timed("attribution"):  # each head's typical edge split over its upstream components, and MAPS
         cards = {**cards, **attribution_probe(ctx, model, options)}
     frames, links = [attention], {}
-    for probe in PROBES:
-        if not set(probe.scores) & set(wanted):
+    for probe in probes():
+        mine = [s for s in probe.scores if s.name in wanted]
+        if not mine:
             continue
+        named = ", ".join(s.name for s in probe.scores)
         if probe.needs_tokenizer and model.tokenizer is None:
-            ctx.note(f"atlas: {model.name} has no tokenizer: {', '.join(probe.scores)} left out (its prompts are text)")
+            ctx.note(f"atlas: {model.name} has no tokenizer: {named} left out (its prompts are text)")
             continue
         if probe.name == "composition" and model.n_layers < 2:
             ctx.note(f"atlas: {model.name} has one layer: composition left out")
@@ -116,21 +109,23 @@ def run(ctx: RunContext) -> pd.DataFrame:
         except UsageError:
             raise
         except HeadlabError as e:  # the study ran and found nothing to score (needle_copy: no needle recalled)
-            ctx.note(f"atlas: {', '.join(probe.scores)} left out: {e}")
+            ctx.note(f"atlas: {named} left out: {e}")
             continue
         rows = probe.rows(table)
-        keep = [m for s in wanted if s in probe.scores for m in SCORE_METRICS[s]]
+        keep = [m for s in mine for m in s.metrics]
         frames.append(rows[rows["metric"].isin(keep)].assign(probe=probe.name, probe_task=task))
         if probe.name == "composition":
             links = partners(table, options.partners)
-    rows = labelled(ranked(pd.concat([f for f in frames if len(f)], ignore_index=True)))
+    rows = labelled(ranked(pd.concat([f for f in frames if len(f)], ignore_index=True)), rules())
     table = rows.assign(intervention="none", method="score", **run_info(cfg))
     table = results.conform(table.assign(task=table.pop("probe_task")))  # the task each score was read on
-    classes = {label: heads_with(table, label) for label in rule_texts()}
-    ctx.meta.update({"classes": classes, "rules": rule_texts(), "scores": wanted, "model_family": model.family})
+    texts = rule_texts(rules())
+    classes = {label: heads_with(table, label) for label in texts}
+    ctx.meta.update({"classes": classes, "rules": texts, "scores": wanted, "model_family": model.family})
     ctx.meta["options"] = dataclasses.asdict(options)
     if ctx.run_dir is not None:
-        html = page(table, {**cards, "partners": links, "rules": rule_texts(), "model": model.name})
+        codes = {rule.label: rule.code for rule in rules()}
+        html = page(table, {**cards, "partners": links, "rules": texts, "codes": codes, "model": model.name})
         Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(Path(ctx.run_dir) / PAGE, html.encode())
     return table
@@ -145,7 +140,7 @@ def heads_with(table: pd.DataFrame, label: str) -> list[str]:
 
 def summary(df: pd.DataFrame, max_rows: int) -> None:
     """Per class, its heads; then the head table of the scores."""
-    for label in rule_texts():
+    for label in rule_texts(rules()):
         heads = heads_with(df, label)
         console.print(f"[bold]{label}[/bold] ({len(heads)}): {' '.join(heads) or '-'}", highlight=False, soft_wrap=True)
     console.print(f"{len(df)} rows, {df['metric'].nunique()} scores", highlight=False)

@@ -23,7 +23,9 @@ import pandas as pd
 from ..config import Config
 from ..config_rules import COUNT, NATURAL, at_least, setting
 from ..door import compose
+from ..errors import UsageError
 from ..tables import head_name
+from .atlas_rules import Rule
 from .composition import STUDY as COMPOSITION
 from .induction import STUDY as INDUCTION
 from .retrieval import STUDY as RETRIEVAL
@@ -43,7 +45,7 @@ class AtlasOptions(StudyOptions):
     sizes. The defaults fit smollm2-135m's atlas in 10 minutes on 2 CPU cores (README)."""
 
     name: str = "atlas"
-    scores: list[str] = field(default_factory=list)  # empty: every score (SCORES)
+    scores: list[str] = field(default_factory=list)  # empty: every score (scores())
     repeat_sequences: int = setting(25, COUNT)  # induction: sequences of repeat_len random tokens, repeated once
     repeat_len: int = setting(50, at_least(2))
     ioi_prompts: int = setting(16, COUNT)  # IOI ablation of every head: the expensive probe
@@ -57,10 +59,20 @@ class AtlasOptions(StudyOptions):
 
 
 @dataclass(frozen=True)
+class Score:
+    """One atlas score: its name (`--scores` takes it), the metrics of its rows, the rules that label heads by
+    them (each with its code on the grid)."""
+
+    name: str
+    metrics: tuple[str, ...]
+    rules: tuple[Rule, ...] = ()
+
+
+@dataclass(frozen=True)
 class Probe:
     name: str  # the cache folder's prefix
     study: Study  # the study it runs (`headlab run study=...`)
-    scores: tuple[str, ...]  # the atlas scores it yields (names `--scores` takes)
+    scores: tuple[Score, ...]  # the atlas scores it yields
     overrides: Callable[[AtlasOptions], list[str]]  # beside the model's, seed and device
     needs_tokenizer: bool  # IOI, text and needle prompts need the model's tokenizer
     rows: Callable[[pd.DataFrame], pd.DataFrame]  # the study's table -> atlas rows
@@ -160,11 +172,40 @@ def text_overrides(o: AtlasOptions, n_docs: int) -> list[str]:
     return ["task=text", f"task.path={CORPUS}", f"task.seq_len={o.text_len}", f"task.n_prompts={n_docs}"]
 
 
-PROBES = (
+# the rules that label heads by a score: where the literature states a threshold the rule uses it and names
+# the paper; where it ranks heads without a cut the threshold is headlab's and the source says so
+OURS = "headlab's threshold: the paper ranks heads by this score and states no cut"
+
+
+def _interval_above(label: str, code: str, metric: str, cut: float, source: str) -> Rule:
+    return Rule(label, code, metric, ">", cut, "interval", False, source)
+
+
+def _value_above(label: str, code: str, metric: str, cut: float, source: str) -> Rule:
+    return Rule(label, code, metric, ">", cut, "value", False, source)
+
+
+PROBES: list[Probe] = [
     Probe(
         "induction",
         INDUCTION,
-        ("prev_token", "duplicate_token", "induction"),
+        (
+            Score(
+                "prev_token",
+                ("prev_token_score",),
+                (_interval_above("previous-token", "PT", "prev_token_score", 0.4, f"{OURS} (Olsson et al. 2022)"),),
+            ),
+            Score(
+                "duplicate_token",
+                ("duplicate_token_score",),
+                (_interval_above("duplicate-token", "DT", "duplicate_token_score", 0.4, f"{OURS} (Wang et al. 2022)"),),
+            ),
+            Score(
+                "induction",
+                ("induction_score",),
+                (_interval_above("induction", "IND", "induction_score", 0.4, f"{OURS} (Olsson et al. 2022)"),),
+            ),
+        ),
         lambda o: [
             "study=induction",
             "study.icl_text=''",  # the ICL score's ablations on 512-token text: no atlas score reads them
@@ -179,7 +220,35 @@ PROBES = (
     Probe(
         "copy",
         SWEEP,
-        ("copy", "negative_copy"),
+        (
+            Score(
+                "copy",
+                ("copy_score",),
+                (
+                    _value_above(
+                        "copy",
+                        "CP",
+                        "copy_score",
+                        0.9,
+                        "Wang et al. 2022: GPT-2 small's name movers copy in "
+                        "over 95% of prompts, an average head in under 20%",
+                    ),
+                ),
+            ),
+            Score(
+                "negative_copy",
+                ("negative_copy_score",),
+                (
+                    _value_above(
+                        "negative-copy",
+                        "NCP",
+                        "negative_copy_score",
+                        0.9,
+                        "Wang et al. 2022's copy score with the sign flipped, the same cut as copy",
+                    ),
+                ),
+            ),
+        ),
         lambda o: [
             "task=ioi",
             f"task.n_prompts={o.copy_prompts}",
@@ -193,17 +262,47 @@ PROBES = (
     Probe(
         "sinks",
         SINKS,
-        ("sink",),
+        (
+            Score(
+                "sink",
+                ("gu_first_token_attention",),
+                (
+                    _value_above(
+                        "sink",
+                        "SNK",
+                        "gu_first_token_attention",
+                        0.3,
+                        "Gu et al. 2024: a head is a sink head when its first-token attention exceeds epsilon = 0.3",
+                    ),
+                ),
+            ),
+        ),
         lambda o: [*text_overrides(o, 0), "study=sinks", f"study.seq_len={o.text_len}"],
         True,
         score_rows({"gu_first_token_attention": "gu_first_token_attention"}),
     ),
     # Wu et al.'s retrieval score on headlab's needle-copy screen, labelled as the screen it is (their protocol
-    # on real text: `headlab run experiment=retrieval_heads_smollm2`, minutes per 1K-token prompt on a CPU)
+    # on real text: `headlab reproduce retrieval_wu`, minutes per prompt on a CPU)
     Probe(
         "needle_copy",
         RETRIEVAL,
-        ("needle_copy",),
+        (
+            Score(
+                "needle_copy",
+                ("needle_copy_score",),
+                (
+                    _value_above(
+                        "needle-copy",
+                        "NDC",
+                        "needle_copy_score",
+                        0.1,
+                        "headlab's screen: Wu et al.'s retrieval score (needle tokens copied from where "
+                        "attention peaks) above their 0.1, on a cue prompt an induction head solves, "
+                        "teacher-forced; not their retrieval heads",
+                    ),
+                ),
+            ),
+        ),
         lambda o: [
             "task=needle",
             f"task.haystack={CORPUS}",
@@ -225,43 +324,95 @@ PROBES = (
     Probe(
         "composition",
         COMPOSITION,
-        ("composition",),
+        (Score("composition", tuple(f"{m}_composition_{side}" for m in ("q", "k", "v") for side in ("in", "out"))),),
         lambda o: ["study=composition", "study.channels=0"],  # the scores alone: no SVD of each pair
         False,
         composition_rows,
     ),
     Probe(
-        "text_ablation",
-        SWEEP,
-        ("text_ablation",),
-        lambda o: [*text_overrides(o, o.text_docs), "ablate=heads"],
-        True,
-        effect_rows("ce_loss", "text_loss_increase"),
-    ),
-    Probe(
         "ioi_ablation",
         SWEEP,
-        ("ioi_ablation",),
+        (
+            Score(
+                "ioi_ablation",
+                ("ioi_logit_diff_change",),
+                (
+                    Rule(
+                        "IOI-supporting",
+                        "IO+",
+                        "ioi_logit_diff_change",
+                        "<",
+                        -0.2,
+                        "value",
+                        True,
+                        "headlab's threshold: zero-ablating the head removes a fifth of the clean IOI logit difference",
+                    ),
+                    Rule(
+                        "IOI-opposing",
+                        "IO-",
+                        "ioi_logit_diff_change",
+                        ">",
+                        0.2,
+                        "value",
+                        True,
+                        "headlab's threshold: zero-ablating the head raises the clean IOI logit difference by a fifth",
+                    ),
+                ),
+            ),
+        ),
         lambda o: ["task=ioi", f"task.n_prompts={o.ioi_prompts}", "ablate=heads"],
         True,
         effect_rows("logit_diff", "ioi_logit_diff_change"),
     ),
-)
+    Probe(
+        "text_ablation",
+        SWEEP,
+        (
+            Score(
+                "text_ablation",
+                ("text_loss_increase",),
+                (
+                    _interval_above(
+                        "loss-critical",
+                        "LC",
+                        "text_loss_increase",
+                        0.05,
+                        "headlab's threshold: zero-ablating the head raises the next-token loss on the text "
+                        "by 0.05 nats",
+                    ),
+                ),
+            ),
+        ),
+        lambda o: [*text_overrides(o, o.text_docs), "ablate=heads"],
+        True,
+        effect_rows("ce_loss", "text_loss_increase"),
+    ),
+]
 # the atlas's own probe (atlas_cards.py): attention entropy and distance on the text, and the cards
-ATTENTION_SCORES = ("entropy", "distance")
-SCORES = tuple(s for p in PROBES for s in p.scores) + ATTENTION_SCORES
-# each score's rows (metric) in the atlas table
-SCORE_METRICS = {
-    "prev_token": ("prev_token_score",),
-    "duplicate_token": ("duplicate_token_score",),
-    "induction": ("induction_score",),
-    "copy": ("copy_score",),
-    "negative_copy": ("negative_copy_score",),
-    "sink": ("gu_first_token_attention",),
-    "needle_copy": ("needle_copy_score",),
-    "text_ablation": ("text_loss_increase",),
-    "ioi_ablation": ("ioi_logit_diff_change",),
-    "composition": tuple(f"{m}_composition_{side}" for m in ("q", "k", "v") for side in ("in", "out")),
-    "entropy": ("attention_entropy",),
-    "distance": ("attention_distance",),
-}
+ATTENTION = (Score("entropy", ("attention_entropy",)), Score("distance", ("attention_distance",)))
+
+
+def register(probe: Probe) -> Probe:
+    """Add a probe (a study run with its overrides, the scores it yields, each with its rules and codes):
+    `headlab atlas` then runs it, and `study.scores=[<its score>]` picks it."""
+    taken = set(scores())
+    clash = [s.name for s in probe.scores if s.name in taken]
+    if clash or probe.name in {p.name for p in PROBES}:
+        raise UsageError(f"atlas probe {probe.name}: {', '.join(clash) or probe.name} is taken; choose another name")
+    PROBES.append(probe)
+    return probe
+
+
+def probes() -> tuple[Probe, ...]:
+    """Every probe, headlab's and those registered since, in the order the atlas runs them."""
+    return tuple(PROBES)
+
+
+def scores() -> dict[str, Score]:
+    """Every atlas score by name (`study.scores` takes these), the probes' first, then the atlas's own."""
+    return {s.name: s for s in (*(s for p in PROBES for s in p.scores), *ATTENTION)}
+
+
+def rules() -> tuple[Rule, ...]:
+    """Every score's rules, in the scores' order."""
+    return tuple(r for s in scores().values() for r in s.rules)

@@ -1,13 +1,14 @@
 """The atlas's head classes: a label is given only where the head's score passes the class's stated rule.
 
-Each rule reads one atlas score of one head. Where the rule says "interval", the whole 95% bootstrap
-interval must pass, not only the mean, so a head is labelled only where its prompts agree. Where the
-literature states a threshold the rule uses it and names the paper; where it ranks heads without a cut,
-the threshold is headlab's and the source says so.
+Each rule reads one atlas score of one head; each score's rules sit in its record (atlas_probes.py). Where
+the rule says "interval", the whole 95% bootstrap interval must pass, not only the mean, so a head is
+labelled only where its prompts agree. Where the literature states a threshold the rule uses it and names
+the paper; where it ranks heads without a cut, the threshold is headlab's and the source says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -16,6 +17,7 @@ import pandas as pd
 @dataclass(frozen=True)
 class Rule:
     label: str
+    code: str  # the label's short code on the atlas grid
     metric: str
     op: str  # ">" or "<"
     threshold: float
@@ -49,83 +51,14 @@ class Rule:
 
 
 OURS = "headlab's threshold: the paper ranks heads by this score and states no cut"
-RULES = (
-    Rule("previous-token", "prev_token_score", ">", 0.4, "interval", False, f"{OURS} (Olsson et al. 2022)"),
-    Rule("duplicate-token", "duplicate_token_score", ">", 0.4, "interval", False, f"{OURS} (Wang et al. 2022)"),
-    Rule("induction", "induction_score", ">", 0.4, "interval", False, f"{OURS} (Olsson et al. 2022)"),
-    Rule(
-        "copy",
-        "copy_score",
-        ">",
-        0.9,
-        "value",
-        False,
-        "Wang et al. 2022: GPT-2 small's name movers copy in over 95% of prompts, an average head in under 20%",
-    ),
-    Rule(
-        "negative-copy",
-        "negative_copy_score",
-        ">",
-        0.9,
-        "value",
-        False,
-        "Wang et al. 2022's copy score with the sign flipped, the same cut as copy",
-    ),
-    Rule(
-        "sink",
-        "gu_first_token_attention",
-        ">",
-        0.3,
-        "value",
-        False,
-        "Gu et al. 2024: a head is a sink head when its first-token attention exceeds epsilon = 0.3",
-    ),
-    Rule(
-        "needle-copy",
-        "needle_copy_score",
-        ">",
-        0.1,
-        "value",
-        False,
-        "headlab's screen: Wu et al.'s retrieval score (needle tokens copied from where attention peaks) above "
-        "their 0.1, on a cue prompt an induction head solves, teacher-forced; not their retrieval heads",
-    ),
-    Rule(
-        "IOI-supporting",
-        "ioi_logit_diff_change",
-        "<",
-        -0.2,
-        "value",
-        True,
-        "headlab's threshold: zero-ablating the head removes a fifth of the clean IOI logit difference",
-    ),
-    Rule(
-        "IOI-opposing",
-        "ioi_logit_diff_change",
-        ">",
-        0.2,
-        "value",
-        True,
-        "headlab's threshold: zero-ablating the head raises the clean IOI logit difference by a fifth",
-    ),
-    Rule(
-        "loss-critical",
-        "text_loss_increase",
-        ">",
-        0.05,
-        "interval",
-        False,
-        "headlab's threshold: zero-ablating the head raises the next-token loss on the text by 0.05 nats",
-    ),
-)
 
 
-def labelled(rows: pd.DataFrame) -> pd.DataFrame:
+def labelled(rows: pd.DataFrame, rules: Sequence[Rule]) -> pd.DataFrame:
     """The atlas rows with `label` (the class whose rule the row's score passes, else empty) and
     `rule` (that rule, in words, with the clean value where the threshold is relative to it)."""
     rows = rows.reset_index(drop=True)  # one row per index label, whatever the frames it was built from
     rows["label"], rows["rule"] = "", ""
-    for rule in RULES:
+    for rule in rules:
         mine = rows["metric"] == rule.metric
         for i in rows.index[mine]:
             row = rows.loc[i]
@@ -137,6 +70,6 @@ def labelled(rows: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
-def rule_texts() -> dict[str, str]:
+def rule_texts(rules: Sequence[Rule]) -> dict[str, str]:
     """label -> its rule in words (relative thresholds without their clean value)."""
-    return {rule.label: rule.text() for rule in RULES}
+    return {rule.label: rule.text() for rule in rules}
