@@ -63,6 +63,17 @@ def test_run_writes_a_run_dir_and_reuses_it(toy, tmp_path):
     pd.testing.assert_frame_equal(again.table, first.table, check_like=True)
 
 
+def test_a_run_composes_its_config_once(toy, tmp_path, monkeypatch):
+    from headlab import door
+
+    root, _, _ = toy
+    composed = []
+    compose_raw = door.compose_raw
+    monkeypatch.setattr(door, "compose_raw", lambda *a, **k: composed.append(a) or compose_raw(*a, **k))
+    headlab.run(*RUN_FAST, f"output.root={root}", f"hydra.run.dir={tmp_path / 'run'}", "ablate=layers")
+    assert len(composed) == 1
+
+
 def test_sweep_options_reach_the_config(toy):
     _, model, task = toy
     table = headlab.sweep(model, task, ablate="none", patch="activation", n_prompts=32, n_boot=0, per_prompt=True)

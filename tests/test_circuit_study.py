@@ -88,3 +88,35 @@ def test_unknown_circuit_method_is_refused(tmp_path):
     assert result.returncode == 2
     # circuit=<method> is study=circuit study.method=<method>: the method's words are named
     assert "study.method=acdc: expected one of eap, eap_ig, eap_ig_activations, exact" in error_line(result)
+
+
+def test_a_circuit_method_added_from_outside_is_one_record(model_dir, monkeypatch):
+    """A method registered beside headlab's (edges/methods.py's records) runs through study=circuit end to
+    end: here EAP's scores with their sign flipped, so its circuit holds the edges EAP ranks last."""
+    from headlab.edges import methods
+
+    monkeypatch.setattr(methods, "METHODS", dict(methods.METHODS))
+    eap = methods.METHODS["eap"]
+    flipped = methods.Method(
+        "flipped_eap",
+        "EAP with its sign flipped",
+        "none: a test's method",
+        "headlab's own eap record",
+        "this test",
+        lambda *args: -eap.edges(*args),
+        lambda *args: -eap.nodes(*args),
+    )
+    methods.register(flipped)
+    with pytest.raises(headlab.UsageError, match="flipped_eap is taken"):
+        methods.register(flipped)
+    model = headlab.load_model(str(model_dir))
+    task = headlab.load_task("ioi", n_prompts=6)
+    mine = headlab.circuit(model, task, method="flipped_eap", faithfulness=False)
+    theirs = headlab.circuit(model, task, method="eap", faithfulness=False)
+    got, want = (t[t.intervention == "edge"].set_index("edge").value for t in (mine, theirs))
+    assert set(mine.method.dropna()) == {"flipped_eap"} and len(got) == len(want)
+    pd.testing.assert_series_equal(got, -want, check_names=False)
+    nodes = headlab.circuit(model, task, method="flipped_eap", level="nodes")
+    assert (nodes.intervention == "node").all()
+    with pytest.raises(headlab.UsageError, match="study.method=nope: expected one of eap, eap_ig"):
+        headlab.circuit(model, task, method="nope")

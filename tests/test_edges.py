@@ -724,3 +724,16 @@ def test_cpr_on_a_bootstrap_resample_is_cpr_measured_on_those_prompts(gpt2_case)
     assert f.cpr_ci[1] == pytest.approx(np.percentile(cprs, 97.5), abs=1e-9)
     assert f.cmd_ci[0] == pytest.approx(np.percentile(cmds, 2.5), abs=1e-9)
     assert f.cmd_ci[0] <= f.cmd_ci[1]
+
+
+def test_each_circuit_method_record_names_its_paper_code_and_a_test_that_exists():
+    from pathlib import Path
+
+    from headlab.edges.methods import METHODS
+
+    here = Path(__file__).parent
+    for method in METHODS.values():
+        assert method.paper and method.code and method.description
+        path, _, name = method.proof.partition("::")
+        test = name.split()[0]
+        assert (here.parent / path).is_file() and f"def {test}(" in (here.parent / path).read_text(), method.name

@@ -40,7 +40,7 @@ from .studies.registry import named_study, resolve
 from .studies.runner import execute_run, run_in_memory
 from .task_models import choose_model
 from .tasks import Task, TaskData, build_task
-from .train.obtain import is_trained_here, obtain_model
+from .train.obtain import is_trained_here
 
 log = logging.getLogger("headlab")
 
@@ -153,10 +153,10 @@ def _loaded(cfg: Config, task: Task | None, show_progress: bool) -> HookedModel:
     """The model `cfg` names, on cfg.device; refused in one line if `task` cannot run on it (no task:
     nothing to refuse)."""
     apply_threads(cfg)
-    if task is None:
-        model = obtain_model(cfg, build_task(cfg.task), show_progress)
-    else:
-        model = RunContext(cfg, show_progress=show_progress, task=task).get_model()
+    # the one door to a model, a study's own (RunContext.get_model): without a task, the configured one only
+    # says what a model trained here is trained on
+    context = RunContext(cfg, show_progress=show_progress, task=task or build_task(cfg.task))
+    model = context.get_model(runs_task=task is not None)
     model.config = cfg.model
     model.place(cfg.device)
     return model
@@ -338,7 +338,8 @@ def circuit(
     Args:
         model: a model from `load_model` (a pretrained one, or one trained on a task with a smooth metric).
         task: a task with counterfactual prompts and a smooth metric (ioi, prompts, recall_reasoning).
-        method: eap | eap_ig | eap_ig_activations | exact.
+        method: eap | eap_ig | eap_ig_activations | exact, or a record registered with
+            `headlab.edges.methods.register` (edges/methods.py).
         level: edges | nodes.
         n_prompts: prompts drawn (default: the task's n_prompts).
         seed: draws the prompts and the bootstrap.

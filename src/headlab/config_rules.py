@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,19 @@ class OneOf:
 
 
 @dataclass(frozen=True)
+class Known:
+    """A name from a registry that may grow after import (a plugin's circuit method): asked when checked."""
+
+    names: Callable[[], Sequence[str]]
+
+    def accepts(self, value: Any) -> bool:
+        return value in self.names()
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(self.names())
+
+
+@dataclass(frozen=True)
 class Matches:
     """A string of a given form (a position, a receiver)."""
 
@@ -95,7 +108,7 @@ class Each:
         return f"a list{size}, each {self.rule.describe()}"
 
 
-Rule = Range | OneOf | Matches | Each
+Rule = Range | OneOf | Known | Matches | Each
 
 
 def at_least(low: float) -> Range:

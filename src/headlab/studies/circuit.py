@@ -8,7 +8,7 @@ reported circuit marked in_graph) beside the table, and the circuit's figure.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
@@ -19,12 +19,13 @@ from torch import Tensor
 
 from .. import results
 from ..config import option, run_info
-from ..config_rules import COUNT, NATURAL, SHARE, Each, OneOf, Range, setting
+from ..config_rules import COUNT, NATURAL, SHARE, Each, Known, OneOf, Range, setting
 from ..edges.eap import doubled_steps
-from ..edges.eap import scores as attribution_scores
-from ..edges.exact import exact_node_scores, exact_scores
+from ..edges.exact import exact_scores
 from ..edges.faithfulness import Faithfulness, measure
 from ..edges.graph import KV_EDGES, EdgeGraph, Receiver, Sender, write_json
+from ..edges.methods import Budget, method_names
+from ..edges.methods import get as get_method
 from ..edges.postnorm import POST_NORM_RULES
 from ..edges.record import metric_column
 from ..vocabulary import Site, hook_name
@@ -34,13 +35,6 @@ from .summary import aggregated, console
 
 CIRCUIT_FILE = "circuit.json"
 MIN_GAP = 0.01  # a clean-corrupted gap in the metric below which faithfulness is noise
-
-
-class CircuitMethod(str, Enum):
-    eap = "eap"  # edge attribution patching: one clean and one corrupted forward, one backward
-    eap_ig = "eap_ig"  # EAP with integrated gradients over interpolated input embeddings
-    eap_ig_activations = "eap_ig_activations"  # ... over each node's interpolated output in turn
-    exact = "exact"  # every edge patched alone: exact, and the method for small graphs
 
 
 class CircuitLevel(str, Enum):
@@ -59,7 +53,9 @@ class CircuitOptions(StudyOptions):
 
     name: str = "circuit"
 
-    method: CircuitMethod = CircuitMethod.eap_ig  # MIB's best-ranked edge method (2504.13151)
+    # a record of edges/methods.py (eap, eap_ig, eap_ig_activations, exact, or one registered there); eap_ig
+    # is MIB's best-ranked edge method (2504.13151)
+    method: str = setting("eap_ig", Known(method_names))
     level: CircuitLevel = CircuitLevel.edges
     steps: int = setting(5, COUNT)  # eap_ig*: interpolation steps (Hanna et al. use 5)
     # eap_ig*: the sum runs over alpha = k/steps for k = ig_steps_from .. ig_steps_from + steps - 1; None: as
@@ -109,25 +105,21 @@ def run(ctx: RunContext) -> pd.DataFrame:
         n_nodes=len(graph.senders),
         model_family=model.family,
     )
+    record = get_method(method)
+    budget = Budget(c.steps, c.prompts_per_pass, c.ig_steps_from, cfg.engine.chunk_mb, ctx.show_progress)
     if option(c.level) == "nodes":
         with ctx.timed(method):
-            if method == "exact":
-                node_scores = exact_node_scores(model, task, data, graph)
-            else:
-                edge = attribution_scores(
-                    model, task, data, graph, method, c.steps, c.prompts_per_pass, ig_steps_from=c.ig_steps_from
-                )
-                node_scores = torch.nan_to_num(edge).sum(1)
+            node_scores = record.nodes(model, task, data, graph, replace(budget, show_progress=False))
         return results.conform(node_rows(graph, node_scores, method, info))
     with ctx.timed(method):
-        scores = edge_scores(ctx, graph, method)
+        scores = record.edges(model, task, data, graph, budget)
     base = circuit_row(info, method)
     sizes = (("graph_edges", graph.n_edges), ("graph_edges_ungrouped", n_ungrouped))
     tables = [
         edge_rows(graph, scores, method, info),
         pd.DataFrame([{**base, "metric": m, "value": v} for m, v in sizes]),
     ]
-    if c.convergence and method.startswith("eap_ig"):
+    if c.convergence and record.integrates:
         with ctx.timed(f"{method}_twice_the_steps"):
             model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
             twice = doubled_steps(
@@ -147,7 +139,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             pd.DataFrame([{**base, "metric": f"convergence_{k}", "value": v} for k, v in moved.items() if k != "steps"])
         )
     circuit = torch.zeros_like(graph.real)
-    if c.exact_check and method != "exact":
+    if c.exact_check and record.name != "exact":
         with ctx.timed("exact_check"):
             tables.append(exact_check(ctx, graph, scores, info))
     if c.faithfulness:
@@ -189,16 +181,6 @@ def run(ctx: RunContext) -> pd.DataFrame:
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(ctx.run_dir / CIRCUIT_FILE, graph.to_json(torch.nan_to_num(scores), circuit))
     return results.conform(pd.concat(tables, ignore_index=True))
-
-
-def edge_scores(ctx: RunContext, graph: EdgeGraph, method: str) -> Tensor:
-    c = ctx.options
-    model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
-    if method == "exact":
-        return exact_scores(model, task, data, graph, chunk_mb=ctx.cfg.engine.chunk_mb, show_progress=ctx.show_progress)
-    return attribution_scores(
-        model, task, data, graph, method, c.steps, c.prompts_per_pass, ctx.show_progress, c.ig_steps_from
-    )
 
 
 def convergence(scores: Tensor, doubled: Tensor, graph: EdgeGraph, steps: int) -> dict:
