@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..sae.head_attribution import UNRELATED_OVERLAP  # noqa: E402
+from .canvas import save
 
 SUMMARY = (
     "l0",
@@ -73,9 +74,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
             title=metric.replace("_", " "),
         )
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "fig_layers.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "fig_layers.png", dpi=120)
 
     method = "relu_l1" if (summ["method"] == "relu_l1").any() else summ["method"].iloc[0]
     fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 4.5), squeeze=False)
@@ -86,8 +85,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         ax.set(xlabel="head", title=f"L{int(layer)} {method}: {len(m)} live", xticks=range(m.shape[1]))
     axes[0][0].set_ylabel("live features, grouped by dominant head")
     fig.colorbar(image, ax=axes[0].tolist(), label="share of decoder norm")
-    fig.savefig(out / "fig_head_attribution.png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, out / "fig_head_attribution.png", dpi=120, tight=False, bbox_inches="tight")
 
     features = head_features(table, method, layers[-1])
     lines = [f"top-activating contexts, L{int(layers[-1])} {method} ([[token]] = where it fires)", ""]
@@ -103,8 +101,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         fontsize=7,
         va="top",
     )
-    fig.savefig(out / "fig_top_features.png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, out / "fig_top_features.png", dpi=120, tight=False, bbox_inches="tight")
 
     numbers: dict[str, dict[str, Any]] = {
         f"{r['method']}_L{int(r['layer'])}": {m: float(r[m]) for m in SUMMARY if m in r and pd.notna(r[m])}

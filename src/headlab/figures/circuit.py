@@ -26,6 +26,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
+from .canvas import save
+
 MAX_DRAWN = 300
 METHODS = ("eap", "eap_ig", "eap_ig_activations", "exact")
 STYLE = {"q": "-", "k": "--", "v": ":", "mlp": "-.", "logits": "-"}  # line style by receiver input
@@ -120,9 +122,7 @@ def _draw_circuit(edges: pd.DataFrame, n_total: int, title: str, path: Path) -> 
         styles.setdefault(STYLE.get(inp, "-"), []).append(inp)
     handles += [Line2D([], [], color="0.3", lw=1.5, ls=ls, label=f"into {' / '.join(v)}") for ls, v in styles.items()]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 GRAPH = ("graph_edges", "graph_edges_ungrouped")  # the edges of the whole graph, counted both ways
@@ -179,9 +179,7 @@ def _draw_faithfulness(curve: pd.DataFrame, summary: pd.DataFrame, path: Path, n
         ax.axhline(y, color="0.5", ls="--", lw=0.8)
     ax.set(xscale="log", xlabel="fraction of edges kept", ylabel="faithfulness", title="Faithfulness of circuits")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def draw(table: pd.DataFrame, out: Path) -> dict:

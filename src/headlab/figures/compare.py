@@ -17,17 +17,14 @@ import numpy as np
 import pandas as pd
 
 from ..tables import head_of
+from .canvas import pyplot
 
 COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
 
 
 def png(table: pd.DataFrame) -> bytes:
     """The figure as PNG bytes (the caller writes it atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = list(dict.fromkeys(table["model"]))
     classes = list(dict.fromkeys(table["class"]))
     distributions = bool((table["kind"] == "top heads").all())

@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from .canvas import save
 from .count01_claims import caption, footnote, verdicts  # noqa: E402
 from .count01_swaps import correlation, draw_swaps, swap_numbers  # noqa: E402
 
@@ -140,8 +141,7 @@ def _single_figure(single: pd.DataFrame, path: Path, note: str) -> None:
         ax.set_ylim(0, 1.05)
     axes[0][-1].legend(fontsize=6, loc="lower right")
     footnote(fig, note, 8)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120, tight=False)
 
 
 # the aggregations compared: column prefix -> (the table's intervention, the role it acts at; None: everywhere)
@@ -211,8 +211,7 @@ def _aggregation_figure(frame: pd.DataFrame, path: Path, note: str) -> None:
         ax.set_ylim(0, 1.05)
     axes[0].legend(fontsize=6, loc="lower right")
     footnote(fig, note, 7)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120, tight=False)
 
 
 def token_weight_frame(df: pd.DataFrame, single: pd.DataFrame) -> pd.DataFrame:
@@ -258,5 +257,4 @@ def _token_weights_figure(weights: pd.DataFrame, path: Path, note: str) -> None:
     axes[0].set_ylabel("ROC AUC of the head alone")
     fig.suptitle("Attention from SEP per token occurrence vs single-head performance", fontsize=9)
     footnote(fig, note, 16)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120, tight=False)

@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
+from .canvas import save
 from .count01_claims import footnote  # noqa: E402
 
 # experiment -> (the table's swap intervention, what the lending head gives, what the kept head keeps)
@@ -117,5 +118,4 @@ def draw_swaps(df: pd.DataFrame, experiment: str, shown: tuple[int, int], path: 
     axes[1].set_xlabel("ROC AUC alone of the head whose pattern is used")
     axes[1].set_ylabel("ROC AUC of the swap")
     footnote(fig, verdict, 7)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120, tight=False)

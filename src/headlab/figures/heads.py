@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..tables import effects, grid, head_name, panels, section_columns, shape, strongest
+from .canvas import save
 
 FILE_UNSAFE = re.compile(r"[^\w.-]")
 MAX_ANNOTATED = 100  # cells per panel up to which each cell prints its number
@@ -84,5 +85,4 @@ def plot(cells: pd.DataFrame, metric: str, path: Path) -> None:
     fig.suptitle(f"{metric}: each head's effect, value - clean{clean}", fontsize=9)
     bar = fig.add_axes((1 - (right - 0.25) / width, box[1], 0.15 / width, box[3] - box[1]))
     fig.colorbar(im, cax=bar).set_label(f"{metric} - clean", fontsize=8)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100, tight=False)

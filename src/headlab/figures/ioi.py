@@ -31,6 +31,7 @@ import pandas as pd  # noqa: E402
 
 from ..vocabulary import HEAD_SITES  # noqa: E402
 from . import circuit, ioi_classes  # noqa: E402
+from .canvas import save
 
 METRICS = {"logit_diff": "logit diff (IO - S)", "io_prob": "P(IO)", "accuracy": "accuracy"}
 SCORES = (
@@ -150,9 +151,7 @@ def _figure(nrows: int, ncols: int, shape: tuple[int, int]):
 
 
 def _save(fig, out: Path, name: str, numbers: dict) -> None:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
+    save(fig, out / name, dpi=110)
     numbers["figures"].append(name)
 
 

@@ -32,6 +32,7 @@ import pandas as pd  # noqa: E402
 from ..analysis.ioi_classes import CLASS_METHOD, CLASSES, UNCLASSED, rules  # noqa: E402
 from ..tables import score_grids  # noqa: E402
 from . import ioi_diagram  # noqa: E402
+from .canvas import save
 
 ATTN = 0.3  # attention share: 10x the uniform share over the ~30 tokens of an IOI prompt
 COPY = 0.5  # copy scores: the name is in the top 5 logits on most prompts
@@ -223,7 +224,5 @@ def draw(df: pd.DataFrame, out: Path, shape: tuple[int, int], model: str | None)
     tab.set_fontsize(6)
     tab.auto_set_column_width(list(range(len(cols))))
     table_ax.set_title("Wang et al. 2022's classes beside the heads found here", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "ioi_head_classes.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "ioi_head_classes.png", dpi=110)
     return numbers

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
 from ..analysis.ioi_classes import CLASSES  # noqa: E402
+from .canvas import save
 
 TOKEN = {  # the position each class acts from, as in the paper's Fig. 2
     "previous token": "S1+1",
@@ -101,9 +102,7 @@ def draw(found: dict[str, list[str]], n_layers: int, model: str, out: Path) -> s
     ax.set_title(f"{model}: the IOI circuit found by path patching (after Wang et al. 2022, Fig. 2)", fontsize=9)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    fig.savefig(out / "ioi_circuit.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "ioi_circuit.png", dpi=120)
     return "ioi_circuit.png"
 
 

@@ -22,6 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .canvas import save
+
 MAIN, TWO, PRUNE = "markov_paths", "markov_two_paths", "markov_pruning"
 METHOD_STYLE = {
     "theory": dict(color="tab:blue", marker="x", label="theory (finite N)"),
@@ -82,9 +84,7 @@ def _plot_orders(table: pd.DataFrame, out: Path) -> None:
             axes[i, j].set_xticklabels(labels, rotation=90, fontsize=6)
             axes[i, j].set_yticklabels(labels, fontsize=6)
             fig.colorbar(im, ax=axes[i, j], shrink=0.7)
-    fig.tight_layout()
-    fig.savefig(out / "fig_order_parameter.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "fig_order_parameter.png", dpi=120)
 
 
 def _plot_alignment(table: pd.DataFrame, out: Path) -> dict:
@@ -99,9 +99,7 @@ def _plot_alignment(table: pd.DataFrame, out: Path) -> dict:
         numbers[method] = {"top1": float(r["value"].iloc[0]), "top5_sum_sq": float((r["value"].iloc[:5] ** 2).sum())}
     ax.set(xlabel="principal component (by eigenvalue)", ylabel="|cos| with labels", title="kernel-task alignment")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "fig_alignment.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "fig_alignment.png", dpi=120)
     return {"width": int(width), **numbers}
 
 
@@ -150,9 +148,7 @@ def _plot_pruning(table: pd.DataFrame, out: Path) -> dict:
     axes[1].set(xlabel="heads pruned", ylabel="test accuracy", title="Markov task: pruning by score vs random order")
     for ax in axes:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "fig_pruning.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "fig_pruning.png", dpi=120)
     numbers = {"experiment": experiment, "width": int(width)}
     for method in methods:
         o = ordered[ordered["method"] == method].set_index("n_pruned")["value"]
@@ -179,9 +175,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
             continue
         fig, ax = plt.subplots(figsize=(5.5, 4))
         _plot_accuracy(ax, acc, title)
-        fig.tight_layout()
-        fig.savefig(out / filename, dpi=120)
-        plt.close(fig)
+        save(fig, out / filename, dpi=120)
         numbers[experiment] = {
             method: {int(w): round(float(v), 4) for w, v in zip(rows["width"], rows["value"])}
             for method, rows in acc.groupby("method")

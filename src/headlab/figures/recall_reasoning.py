@@ -19,6 +19,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from .canvas import save
+
 CLASS_COLOR = {"recall": "tab:blue", "reasoning": "tab:red", "shared": "tab:purple", "none": "lightgray"}
 KIND_MARKER = {"ablate_head": "o", "ablate_layer": "s", "ablate_mlp": "^", "ablate_neurons": "x"}
 PAPER_MAX_DROP_PP = 15.0  # arXiv 2510.03366: ablating a circuit lowers its kind's accuracy "up to 15%"
@@ -68,9 +70,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         ]
         colours = [Line2D([], [], ls="", marker="o", color=c, label=k) for k, c in CLASS_COLOR.items()]
         ax.legend(handles=shapes + colours, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "fig_component_effects.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "fig_component_effects.png", dpi=120)
 
     ko = knockout_table(table)
     bands = table[(table["intervention"] == "knockout") & (table["method"] == "random")]
@@ -83,9 +83,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
         ax.fill_between(b["k"].astype(float), b["ci_low"], b["ci_high"], color="gray", alpha=0.2)
         ax.set(xlabel="components ablated together (k)", ylabel=metric, title=metric.replace("_", " "))
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "fig_knockouts.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "fig_knockouts.png", dpi=120)
 
     layered = comps[comps["intervention"].isin(["ablate_layer", "ablate_mlp"])].copy()
     layered["layer"] = layered["component"].str.extract(r"L(\d+)", expand=False).astype(int)
@@ -104,9 +102,7 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     ax.axhline(PAPER_MAX_DROP_PP, color="gray", ls=":", lw=0.8, label="paper: up to 15 pp")
     ax.set(xlabel="layer", ylabel="accuracy drop (pp)", title="layer profile")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "fig_layer_profile.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "fig_layer_profile.png", dpi=120)
     return numbers(table, comps, ko)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .canvas import save
+
 MEMBERSHIP = ("neither", "first only", "second only", "both")
 COLOURS = ("#eeeeee", "#4c72b0", "#dd8452", "#55a868")
 
@@ -70,7 +72,5 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     fig.suptitle(f"{labels['a']}  vs  {labels['b']}", fontsize=8)
     fig.tight_layout()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "reuse.png", dpi=100)
-    plt.close(fig)
+    save(fig, out / "reuse.png", dpi=100, tight=False)
     return numbers

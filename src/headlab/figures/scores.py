@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..tables import head_name
+from .canvas import pyplot, save
 from .heads import FILE_UNSAFE
 
 PAIR = ("writer_layer", "writer_head")
@@ -84,7 +85,7 @@ def _masking(table: pd.DataFrame, path: Path) -> dict:
     numbers = {"recall_clean": float(bars.loc["clean", "value"]) if "clean" in bars.index else None}
     numbers["recall_top_masked"] = float(top["value"].iloc[0]) if len(top) else None
     numbers["recall_random_masked_mean"] = float(random["value"].mean()) if len(random) else None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(3.5, 0.5 * len(bars) + 1.5), 3.0))
     colours = ["grey" if g == "clean" else "tab:red" if g.startswith("top") else "tab:blue" for g in bars.index]
     errors = np.vstack([bars["value"] - bars["ci_low"], bars["ci_high"] - bars["value"]]).clip(min=0)
@@ -93,24 +94,12 @@ def _masking(table: pd.DataFrame, path: Path) -> dict:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("needle recall")
     ax.set_title("needle recall with heads masked", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
     return numbers
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _heatmap(mean: pd.Series, metric: str, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     layers, heads = int(mean.index.get_level_values(0).max()) + 1, int(mean.index.get_level_values(1).max()) + 1
     m = mean.unstack("head").reindex(index=range(layers), columns=range(heads)).to_numpy(float)
     fig, ax = plt.subplots(figsize=(max(3.5, 0.35 * heads + 1.8), max(2.0, 0.3 * layers + 1.2)))
@@ -128,14 +117,11 @@ def _heatmap(mean: pd.Series, metric: str, path: Path) -> None:
     ax.set_ylabel("layer")
     ax.set_title(f"{metric} per head", fontsize=9)
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
 
 
 def _pair_matrix(mean: pd.Series, metric: str, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     frame = mean.rename("value").reset_index()
     writers = sorted({(int(l), int(h)) for l, h in zip(frame[PAIR[0]], frame[PAIR[1]])})
     readers = sorted({(int(l), int(h)) for l, h in zip(frame["layer"], frame["head"])})
@@ -154,7 +140,4 @@ def _pair_matrix(mean: pd.Series, metric: str, path: Path) -> None:
     ax.set_ylabel("writer head")
     ax.set_title(f"{metric}: writer -> reader", fontsize=9)
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)

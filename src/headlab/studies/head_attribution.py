@@ -58,7 +58,7 @@ from ..config_rules import COUNT, NATURAL, Each, Matches, OneOf, setting
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
-from ..tables import head_name
+from ..tables import head_name, head_of
 from ..tasks import TaskData, build_task
 from .atlas_cards import example_prompt
 from .atlas_probes import AtlasOptions, cache_dir, probe_config, text_overrides
@@ -105,7 +105,7 @@ def parse_heads(names: list[str], model: HookedModel) -> list[tuple[int, int]]:
     """The heads named (the door has refused an empty list), each one the model has."""
     heads = []
     for name in names:
-        layer, head = (int(x) for x in name[1:].split("H"))
+        layer, head = head_of(name)  # the option's rule checked its form
         if layer >= model.n_layers or head >= model.n_heads:
             raise UsageError(
                 f"study.heads: {name} is not a head of {model.name} ({model.n_layers} layers x {model.n_heads} heads)"
@@ -221,6 +221,32 @@ def ranked(values: np.ndarray) -> np.ndarray:
     return rank
 
 
+def totals_rows(rows: Rows, base: dict, metric: str, column: str, labels: list[str], totals: torch.Tensor) -> list[str]:
+    """A row per label of its total over prompts (totals [B, len(labels)]) with its rank; returns the labels,
+    largest |mean| first."""
+    per = totals.T.double().cpu().numpy()
+    for c, rank in zip(range(len(labels)), ranked(per)):
+        rows.add({**base, "metric": metric, column: labels[c], "rank": int(rank)}, per[c])
+    return [labels[c] for c in np.argsort(-np.abs(per.mean(1)), kind="stable")]
+
+
+def top_terms_rows(
+    rows: Rows, base: dict, metric: str, columns: tuple[str, str], labels: tuple[list[str], list[str]], terms, top: int
+) -> None:
+    """Rows of the `top` terms (terms [B, a, b]) of largest |mean|, each named by its two labels (0: all)."""
+    flat = terms.flatten(1).T.double().cpu().numpy()  # [a * b, B]
+    for rank, index in enumerate(np.argsort(-np.abs(flat.mean(1)), kind="stable")[: top or None], 1):
+        i, j = divmod(int(index), len(labels[1]))
+        rows.add(
+            {**base, "metric": metric, columns[0]: labels[0][i], columns[1]: labels[1][j], "rank": rank}, flat[index]
+        )
+
+
+def sum_error(terms: torch.Tensor, total: torch.Tensor) -> float:
+    """How far the terms' sum [B] sits from the total [B], relative to the largest |total|."""
+    return float((terms.sum((1, 2)) - total).abs().max() / total.abs().max().clamp_min(1e-30))
+
+
 def qk_rows(
     rows: Rows,
     comps: qk.Components,
@@ -239,19 +265,12 @@ def qk_rows(
     rows.add({**base, "metric": "attention"}, comps.pattern[layer][batch, head, edge.queries, edge.keys])
     rows.add({**base, "metric": "qk_score"}, scores)
     sides = {"query": terms.sum(2), "key": terms.sum(1)}  # [B, n] each
-    top_side = {}
-    for side, totals in sides.items():
-        per = totals.T.double().cpu().numpy()
-        for c, rank in zip(range(len(names)), ranked(per)):
-            rows.add({**base, "metric": f"qk_{side}_total", f"{side}_component": names[c], "rank": int(rank)}, per[c])
-        top_side[side] = [names[c] for c in np.argsort(-np.abs(per.mean(1)), kind="stable")]
-    flat = terms.flatten(1).T.double().cpu().numpy()  # [n * n, B]
-    keep = np.argsort(-np.abs(flat.mean(1)), kind="stable")[: opts.top or None]
-    for rank, index in enumerate(keep, 1):
-        cq, ck = divmod(int(index), len(names))
-        label = {**base, "metric": "qk_term", "query_component": names[cq], "key_component": names[ck], "rank": rank}
-        rows.add(label, flat[index])
-    worst = float((terms.sum((1, 2)) - scores).abs().max() / scores.abs().max().clamp_min(1e-30))
+    top_side = {
+        side: totals_rows(rows, base, f"qk_{side}_total", f"{side}_component", names, totals)
+        for side, totals in sides.items()
+    }
+    top_terms_rows(rows, base, "qk_term", ("query_component", "key_component"), (names, names), terms, opts.top)
+    worst = sum_error(terms, scores)
     checked = []
     for side in qk.SIDES:
         for name in [c for c in top_side[side] if c != qk.BIAS][: opts.checks]:
@@ -292,18 +311,11 @@ def ov_rows(
     base["hook"] = f"blocks.{layer}.attn.hook_result"
     effect = ov.head_effect(comps, layer, head, reads, u)
     rows.add({**base, "metric": "ov_direct_effect"}, effect)
+    order = totals_rows(rows, base, "ov_component_total", "component", names, terms.sum(2))
+    totals_rows(rows, base, "ov_source_total", "source", sources, terms.sum(1))
+    top_terms_rows(rows, base, "ov_term", ("component", "source"), (names, sources), terms, opts.top)
+    worst = sum_error(terms, effect)
     per_component = terms.sum(2).T.double().cpu().numpy()
-    for c, rank in zip(range(len(names)), ranked(per_component)):
-        rows.add({**base, "metric": "ov_component_total", "component": names[c], "rank": int(rank)}, per_component[c])
-    per_source = terms.sum(1).T.double().cpu().numpy()
-    for s, rank in zip(range(len(sources)), ranked(per_source)):
-        rows.add({**base, "metric": "ov_source_total", "source": sources[s], "rank": int(rank)}, per_source[s])
-    flat = terms.flatten(1).T.double().cpu().numpy()
-    for rank, index in enumerate(np.argsort(-np.abs(flat.mean(1)), kind="stable")[: opts.top or None], 1):
-        c, s = divmod(int(index), len(sources))
-        rows.add({**base, "metric": "ov_term", "component": names[c], "source": sources[s], "rank": rank}, flat[index])
-    worst = float((terms.sum((1, 2)) - effect).abs().max() / effect.abs().max().clamp_min(1e-30))
-    order = [names[c] for c in np.argsort(-np.abs(per_component.mean(1)), kind="stable")]
     checked = []
     for name in [c for c in order if c != qk.BIAS][: opts.checks]:
         for held in (True, False):
@@ -568,7 +580,7 @@ def card_of(
     final = model.final_norm
     x = comps.trace.resid_final[0, query]
     with torch.no_grad():
-        held = qk.held_norm(final, x, final(x))
+        held = qk.held_norm(final, x, final(x), model.norm_offset)
     ids = comps.inputs["input_ids"][0]
     checked = {}
     if qk.norms_move(model):  # the query side's largest component taken out, the scales held and free

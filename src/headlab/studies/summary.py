@@ -31,16 +31,21 @@ def head_table(df: pd.DataFrame, max_rows: int) -> None:
     wide = wide.dropna(how="all").reset_index()
     metrics = [m for m in agg["metric"].unique()]
     clean = wide[wide["intervention"] == "none"]
+    scored = clean[clean["layer"].notna()]  # a score per head, measured on the clean run
+    clean = clean[clean["layer"].isna()]
     rest = wide[wide["intervention"] != "none"]
     title = f"{agg['model'].iloc[0]} on {agg['task'].iloc[0]} ({int(agg['n'].iloc[0])} prompts)"
-    if rest.empty and len(clean) > max_rows:  # scores per head: the heads that score highest
-        title += f": the {max_rows} of {len(clean)} heads with the largest {metrics[0]}"
-        clean = clean.nlargest(max_rows, metrics[0])
-    elif len(rest) > max_rows and len(clean):
-        key = metrics[0]
-        title += f": {max_rows} of {len(rest)} interventions, largest change in {key}"
+    notes = []
+    if len(scored) > max_rows:  # the heads that score highest
+        metric = next(m for m in metrics if scored[m].notna().any())
+        notes.append(f"the {max_rows} of {len(scored)} heads with the largest {metric}")
+        scored = scored.nlargest(max_rows, metric)
+    if len(rest) > max_rows and len(clean):
+        key = next((m for m in metrics if clean[m].notna().any() and rest[m].notna().any()), metrics[0])
+        notes.append(f"{max_rows} of {len(rest)} interventions, largest change in {key}")
         rest = rest.assign(_drop=(clean[key].iloc[0] - rest[key]).abs()).nlargest(max_rows, "_drop")
-    shown = pd.concat([clean, rest])
+    title += ": " + "; ".join(notes) if notes else ""
+    shown = pd.concat([clean, scored, rest])
     table = Table(title=title)
     for col in keys + metrics:
         table.add_column(col, justify="left" if col in ("intervention", "method") else "right", overflow="fold")

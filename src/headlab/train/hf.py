@@ -127,21 +127,9 @@ def train_hf(
         logits = sparse_logits(model, inputs, rows, cols)
         return torch.nn.functional.cross_entropy(logits, targets[rows, cols])
 
-    eval_data = task.build(tc.eval_prompts, seed=seed + 10_000)
-    step, curve, seconds = fit_loop(
-        f"train {model_cfg.name}",
-        model,
-        opt,
-        task,
-        tc,
-        seed,
-        directory,
-        loss_fn,
-        lambda: evaluate_hf(model, task, eval_data),
-        show_progress,
+    step, curve, seconds, final = fit_loop(
+        f"train {model_cfg.name}", model, opt, task, tc, seed, directory, loss_fn, evaluate_hf, show_progress
     )
-    model.eval()
-    final = evaluate_hf(model, task, eval_data)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # headlab's own bar already showed the training

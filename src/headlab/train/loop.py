@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ..config import option
 from ..io import has_state, load_state, optimizer_groups, optimizer_tensors, restore_optimizer, save_state
 from ..progress import progress_bar
-from ..tasks import Task
+from ..tasks import Task, TaskData
 from .options import LossPositions
 
 log = logging.getLogger("headlab")
@@ -55,10 +55,16 @@ def fit_loop(
     seed: int,
     directory: Path,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
-    eval_fn: Callable[[], dict[str, float]],
+    evaluate: Callable[[Any, Task, TaskData], dict[str, float]],
     show_progress: bool,
-) -> tuple[int, list[dict], float]:
-    """Train until tc.steps or the target metric, resuming from directory/state; (steps, curve, seconds)."""
+) -> tuple[int, list[dict], float, dict[str, float]]:
+    """Train until tc.steps or the target metric, resuming from directory/state, evaluating on
+    tc.eval_prompts prompts of their own seed; (steps, curve, seconds, the final evaluation, in eval mode)."""
+    eval_data = task.build(tc.eval_prompts, seed=seed + 10_000)
+
+    def eval_fn() -> dict[str, float]:
+        return evaluate(model, task, eval_data)
+
     step, elapsed = 0, 0.0
     curve: list[dict] = []
     if has_state(directory / STATE):
@@ -93,7 +99,9 @@ def fit_loop(
                 bar.update(step)
             if step % tc.checkpoint_every == 0 and step < tc.steps and not stop:
                 _save_state(directory / STATE, model, opt, step, curve, time.perf_counter() - started)
-    return step, curve, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    model.eval()
+    return step, curve, seconds, eval_fn()
 
 
 def _save_state(

@@ -42,10 +42,11 @@ def toy_config(model_cfg: ModelConfig, task: Task) -> ToyConfig:
 
 
 def evaluate(model: ToyTransformer, task: Task, data) -> dict[str, float]:
+    was_training = model.training
     model.eval()
     with torch.inference_mode():
         logits = model(data.inputs["input_ids"])
-    model.train()
+    model.train(was_training)
     return task.evaluate_logits(logits, data)
 
 
@@ -93,21 +94,9 @@ def _train_toy_transformer(
         logits = model(inputs)
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
-    eval_data = task.build(tc.eval_prompts, seed=seed + 10_000)
-    step, curve, seconds = fit_loop(
-        f"train {model_cfg.name}",
-        model,
-        opt,
-        task,
-        tc,
-        seed,
-        directory,
-        loss_fn,
-        lambda: evaluate(model, task, eval_data),
-        show_progress,
+    step, curve, seconds, final = fit_loop(
+        f"train {model_cfg.name}", model, opt, task, tc, seed, directory, loss_fn, evaluate, show_progress
     )
-    final = evaluate(model, task, eval_data)
-    model.eval()
     save_toy(
         model,
         directory,
