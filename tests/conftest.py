@@ -1,6 +1,18 @@
 from __future__ import annotations
 
-import contextlib
+from jaxtyping import install_import_hook
+
+# The shapes in headlab's types (jaxtyping) are checked at every call of these modules while the suite runs:
+# installed before anything imports headlab.
+SHAPED = [
+    "headlab.models.sites",
+    "headlab.models.hooked",
+    "headlab.analysis.qk_attribution",
+    "headlab.analysis.ov_attribution",
+]
+install_import_hook(SHAPED, "beartype.beartype")
+
+import contextlib  # noqa: E402
 import io
 import os
 import shutil

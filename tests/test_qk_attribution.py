@@ -457,7 +457,7 @@ def test_the_study_yaml_holds_the_options_defaults():
 
 
 def test_the_atlas_card_of_the_induction_head_names_the_previous_token_head_on_the_key_side():
-    from headlab.studies.head_attribution import attribution_cards
+    from headlab.studies.atlas_attribution import attribution_cards
 
     model, ids = induction_toy()
     cards = attribution_cards(model, ids[0], None)
@@ -494,7 +494,7 @@ PAGE_PROBE = """<script>
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_a_card_on_a_model_whose_norms_move_shows_its_largest_removal_held_and_free(family, gpt2_tokenizer):
-    from headlab.studies.head_attribution import attribution_cards
+    from headlab.studies.atlas_attribution import attribution_cards
 
     _, model = _random_model(family, gpt2_tokenizer)
     ids = torch.tensor(gpt2_tokenizer(" the cat sat on the mat and the cat sat on the")["input_ids"])
@@ -516,9 +516,9 @@ def test_the_atlas_page_shows_the_split_and_a_legend_for_every_code(tmp_path):
     import re
 
     from headlab.report.atlas_page import page
+    from headlab.studies.atlas_attribution import attribution_cards
     from headlab.studies.atlas_probes import rules
     from headlab.studies.atlas_rules import rule_texts
-    from headlab.studies.head_attribution import attribution_cards
     from test_report import CHROMIUM, chromium, script_error
 
     if CHROMIUM is None:
@@ -543,7 +543,8 @@ def test_the_atlas_page_shows_the_split_and_a_legend_for_every_code(tmp_path):
             for n, lab in labels.items()
         ]
     )
-    text = page(table, {**cards, "rules": rule_texts(rules()), "model": "toy-induction"})
+    codes = {rule.label: rule.code for rule in rules()}
+    text = page(table, {**cards, "rules": rule_texts(rules()), "codes": codes, "model": "toy-induction"})
     probed = tmp_path / "atlas.html"
     probed.write_text(text.replace("</body>", PAGE_PROBE + "</body>"))
     dom = chromium("--dump-dom", "--window-size=1200,900", probed.as_uri(), profile=tmp_path / "profile").stdout
@@ -558,3 +559,26 @@ def test_the_atlas_page_shows_the_split_and_a_legend_for_every_code(tmp_path):
     assert any(s.startswith("IND induction (1 of 4") for s in probe["legend"])
     assert any("sink (3 of 4, most heads: a mark" in s for s in probe["legend"])
     assert probe["maps"] == 3 and probe["width"] >= 0.9 * probe["page"]  # the grid uses the page
+
+
+def test_the_shapes_in_the_types_catch_transformerlenss_layout():
+    """q, k and v put the head axis before position (models/sites.py), where TransformerLens's hook_q puts it
+    after: the jaxtyping shapes, checked in the suite (conftest.py), refuse the other layout."""
+    from headlab.models.hooked import Trace
+
+    n, heads, kv, pos, d = 3, 4, 2, 5, 8
+    parts = dict(
+        names=["embed", "L0H0", "bias"],
+        q=torch.zeros(n, heads, pos, d),
+        k=torch.zeros(n, kv, pos, d),
+        v=torch.zeros(n, kv, pos, d),
+        clean_q=torch.zeros(heads, pos, d),
+        clean_k=torch.zeros(kv, pos, d),
+        clean_v=torch.zeros(kv, pos, d),
+        scale=d**-0.5,
+    )
+    assert qk.LayerParts(**parts).terms(1, 0, 4, 2).shape == (n, n)
+    with pytest.raises(TypeError):
+        qk.LayerParts(**{**parts, "q": parts["q"].transpose(1, 2)})  # [n, pos, head, d_head]
+    with pytest.raises(TypeError):
+        Trace(2, [torch.zeros(2, pos, 16)], [], torch.zeros(3, pos, 16))  # the batch differs

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..edges import postnorm
@@ -93,7 +94,9 @@ def answer_direction(comps: Components, task: Task, data: TaskData) -> tuple[Ten
     return adjoint(held, w), positions
 
 
-def ov_terms(comps: Components, parts: LayerParts, layer: int, head: int, b: int, query: int, u: Tensor) -> Tensor:
+def ov_terms(
+    comps: Components, parts: LayerParts, layer: int, head: int, b: int, query: int, u: Float[Tensor, " d_model"]
+) -> Float[Tensor, "n pos"]:
     """[n, T]: the direct effect (along u [d], a direction at the query's residual stream) of what component c
     wrote into the value at source j, as head `head` carries it to `query`: A_qj V_c(j) W_O[h] . u."""
     kv = comps.model.sites.kv_head_of(head)
@@ -104,7 +107,9 @@ def ov_terms(comps: Components, parts: LayerParts, layer: int, head: int, b: int
     return parts.v[:, kv] @ carried * weights[None, :]
 
 
-def ov_vectors(comps: Components, parts: LayerParts, layer: int, head: int, b: int, query: int) -> Tensor:
+def ov_vectors(
+    comps: Components, parts: LayerParts, layer: int, head: int, b: int, query: int
+) -> Float[Tensor, "n d_model"]:
     """[n, d]: each component's part of the head's output at `query` (what it adds to the residual stream),
     summed over the sources."""
     kv = comps.model.sites.kv_head_of(head)

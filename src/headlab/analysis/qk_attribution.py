@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..edges import postnorm
@@ -305,19 +306,19 @@ class LayerParts:
     "bias" row last), and the clean q, k, v the same block computes from the clean input."""
 
     names: list[str]
-    q: Tensor  # [n, H, T, d_head]: after the held norms and the model's rotary
-    k: Tensor  # [n, KV, T, d_head]
-    v: Tensor  # [n, KV, T, d_head]
-    clean_q: Tensor  # [H, T, d_head]
-    clean_k: Tensor  # [KV, T, d_head]
-    clean_v: Tensor  # [KV, T, d_head]
+    q: Float[Tensor, "n head pos d_head"]  # after the held norms and the model's rotary
+    k: Float[Tensor, "n kv pos d_head"]
+    v: Float[Tensor, "n kv pos d_head"]
+    clean_q: Float[Tensor, "head pos d_head"]
+    clean_k: Float[Tensor, "kv pos d_head"]
+    clean_v: Float[Tensor, "kv pos d_head"]
     scale: float
 
-    def terms(self, head: int, kv_head: int, query: int, key: int) -> Tensor:
+    def terms(self, head: int, kv_head: int, query: int, key: int) -> Float[Tensor, "n n"]:
         """[n, n]: scale * <Q_c(query), K_c'(key)>, query-side components down, key-side across."""
         return self.scale * self.q[:, head, query] @ self.k[:, kv_head, key].T
 
-    def score(self, head: int, kv_head: int, query: int, key: int) -> Tensor:
+    def score(self, head: int, kv_head: int, query: int, key: int) -> Float[Tensor, ""]:
         """The clean pre-softmax score (before any softcap)."""
         return self.scale * self.clean_q[head, query] @ self.clean_k[kv_head, key]
 

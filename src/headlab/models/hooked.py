@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..config_rules import DTYPES
@@ -45,11 +46,13 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclass
 class Trace:
     batch: int
-    resid_pre: list[Tensor]  # [batch, pos, d_model] entering each block (the first block's alone: see walk)
+    # entering each block (the first block's alone: see walk), positions inputs_from.. of the prompts
+    resid_pre: list[Float[Tensor, "batch _ d_model"]]
     block_extra: list[tuple[tuple, dict]]  # what else each block was called with (masks, rotary, ...)
-    resid_final: Tensor  # leaving the last block
-    kv: list[tuple[Tensor, Tensor]] | None = None  # per layer the clean keys and values, when kept
-    z: dict[int, Tensor] | None = None  # layer -> the clean z [batch, pos, head, d_head], when kept
+    resid_final: Float[Tensor, "batch pos d_model"]  # leaving the last block
+    # per layer the clean keys and values, when kept (path patching hands a layer one copy per query head)
+    kv: list[tuple[Float[Tensor, "batch _ _ d_head"], Float[Tensor, "batch _ _ d_head"]]] | None = None
+    z: dict[int, Float[Tensor, "batch _ head d_head"]] | None = None  # layer -> the clean z, when kept
     inputs_from: int = 0  # resid_pre and z hold positions inputs_from.. alone
     _expanded: dict = field(default_factory=dict)
 

@@ -19,7 +19,8 @@ TransformerLens hook function copied over indexes the wrong axis of q, k and v
   pattern:  [batch, head, query_pos, key_pos] -> same   (as hook_pattern)
   z:        [batch, pos, head, d_head]        -> same   (as hook_z: the input of the output projection)
 On a rotary model q and k are taken after the rotation, where TransformerLens has hook_rot_q and
-hook_rot_k.
+hook_rot_k. The shapes are in the types (jaxtyping) where tensors cross a module's border: W_QKV, W_O,
+Trace, the attribution's parts and terms; the suite checks them at every call (tests/conftest.py).
 
 A layer whose q, k, v and pattern are not edited, whose input is the clean one, need not compute its
 attention at all: `replayed` gives its output as the output projection of the clean z, after the z hook.
@@ -37,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from jaxtyping import Float
 from torch import Tensor, nn
 
 from ..vocabulary import ATTENTION_SITES, HEAD_SITES, Site
@@ -300,10 +302,14 @@ class HeadSites:
     def kv_head_of(self, head: int) -> int:
         return head // (self.n_heads // self.n_kv_heads)
 
-    def W_O(self, layer: int) -> Tensor:
+    def W_O(self, layer: int) -> Float[Tensor, "head d_head d_model"]:
         return self.w_o(layer)
 
-    def W_QKV(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+    def W_QKV(
+        self, layer: int
+    ) -> tuple[
+        Float[Tensor, "head d_model d_head"], Float[Tensor, "kv d_model d_head"], Float[Tensor, "kv d_model d_head"]
+    ]:
         """The layer's input weights in TransformerLens's orientation (x @ W), as stored: the norm before
         the attention, biases, rotary and q/k norms stay out, as in TransformerLens's weight scores."""
         if self.w_qkv is None:
