@@ -13,9 +13,7 @@ section (`train__steps=300`). Bad input raises the same one-line HeadlabError th
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from .config import Config
+from .discovery import load_plugins as load_plugins
 from .door import compose as compose_config
 from .door import compose_checked, group_options, option_overrides
 from .errors import UsageError
@@ -60,18 +59,6 @@ class RunResult:
     run_dir: Path
     skipped: bool
     config: Config
-
-
-def load_plugins() -> list[str]:
-    """Import the modules named in $HEADLAB_PLUGINS (comma-separated): a user's own tasks, studies and SAE
-    architectures, which register themselves as they are imported; `headlab` does this as it starts."""
-    names = [n.strip() for n in os.environ.get("HEADLAB_PLUGINS", "").split(",") if n.strip()]
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise UsageError(f"HEADLAB_PLUGINS: cannot import {name} ({e})") from None
-    return names
 
 
 def compose(*overrides: str) -> Config:

@@ -107,7 +107,7 @@ def _job(command: str, cfg: DictConfig) -> str:
     """One job of a multirun, wherever the launcher runs it; returns its status (done | skipped)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from .api import load_plugins
+    from .discovery import load_plugins
     from .studies import execute_run
     from .studies.registry import named_study
 
@@ -440,7 +440,7 @@ def _abort(reason: str, code: int) -> NoReturn:
 def main() -> None:
     try:
         with stop_on_signals():
-            from .api import load_plugins
+            from .discovery import load_plugins
             from .runtime import tune_allocator
 
             tune_allocator()

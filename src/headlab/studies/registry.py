@@ -10,13 +10,12 @@ refused in one line.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
 from ..config import Config, option
+from ..discovery import declared
 from ..errors import UsageError
 from .study import Study
 
@@ -28,13 +27,7 @@ REGISTERED: dict[str, Study] = {}  # studies from outside the package, by regist
 @cache
 def builtin() -> tuple[Study, ...]:
     """The studies of this package's modules, by name; imported on first use."""
-    package = importlib.import_module(__package__)
-    found = []
-    for module in pkgutil.iter_modules(package.__path__):
-        study = getattr(importlib.import_module(f"{__package__}.{module.name}"), "STUDY", None)
-        if isinstance(study, Study):
-            found.append(study)
-    return tuple(sorted(found, key=lambda s: s.name))
+    return tuple(sorted(declared(__package__, "STUDY"), key=lambda s: s.name))
 
 
 def studies() -> dict[str, Study]:

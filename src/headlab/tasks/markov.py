@@ -98,3 +98,6 @@ class MarkovTask(Task):
         orthogonal = white - along_label - along_common
         cfg = self.cfg
         return cfg.noise_label * along_label + cfg.noise_common * along_common + cfg.noise_orthogonal * orthogonal
+
+
+TASK = MarkovTask  # found by tasks/registry.py

@@ -398,3 +398,6 @@ def haystack_ids(path: str, tokenizer: Any) -> Tensor:
     if not ids:
         raise UsageError(f"task.haystack={path}: the file holds no text")
     return torch.tensor(ids, dtype=torch.long)
+
+
+TASK = NeedleTask  # found by tasks/registry.py

@@ -319,3 +319,6 @@ def _group_ids(groups: list[str | int | None]) -> Tensor | None:
 
 def _show(tokenizer: Any, token: int) -> str:
     return f"{token} ({short(tokenizer.decode([token]), 30)!r})"
+
+
+TASK = PromptsTask  # found by tasks/registry.py

@@ -387,3 +387,6 @@ class RecallReasoningTask(Task):
         targets[:n_recall, 3] = answers[0]
         targets[n_recall:, -1] = torch.cat(answers[1:])
         return ids, targets
+
+
+TASK = RecallReasoningTask  # found by tasks/registry.py

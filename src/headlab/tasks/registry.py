@@ -1,16 +1,14 @@
-"""Every task by name (`task=<name>`): each module of this package that defines a Task subclass with a
-`name` is a built-in task, found by its module alone; a task from outside the package (a plugin, a test)
+"""Every task by name (`task=<name>`): each module of this package that declares its Task subclass as `TASK`
+is a built-in task, found by its module alone (discovery.declared); a task from outside the package (a plugin, a test)
 enters with register(). A task's options are its class's `options` dataclass, which the door hands to
 Hydra as `task/base_<name>`, so adding a task is writing its module and its configs/task/<name>.yaml."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import pkgutil
 from functools import cache
 from typing import Any
 
+from ..discovery import declared
 from ..errors import UsageError
 from .base import Task
 
@@ -20,14 +18,7 @@ REGISTERED: dict[str, type[Task]] = {}  # tasks from outside the package, by reg
 @cache
 def builtin() -> dict[str, type[Task]]:
     """The tasks defined in this package's modules, imported on first use."""
-    package = importlib.import_module(__package__)
-    found: dict[str, type[Task]] = {}
-    for module in pkgutil.iter_modules(package.__path__):
-        loaded = importlib.import_module(f"{__package__}.{module.name}")
-        for _, cls in inspect.getmembers(loaded, inspect.isclass):
-            if issubclass(cls, Task) and cls.__module__ == loaded.__name__ and "name" in vars(cls):
-                found[cls.name] = cls
-    return found
+    return {task.name: task for task in declared(__package__, "TASK")}
 
 
 def registry() -> dict[str, type[Task]]:
