@@ -28,11 +28,11 @@ from ..models.hooked import HookedModel
 from ..report.atlas_page import page
 from ..tables import head_name
 from ..tasks import build_task
+from .atlas_attribution import atlas_probe as attribution_probe
 from .atlas_cards import attention_probe
 from .atlas_probes import AtlasOptions, Probe, cache_dir, partners, probe_config, probes, rules, scores
 from .atlas_rules import labelled, rule_texts
 from .context import RunContext
-from .head_attribution import atlas_probe as attribution_probe
 from .study import Study
 from .summary import console, head_table
 

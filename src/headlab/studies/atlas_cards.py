@@ -7,8 +7,8 @@ pattern on an example prompt, the tokens it attends to most and the tokens its O
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -17,11 +17,11 @@ import torch
 from .. import results
 from ..analysis.attention_stats import ATTENTION_QUANTITIES, attention_profile, example_patterns, logit_lens_top
 from ..analysis.scores import repeated_tokens
-from ..config import cache_key, run_info, to_plain
+from ..config import Config, cache_key, run_info, to_plain
 from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
 from ..tables import head_name
-from ..tasks import build_task, mean_of
+from ..tasks import TaskData, build_task, mean_of
 from ..vocabulary import Site, hook_name
 from .atlas_probes import ROW_COLUMNS, AtlasOptions, cache_dir, probe_config, text_overrides
 from .context import RunContext
@@ -37,6 +37,42 @@ def _token(model: HookedModel, token_id: int) -> str:
     return tok.decode([token_id]) if tok is not None else str(token_id)
 
 
+@dataclass
+class CardCache:
+    """Where a card probe (attention's, attribution's) is cached and how it draws its prompts."""
+
+    cfg: Config  # the probe's config: the text's documents where the model has a tokenizer, else its task
+    key: str
+    where: Path
+    cached: bool
+    context: RunContext  # draws the probe's prompts on the atlas's loaded model
+    text: bool  # the prompts are the text's (the model has a tokenizer)
+
+    def first_document(self, data: TaskData) -> torch.Tensor | None:
+        """The first prompt's real tokens, where the prompts are the text's (the example prompt's source)."""
+        if not self.text:
+            return None
+        first, real = data.inputs["input_ids"][0], data.inputs.get("attention_mask")
+        return (first if real is None else first[real[0].bool()]).cpu()
+
+
+def card_cache(
+    ctx: RunContext, model: HookedModel, options: AtlasOptions, name: str, version: int | None, marker: str | None
+) -> CardCache:
+    """The set-up both card probes share: their config, their cache key (the model, training, task and seed,
+    and the probe's `version` of what its cards hold), the folder output.root/atlas/<model>/<name>-<key>,
+    whether it holds a complete result (`marker`, a file the probe writes last; None: results.is_complete)."""
+    text = model.tokenizer is not None
+    cfg = probe_config(ctx.cfg, text_overrides(options, 0) if text else [])
+    plain = to_plain(cfg)
+    parts = {k: plain[k] for k in ("model", "train", "task", "seed")}
+    key = cache_key(parts if version is None else {**parts, "probe": f"{name}-{version}"})
+    where = cache_dir(ctx.cfg, name, key)
+    cached = (where / marker).is_file() if marker else results.is_complete(where)
+    ctx.meta.setdefault("probes", {})[name] = {"dir": str(where), "cached": cached}
+    return CardCache(cfg, key, where, cached, RunContext(cfg, where, task=build_task(cfg.task), model=model), text)
+
+
 def example_prompt(model: HookedModel, first_document: torch.Tensor | None, seed: int) -> torch.Tensor:
     """A short stretch of the text repeated once (natural text, and a repeat for previous-token, duplicate
     and induction heads to show); random ordinary tokens repeated for a model without tokenizer."""
@@ -46,14 +82,12 @@ def example_prompt(model: HookedModel, first_document: torch.Tensor | None, seed
     return torch.cat([part, part])
 
 
-def cards_of(model: HookedModel, data: Any, tokenizer_text: bool, seed: int) -> tuple[np.ndarray, dict]:
+def cards_of(
+    model: HookedModel, data: TaskData, first_document: torch.Tensor | None, seed: int
+) -> tuple[np.ndarray, dict]:
     """Per-prompt ATTENTION_QUANTITIES [heads, prompts, 2] and the cards' JSON."""
     profile = attention_profile(model, data)
-    real = data.inputs.get("attention_mask")
-    first = data.inputs["input_ids"][0]
-    if real is not None:
-        first = first[real[0].bool()]
-    ids = example_prompt(model, first.cpu() if tokenizer_text else None, seed)
+    ids = example_prompt(model, first_document, seed)
     patterns = example_patterns(model, ids)  # [heads, pos, pos]
     values, written = logit_lens_top(model, profile.output.float(), TOP_TOKENS)
     share = profile.received / profile.received.sum(-1, keepdim=True).clamp(min=1e-30)
@@ -80,19 +114,15 @@ def attention_probe(
     ctx: RunContext, model: HookedModel, options: AtlasOptions, wanted: set[str]
 ) -> tuple[pd.DataFrame, dict]:
     """The wanted ATTENTION_QUANTITIES' atlas rows and the cards, from the cache where they were computed."""
-    text = model.tokenizer is not None
-    cfg = probe_config(ctx.cfg, text_overrides(options, 0) if text else [])
-    plain = to_plain(cfg)
-    key = cache_key({k: plain[k] for k in ("model", "train", "task", "seed")})
-    where = cache_dir(ctx.cfg, "attention", key)
-    ctx.meta.setdefault("probes", {})["attention"] = {"dir": str(where), "cached": results.is_complete(where)}
-    if results.is_complete(where):
+    cache = card_cache(ctx, model, options, "attention", None, None)
+    cfg, where = cache.cfg, cache.where
+    if cache.cached:
         table = results.conform(pd.read_parquet(Path(where) / results.TABLE))  # one cached before the hook column
         cards = json.loads((Path(where) / CARDS).read_text())
     else:
-        inner = RunContext(cfg, where, task=build_task(cfg.task), model=model)
+        inner = cache.context
         data = inner.get_data()
-        quantities, cards = cards_of(model, data, text, cfg.seed)
+        quantities, cards = cards_of(model, data, cache.first_document(data), cfg.seed)
         labels = [
             {
                 "intervention": "none",
@@ -109,7 +139,7 @@ def attention_probe(
         table = results.tidy(info, labels, quantities, ATTENTION_QUANTITIES, {}, metrics, n_boot=cfg.output.n_boot)
         Path(where).mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(Path(where) / CARDS, json.dumps(cards).encode())  # before meta.json marks it complete
-        results.write(table, where, results.run_meta(key, inner.timings, {"study": "atlas attention"}))
+        results.write(table, where, results.run_meta(cache.key, inner.timings, {"study": "atlas attention"}))
     keep = [name for name, score in SCORE_NAMES.items() if score in wanted]
     rows = table.loc[table["metric"].isin(keep), ROW_COLUMNS].assign(probe="attention", probe_task=cfg.task.name)
     return rows, cards
