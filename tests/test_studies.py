@@ -78,7 +78,7 @@ def test_the_study_a_config_names(overrides, study):
 
 def test_study_circuit_alone_runs_eap_ig():
     cfg = compose(["study=circuit"])
-    assert cfg.study.method.value == "eap_ig" and cfg.study.ig_steps_from is None  # each method's authors' k
+    assert cfg.study.method == "eap_ig" and cfg.study.ig_steps_from is None  # each method's authors' k
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,8 @@ def _draw_one(table: pd.DataFrame, out: Path) -> dict:
         numbers[f"top_value_{metric}"] = float(mean.max())
         if metric == "retrieval_score":
             numbers["share_above_0.1_retrieval_score"] = float((mean > RETRIEVAL_HEAD).mean())
+            numbers["heads_above_0.1_retrieval_score"] = int((mean > RETRIEVAL_HEAD).sum())
+            numbers["n_heads"] = len(mean)
         _heatmap(mean, str(metric), out / f"score_{FILE_UNSAFE.sub('_', str(metric))}.png")
     for metric, cells in rows[paired].groupby("metric", sort=False):
         mean = cells.groupby([*PAIR, "layer", "head"])["value"].mean()

@@ -510,7 +510,46 @@ def attn_sae_layers(numbers: Numbers) -> str:
     return "\n".join(lines)
 
 
+# --- retrieval heads ------------------------------------------------------------------------------------
+
+
+def retrieval_models(numbers: Numbers) -> str:
+    """`reproduce retrieval_wu`: each model's retrieval heads and its needle recall with heads masked, beside
+    Wu et al.'s findings."""
+    models = {k: v for k, v in numbers.items() if isinstance(v, dict) and "n_heads" in v}
+    lines = [header("", *models, "Wu et al. (2404.15574)")]
+
+    def per_model(label: str, cell: Callable[[Numbers], str], paper: str = "") -> None:
+        lines.append(row(label, *(cell(n) for n in models.values()), paper))
+
+    per_model(
+        "heads scoring above 0.1 (share of all heads)",
+        lambda n: (
+            f"{fmt(n.get('heads_above_0.1_retrieval_score'))} of {fmt(n.get('n_heads'))} "
+            f"({fmt(100 * (n.get('share_above_0.1_retrieval_score') or 0), 1)}%)"
+        ),
+        "3-6% of the heads of 6B-14B models",
+    )
+    per_model(
+        "strongest head (its score)",
+        lambda n: f"{n.get('top_head_retrieval_score', '')} ({fmt(n.get('top_value_retrieval_score'))})",
+    )
+    per_model("needle recall (ROUGE-1 on words), clean", lambda n: fmt(n.get("recall_clean")))
+    per_model(
+        "... with the top retrieval heads masked while decoding",
+        lambda n: fmt(n.get("recall_top_masked")),
+        "falls (the needle is lost)",
+    )
+    per_model(
+        "... with as many random heads masked (mean of the draws)",
+        lambda n: fmt(n.get("recall_random_masked_mean")),
+        "stays near clean",
+    )
+    return "\n".join(lines)
+
+
 TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
+    ("retrieval_wu", "models"): retrieval_models,
     ("attn_sae", "layers"): attn_sae_layers,
     ("attn_sae_smollm2", "layers"): attn_sae_layers,
     ("attn_sae_smollm2-gemma3-270m", "layers"): attn_sae_layers,
