@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)[ \t]*(?P<info>[^\n`]*)$")
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
-PASS_THROUGH = ("run", "train", "sae", "atlas", "check")
+PASS_THROUGH = ("run", "train", "sae", "atlas", "check", "plan")
 PLACEHOLDER = "..."  # "and the rest of your overrides", as a command line in prose writes it
 
 
@@ -148,14 +148,14 @@ def validate(command: Command) -> None:
             overrides = ["study=atlas", *overrides]
             if params.get("scores"):
                 overrides.append(f"++study.scores=[{params['scores']}]")
-        run_as = "run" if name in ("atlas", "check") else name
+        run_as = "run" if name in ("atlas", "check", "plan") else name
         if params.get("multirun"):
             door.validate_overrides(
                 overrides, lambda cfg, chosen: study_for(run_as, cfg, named_study(door.expand_short_forms(chosen)))
             )
         else:
             _, cfg = door.compose_checked(overrides, hydra_config=True, device=False)
-            if name != "check":
+            if name not in ("check",):
                 study_for(run_as, cfg, named_study(door.expand_short_forms(overrides)))
     elif name == "reproduce" and params.get("name"):
         chosen = reproduce.get(params["name"])

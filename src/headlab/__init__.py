@@ -12,6 +12,7 @@ from .api import compose as compose
 from .api import execute as execute
 from .api import load_model as load_model
 from .api import load_task as load_task
+from .api import plan as plan
 from .api import reuse as reuse
 from .api import run as run
 from .api import scores as scores

@@ -33,7 +33,8 @@ from .io import atomic_write_bytes
 from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .models.loading import ModelConfig, ModelKind
-from .studies.context import RunContext, apply_threads
+from .planning import Plan, plan_prompts
+from .studies.context import EVAL_SEED_OFFSET, RunContext, apply_threads
 from .studies.registry import get as get_study
 from .studies.registry import named_study, resolve
 from .studies.runner import execute_run, run_in_memory
@@ -578,6 +579,21 @@ def _unused(run_dir: Path) -> Path:
         n += 1
         candidate = run_dir.with_name(f"{run_dir.name}-{n}")
     return candidate
+
+
+def plan(*overrides: str) -> Plan:
+    """What `headlab run <overrides>` will need, said before any weights are read (planning.py): peak host
+    memory (weights, the clean caches, the engine's working chunk, this process) and, for study=sweep, its
+    time on this machine.
+
+    Example:
+        ```python
+        print("\\n".join(headlab.plan("model=smollm2-135m", "task=ioi", "ablate=heads").lines()))
+        ```
+    """
+    cfg = compose_config(overrides)
+    apply_threads(cfg)
+    return plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
 
 
 def run(*overrides: str, command: str = "run", show_progress: bool = False) -> RunResult:

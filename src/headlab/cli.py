@@ -257,6 +257,15 @@ def check(ctx: typer.Context) -> None:
         raise SystemExit(1)
 
 
+@app.command(context_settings=PASS_THROUGH)
+def plan(ctx: typer.Context) -> None:
+    """What a run will need, before any weights are read: `headlab plan model=smollm2-135m task=ioi`."""
+    from . import api
+
+    for line in api.plan(*ctx.args).lines():
+        out.print(line, highlight=False, soft_wrap=True)
+
+
 @app.command("list")
 def list_(group: str | None = typer.Argument(None, help="One of: " + ", ".join(GROUPS))) -> None:
     """List config groups and their options."""

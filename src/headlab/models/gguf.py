@@ -151,11 +151,16 @@ def sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
+def copy_dir(weights: GGUFWeights, digest: str | None = None) -> Path:
+    """Where the float32 copy of `weights` is kept in the per-user cache (made or not)."""
+    return cache_dir() / "weights" / f"{weights.file.stem}-{(digest or sha256(weights.file))[:12]}"
+
+
 def converted(weights: GGUFWeights) -> tuple[Path, dict[str, Any]]:
     """The float32 safetensors directory of `weights` in the per-user cache (made now where missing; one
     process converts while others wait), and its provenance: package, version, file, sha256."""
     digest = sha256(weights.file)
-    directory = cache_dir() / "weights" / f"{weights.file.stem}-{digest[:12]}"
+    directory = copy_dir(weights, digest)
     if not (directory / PROVENANCE).is_file():
         _writable(directory.parent)
         with FileLock(str(directory) + ".lock"):

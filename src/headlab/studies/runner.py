@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +18,7 @@ from .. import results
 from ..config import Config
 from ..errors import UsageError
 from ..io import atomic_write_bytes
+from ..planning import TIMED, measured, predict, rss_mb, shape_of_model
 from .context import RunContext, apply_threads
 from .registry import study_for
 from .study import Study
@@ -60,7 +62,13 @@ def execute_run(
     threads = apply_threads(cfg)
     ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg), threads=threads)
     ctx.meta["threads"] = threads.as_meta()
+    baseline, started = rss_mb(), time.perf_counter()
     df = study.run(ctx)
+    if study.name in TIMED and ctx.model is not None:  # its plan beside what it measured: each run checks it
+        seconds = time.perf_counter() - started
+        data = ctx.get_data()
+        plan = predict(cfg, shape_of_model(ctx.model), data, data.positions.shape[1], baseline)
+        ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(study.hash(cfg), ctx.timings, {"study": study.name, **ctx.meta}))
     # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
     # merged into one numbers.json, which an earlier config's run in this dir must not seed

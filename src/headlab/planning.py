@@ -1,0 +1,263 @@
+"""`headlab plan`: what a run will need, said before any weights are read.
+
+From the shapes alone (the model's config, its parameters counted on torch's meta device, the run's own
+prompts built with the model's tokenizer) and a fraction of a second measuring this machine:
+  weights   parameters x the run's dtype (a GGUF model runs dequantised to float32)
+  caches    what a sweep keeps of the clean run: every block's input, the final residual stream
+            [prompts, tokens, d_model] and each layer's keys and values
+  working   the engine's chunk: engine.chunk_mb of a block's widest activation, WORKING_COPIES of it alive
+            at once, and the readout's logits (chunk_mb of them, one prompt's at least) and log-softmax
+  baseline  this process before the model loads (Python, torch, transformers), measured
+  time      study=sweep: the matrix-product FLOPs of its stacked passes (each intervention runs the blocks
+            from its layer on, the clean run all of them, each reads the logits at the read positions)
+            over this machine's float32 matmul rate at the blocks' shape (measured now, SWEEP_EFFICIENCY of
+            it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
+            model (LOAD_FIXED_S and the weights at LOAD_MB_S). Other studies: no time model yet, said so.
+Every sweep run writes its plan beside what it measured (meta.json `plan`, `measured`), so each run checks
+the prediction; benchmarks/plan_accuracy.py prints the ratios.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from .config import Config, option
+from .errors import HeadlabError, UsageError
+
+MB = 2**20
+# a block's activations alive at once per chunk, in units of engine.chunk_mb (its widest: edits.copy_bytes),
+# fitted to smollm2-135m's sweeps on IOI and text (benchmarks/plan_accuracy.py)
+WORKING_COPIES = 7
+SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine keeps on a CPU
+# loading: building the model and reading its float32 weights (a GGUF model's copy in the cache)
+LOAD_FIXED_S, LOAD_MB_S = 2.0, 400.0
+TIMED = ("sweep",)  # the studies with a time model
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan reads of a model: its sizes and its parameter count."""
+
+    n_layers: int
+    n_heads: int
+    n_kv: int
+    d_head: int
+    d_model: int
+    d_mlp: int
+    vocab: int
+    gated: bool  # a gated MLP (three projections; GPT-2's has two)
+    params: int
+    itemsize: int  # bytes per parameter as the run holds them
+    window: int | None = None  # the sliding window of the layers that have one
+    sliding: tuple[bool, ...] = ()  # per layer: has a sliding window
+
+
+@dataclass
+class Plan:
+    study: str
+    model: str
+    params: int
+    prompts: int
+    tokens: int
+    weights_mb: float
+    caches_mb: float
+    working_mb: float
+    baseline_mb: float
+    peak_host_mb: float
+    interventions: int | None = None
+    gflop: float | None = None
+    matmul_gflops: float | None = None
+    seconds: float | None = None
+    note: str = ""
+
+    def lines(self) -> list[str]:
+        out = [
+            f"plan: study={self.study} on {self.model} ({self.params / 1e6:.1f}M parameters), "
+            f"{self.prompts} prompts of {self.tokens} tokens",
+            f"peak host memory: {self.peak_host_mb:,.0f} MB (weights {self.weights_mb:,.0f}, caches "
+            f"{self.caches_mb:,.0f}, working {self.working_mb:,.0f}, this process before loading "
+            f"{self.baseline_mb:,.0f})",
+        ]
+        if self.seconds is not None:
+            out.append(
+                f"time: {self.seconds:,.0f} s ({self.interventions} interventions, {self.gflop:,.0f} GFLOP at "
+                f"{self.matmul_gflops:.0f} GFLOP/s measured x {SWEEP_EFFICIENCY})"
+            )
+        if self.note:
+            out.append(self.note)
+        return out
+
+    def as_meta(self) -> dict[str, Any]:
+        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, MB."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / MB
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, MB (ru_maxrss: KB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (MB if sys.platform == "darwin" else 1024)
+
+
+def shape_of_config(config: Any, params: int, itemsize: int) -> Shape:
+    """A Hugging Face config's sizes."""
+    heads = config.num_attention_heads
+    layers = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    return Shape(
+        n_layers=layers,
+        n_heads=heads,
+        n_kv=getattr(config, "num_key_value_heads", None) or heads,
+        d_head=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        d_model=config.hidden_size,
+        d_mlp=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size,
+        vocab=config.vocab_size,
+        gated=config.model_type not in ("gpt2", "gpt_neox"),
+        params=params,
+        itemsize=itemsize,
+        window=getattr(config, "sliding_window", None),
+        sliding=tuple(kind == "sliding_attention" for kind in kinds),
+    )
+
+
+def hf_source(cfg: Config) -> tuple[str, dict[str, Any]]:
+    """(a directory, from_pretrained's extra arguments) holding the model's config and tokenizer, no weights
+    read: the model's path, a GGUF model's float32 copy in the cache, else its GGUF file's header."""
+    m = cfg.model
+    if not m.gguf_file:
+        if not m.path:
+            raise HeadlabError(f"plan: model {m.name} has no path to read its shapes from")
+        return m.path, {}
+    from .models import gguf
+
+    weights = gguf.locate(m.gguf_file, m.path, m.package, m.gguf_parts, m.sha256)
+    copy = gguf.copy_dir(weights)
+    if (copy / gguf.PROVENANCE).is_file():
+        return str(copy), {}
+    return str(weights.file.parent), {"gguf_file": weights.file.name}
+
+
+def hf_shape(cfg: Config) -> tuple[Shape, Any]:
+    """The model's shape (its parameters counted on the meta device) and its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where, extra = hf_source(cfg)
+    try:
+        config = AutoConfig.from_pretrained(where, **extra)
+    except Exception as e:  # transformers raises OSError, ValueError or the hub's errors by cause
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise HeadlabError(f"plan: cannot read the config of {cfg.model.name} at {where}: {first}"[:200]) from e
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or where, **({} if cfg.model.tokenizer else extra))
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size()
+    return shape_of_config(config, params, itemsize), tokenizer
+
+
+def layer_flops(s: Shape, rows: int, tokens: int, layer: int) -> float:
+    """Matrix-product FLOPs of one block over `rows` prompts of `tokens` positions: the q, k, v and output
+    projections, the scores and the weighted sum over the causal keys (within a sliding window), the MLP."""
+    per_token = 2 * s.d_model * (s.n_heads + 2 * s.n_kv) * s.d_head + 2 * s.n_heads * s.d_head * s.d_model
+    per_token += 2 * s.d_model * s.d_mlp * (3 if s.gated else 2)
+    reach = s.window if s.sliding and s.sliding[layer] and s.window else tokens
+    pairs = sum(min(q + 1, reach) for q in range(tokens))
+    return rows * (tokens * per_token + 4 * s.n_heads * s.d_head * pairs)
+
+
+def sweep_gflop(cfg: Config, s: Shape, rows: int, tokens: int, reads: int) -> tuple[int, float]:
+    """(interventions, GFLOP) of study=sweep's stacked passes: each intervention runs the blocks from its
+    layer on (the clean run all of them) and reads the logits at `reads` positions a prompt."""
+    from .interventions.plan import plan
+
+    ones = {layer: [1.0] * s.n_heads for layer in range(s.n_layers)}  # the uniform sweep's scales: shapes only
+    interventions = plan(cfg, s.n_layers, s.n_heads, ones, {})
+    blocks = [layer_flops(s, rows, tokens, layer) for layer in range(s.n_layers)]
+    from_layer = [sum(blocks[layer:]) for layer in range(s.n_layers)]
+    logits = rows * reads * 2 * s.d_model * s.vocab
+    total = sum(from_layer[min(iv.layer or 0, s.n_layers - 1)] + logits for iv in interventions)
+    return len(interventions), total / 1e9
+
+
+def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3) -> float:
+    """This machine's float32 rate (GFLOP/s) on the blocks' widest product, [rows, d_model] @ [d_model, d_mlp],
+    with the threads torch has now."""
+    a, b = torch.randn(max(rows, 64), s.d_model), torch.randn(s.d_model, s.d_mlp)
+    torch.matmul(a, b)
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.matmul(a, b)
+        count += 1
+    return 2 * a.shape[0] * s.d_model * s.d_mlp * count / elapsed / 1e9
+
+
+def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float) -> Plan:
+    """The plan of `cfg` on a model of shape `s` and these prompts (TaskData)."""
+    rows, tokens = data.inputs["input_ids"].shape
+    study = cfg.study.name
+    weights = s.params * s.itemsize / MB
+    activation = rows * tokens * s.d_model * 4  # float32 activations, whatever the weights' dtype
+    caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
+    chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
+    # the readout holds chunk_mb of logits, one prompt's at least, and their log-softmax beside them
+    logits = 2 * max(cfg.engine.chunk_mb, reads * s.vocab * 4 / MB)
+    working = WORKING_COPIES * cfg.engine.chunk_mb + logits
+    plan = Plan(
+        study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb,
+        baseline_mb + weights + caches + working,
+    )  # fmt: skip
+    if study not in TIMED:
+        plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
+        return plan
+    plan.interventions, plan.gflop = sweep_gflop(cfg, s, rows, tokens, reads)
+    plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
+    plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
+    return plan
+
+
+def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:
+    """`headlab plan`: the run's plan, no weights read (a pretrained model, by path or GGUF file), on the
+    prompts `task` builds at `seed` with the model's tokenizer."""
+    if option(cfg.model.kind) != "hf":
+        kind = option(cfg.model.kind)
+        raise UsageError(f"plan: model {cfg.model.name} is built here ({kind}): plan a pretrained one")
+    baseline = rss_mb()
+    shape, tokenizer = hf_shape(cfg)
+    stand_in = SimpleNamespace(tokenizer=tokenizer, vocab_size=shape.vocab, module=None, name=cfg.model.name)
+    data = task.build(cfg.task.n_prompts, seed=seed, model=stand_in)
+    return predict(cfg, shape, data, data.positions.shape[1], baseline)
+
+
+def measured(plan: Plan, seconds: float) -> dict[str, Any]:
+    """What a run measured, beside its plan's prediction: seconds and peak host memory, and their ratios."""
+    peak = peak_rss_mb()
+    out: dict[str, Any] = {"seconds": round(seconds, 2), "peak_host_mb": round(peak, 1)}
+    out["peak_host_ratio"] = round(plan.peak_host_mb / peak, 3)
+    if plan.seconds:
+        out["seconds_ratio"] = round(plan.seconds / seconds, 3)
+    return out
+
+
+def shape_of_model(model: Any) -> Shape:
+    """A loaded model's shape (HookedModel): its Hugging Face config's where it has one, else its sites'."""
+    params = sum(p.numel() for p in model.module.parameters())
+    itemsize = next(model.module.parameters()).element_size()
+    config = getattr(model.module, "config", None)
+    if config is not None and hasattr(config, "num_hidden_layers"):
+        return shape_of_config(config, params, itemsize)
+    sites = model.sites
+    return Shape(
+        model.n_layers, model.n_heads, sites.n_kv_heads, sites.d_head, sites.d_model, model.width,
+        int(model.vocab_size or 0), False, params, itemsize,
+    )  # fmt: skip

@@ -1,0 +1,63 @@
+"""`headlab plan` (planning.py): a run's needs said before any weights are read. The sweep's FLOP model is
+held to torch's own count of what the engine executes; the plan is written beside what each sweep run
+measured; models built here are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.utils.flop_counter import FlopCounterMode
+
+import headlab
+from conftest import error_line, run_headlab
+from headlab.planning import shape_of_model, sweep_gflop
+from headlab.studies.context import EVAL_SEED_OFFSET
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_hf_dir, gpt2_tokenizer, tmp_path_factory):
+    """A tiny random Llama with GPT-2's tokenizer beside it, as a user's saved model would be."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("llama-with-tokenizer")
+    AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama")).save_pretrained(path)
+    gpt2_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("ablate", ["heads", "layers"])
+def test_the_sweeps_flops_are_what_the_engine_executes(llama_dir, ablate):
+    model = headlab.load_model(str(llama_dir))
+    task = headlab.load_task("ioi", n_prompts=8)
+    with FlopCounterMode(display=False) as counter:
+        headlab.sweep(model, task, ablate=ablate, n_boot=0)
+    cfg = headlab.compose("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", f"ablate={ablate}")
+    data = task.build(8, EVAL_SEED_OFFSET, model)
+    n, gflop = sweep_gflop(cfg, shape_of_model(model), 8, data.inputs["input_ids"].shape[1], data.positions.shape[1])
+    assert n == 1 + (model.n_layers * model.n_heads if ablate == "heads" else model.n_layers)
+    assert 0.85 < gflop / (counter.get_total_flops() / 1e9) < 1.2
+
+
+def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir, tmp_path):
+    args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "ablate=heads")
+    said = run_headlab("plan", *args, cwd=tmp_path)
+    assert said.returncode == 0, said.stderr
+    assert "peak host memory" in said.stdout and "time:" in said.stdout and "interventions" in said.stdout
+    plan = headlab.plan(*args)
+    model = headlab.load_model(str(llama_dir))
+    params = sum(p.numel() for p in model.module.parameters())
+    assert plan.params == params and plan.weights_mb == pytest.approx(params * 4 / 2**20)
+    assert plan.prompts == 8 and plan.seconds is not None and plan.seconds > 0
+    ran = run_headlab("run", *args, "output.n_boot=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["plan"]["gflop"] == pytest.approx(plan.gflop, abs=0.01) and meta["plan"]["params"] == params
+    assert meta["measured"]["peak_host_mb"] > 0 and 0.3 < meta["measured"]["peak_host_ratio"] < 3
+    circuit = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=eap")
+    assert circuit.seconds is None and "no time model for study=circuit" in circuit.note
+
+
+def test_a_model_built_here_is_refused_in_one_line(tmp_path):
+    refused = run_headlab("plan", "model=toy-attn-1l", cwd=tmp_path)
+    assert refused.returncode == 2 and "plan a pretrained one" in error_line(refused)
