@@ -86,6 +86,10 @@ profile: $(STAMP)  # where the time of reproduce ioi (both models) and of the at
 threads-bench: $(STAMP)  # a run beside a busy process: headlab's own thread count against threads=1 and torch's default
 	$(BIN)/python benchmarks/threads_busy.py
 
+.PHONY: plan-bench
+plan-bench: $(STAMP)  # headlab plan against what each sweep measured (smollm2-135m, gemma3-270m): docs/benchmarks/plan_accuracy.txt, ~10 min
+	$(BIN)/python benchmarks/plan_accuracy.py --out docs/benchmarks/plan_accuracy.txt
+
 .PHONY: atlas-pictures
 atlas-pictures: $(STAMP)  # README's and the docs' atlas pictures from fresh atlases (needs chromium), with their seconds
 	rm -f docs/benchmarks/atlas_pictures.txt

@@ -6,8 +6,11 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
   caches    what a sweep keeps of the clean run: every block's input, the final residual stream
             [prompts, tokens, d_model] and each layer's keys and values
   working   the engine's chunk: engine.chunk_mb of a block's widest activation, WORKING_COPIES of it alive
-            at once, and the readout's logits (chunk_mb of them, one prompt's at least) and log-softmax
+            at once, and the readout's logits (chunk_mb of them, one prompt's at least) with their log-softmax
+            and its exponent
   baseline  this process before the model loads (Python, torch, transformers), measured
+  tokenizer the model's tokenizer, measured as `headlab plan` loads it (a run's own plan: TOKENIZER_KB a
+            vocabulary entry; Gemma's 262,144 entries hold about 300 MB)
   time      study=sweep: the matrix-product FLOPs of its stacked passes (each intervention runs the blocks
             from its layer on, the clean run all of them, each reads the logits at the read positions)
             over this machine's float32 matmul rate at the blocks' shape (measured now, SWEEP_EFFICIENCY of
@@ -33,11 +36,12 @@ from .errors import HeadlabError, UsageError
 
 MB = 2**20
 # a block's activations alive at once per chunk, in units of engine.chunk_mb (its widest: edits.copy_bytes),
-# fitted to smollm2-135m's sweeps on IOI and text (benchmarks/plan_accuracy.py)
+# fitted to the sweeps of benchmarks/plan_accuracy.py (smollm2-135m and gemma3-270m, IOI and text)
 WORKING_COPIES = 7
 SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine keeps on a CPU
 # loading: building the model and reading its float32 weights (a GGUF model's copy in the cache)
 LOAD_FIXED_S, LOAD_MB_S = 2.0, 400.0
+TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
 TIMED = ("sweep",)  # the studies with a time model
 
 
@@ -70,6 +74,7 @@ class Plan:
     caches_mb: float
     working_mb: float
     baseline_mb: float
+    tokenizer_mb: float
     peak_host_mb: float
     interventions: int | None = None
     gflop: float | None = None
@@ -82,8 +87,8 @@ class Plan:
             f"plan: study={self.study} on {self.model} ({self.params / 1e6:.1f}M parameters), "
             f"{self.prompts} prompts of {self.tokens} tokens",
             f"peak host memory: {self.peak_host_mb:,.0f} MB (weights {self.weights_mb:,.0f}, caches "
-            f"{self.caches_mb:,.0f}, working {self.working_mb:,.0f}, this process before loading "
-            f"{self.baseline_mb:,.0f})",
+            f"{self.caches_mb:,.0f}, working {self.working_mb:,.0f}, tokenizer {self.tokenizer_mb:,.0f}, this "
+            f"process before loading {self.baseline_mb:,.0f})",
         ]
         if self.seconds is not None:
             out.append(
@@ -202,7 +207,7 @@ def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3) -> float:
     return 2 * a.shape[0] * s.d_model * s.d_mlp * count / elapsed / 1e9
 
 
-def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float) -> Plan:
+def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, tokenizer_mb: float) -> Plan:
     """The plan of `cfg` on a model of shape `s` and these prompts (TaskData)."""
     rows, tokens = data.inputs["input_ids"].shape
     study = cfg.study.name
@@ -210,12 +215,12 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float) ->
     activation = rows * tokens * s.d_model * 4  # float32 activations, whatever the weights' dtype
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
-    # the readout holds chunk_mb of logits, one prompt's at least, and their log-softmax beside them
-    logits = 2 * max(cfg.engine.chunk_mb, reads * s.vocab * 4 / MB)
+    # the readout holds chunk_mb of logits, one prompt's at least, with their log-softmax and its exponent
+    logits = 3 * max(cfg.engine.chunk_mb, reads * s.vocab * 4 / MB)
     working = WORKING_COPIES * cfg.engine.chunk_mb + logits
     plan = Plan(
-        study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb,
-        baseline_mb + weights + caches + working,
+        study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
+        baseline_mb + tokenizer_mb + weights + caches + working,
     )  # fmt: skip
     if study not in TIMED:
         plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
@@ -234,9 +239,10 @@ def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:
         raise UsageError(f"plan: model {cfg.model.name} is built here ({kind}): plan a pretrained one")
     baseline = rss_mb()
     shape, tokenizer = hf_shape(cfg)
+    loaded = rss_mb() - baseline  # the tokenizer (the model on the meta device holds nothing)
     stand_in = SimpleNamespace(tokenizer=tokenizer, vocab_size=shape.vocab, module=None, name=cfg.model.name)
     data = task.build(cfg.task.n_prompts, seed=seed, model=stand_in)
-    return predict(cfg, shape, data, data.positions.shape[1], baseline)
+    return predict(cfg, shape, data, data.positions.shape[1], baseline, loaded)
 
 
 def measured(plan: Plan, seconds: float) -> dict[str, Any]:
@@ -247,6 +253,11 @@ def measured(plan: Plan, seconds: float) -> dict[str, Any]:
     if plan.seconds:
         out["seconds_ratio"] = round(plan.seconds / seconds, 3)
     return out
+
+
+def tokenizer_mb(model: Any) -> float:
+    """A loaded model's tokenizer's memory, estimated from its vocabulary (TOKENIZER_KB an entry)."""
+    return 0.0 if model.tokenizer is None else len(model.tokenizer) * TOKENIZER_KB / 1024
 
 
 def shape_of_model(model: Any) -> Shape:

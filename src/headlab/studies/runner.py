@@ -18,7 +18,7 @@ from .. import results
 from ..config import Config
 from ..errors import UsageError
 from ..io import atomic_write_bytes
-from ..planning import TIMED, measured, predict, rss_mb, shape_of_model
+from ..planning import TIMED, measured, predict, rss_mb, shape_of_model, tokenizer_mb
 from .context import RunContext, apply_threads
 from .registry import study_for
 from .study import Study
@@ -67,7 +67,8 @@ def execute_run(
     if study.name in TIMED and ctx.model is not None:  # its plan beside what it measured: each run checks it
         seconds = time.perf_counter() - started
         data = ctx.get_data()
-        plan = predict(cfg, shape_of_model(ctx.model), data, data.positions.shape[1], baseline)
+        shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
+        plan = predict(cfg, shape, data, data.positions.shape[1], baseline, tokenizer)
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(study.hash(cfg), ctx.timings, {"study": study.name, **ctx.meta}))
     # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
