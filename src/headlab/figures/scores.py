@@ -87,6 +87,9 @@ def _masking(table: pd.DataFrame, path: Path) -> dict:
     numbers = {"recall_clean": float(bars.loc["clean", "value"]) if "clean" in bars.index else None}
     numbers["recall_top_masked"] = float(top["value"].iloc[0]) if len(top) else None
     numbers["recall_random_masked_mean"] = float(random["value"].mean()) if len(random) else None
+    numbers["random_draws"] = len(random)
+    k = top.index[0][len("top") :] if len(top) else ""
+    numbers["heads_masked"] = int(k) if k.isdigit() else None  # the group "top{k}": k heads masked together
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(3.5, 0.5 * len(bars) + 1.5), 3.0))
     colours = ["grey" if g == "clean" else "tab:red" if g.startswith("top") else "tab:blue" for g in bars.index]

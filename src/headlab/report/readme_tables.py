@@ -534,6 +534,11 @@ def retrieval_models(numbers: Numbers) -> str:
         "strongest head (its score)",
         lambda n: f"{n.get('top_head_retrieval_score', '')} ({fmt(n.get('top_value_retrieval_score'))})",
     )
+    per_model(
+        "heads masked together (share of all heads)",
+        lambda n: f"{fmt(n.get('heads_masked'))} ({fmt(100 * (n.get('heads_masked') or 0) / n['n_heads'], 1)}%)",
+        "their script's mask_topk; random heads drawn outside their top 100",
+    )
     per_model("needle recall (ROUGE-1 on words), clean", lambda n: fmt(n.get("recall_clean")))
     per_model(
         "... with the top retrieval heads masked while decoding",
@@ -542,7 +547,7 @@ def retrieval_models(numbers: Numbers) -> str:
     )
     per_model(
         "... with as many random heads masked (mean of the draws)",
-        lambda n: fmt(n.get("recall_random_masked_mean")),
+        lambda n: f"{fmt(n.get('recall_random_masked_mean'))} ({fmt(n.get('random_draws'))} draws)",
         "stays near clean",
     )
     return "\n".join(lines)
