@@ -99,6 +99,25 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_dir_with_tokenizer(tiny_hf_dir, gpt2_tokenizer, tmp_path_factory):
+    """family -> a directory holding the tiny random model with GPT-2's tokenizer beside it, as a user's
+    saved model would be."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            path = tmp_path_factory.mktemp(f"{family}-with-tokenizer")
+            AutoModelForCausalLM.from_pretrained(tiny_hf_dir(family)).save_pretrained(path)
+            gpt2_tokenizer.save_pretrained(path)
+            made[family] = path
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def gpt2_tokenizer():
     from transformers import AutoTokenizer
 

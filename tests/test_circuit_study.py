@@ -17,14 +17,9 @@ from headlab.edges.graph import EdgeGraph
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_hf_dir, gpt2_tokenizer, tmp_path_factory):
+def model_dir(tiny_hf_dir_with_tokenizer):
     """The tiny random GPT-2 with the real tokenizer beside it, as a user's saved model would be."""
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("gpt2-with-tokenizer")
-    AutoModelForCausalLM.from_pretrained(tiny_hf_dir("gpt2")).save_pretrained(path)
-    gpt2_tokenizer.save_pretrained(path)
-    return path
+    return tiny_hf_dir_with_tokenizer("gpt2")
 
 
 def test_cli_run_writes_scores_faithfulness_json_and_figures(model_dir, tmp_path):

@@ -16,14 +16,8 @@ from headlab.studies.context import EVAL_SEED_OFFSET
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_hf_dir, gpt2_tokenizer, tmp_path_factory):
-    """A tiny random Llama with GPT-2's tokenizer beside it, as a user's saved model would be."""
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("llama-with-tokenizer")
-    AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama")).save_pretrained(path)
-    gpt2_tokenizer.save_pretrained(path)
-    return path
+def llama_dir(tiny_hf_dir_with_tokenizer):
+    return tiny_hf_dir_with_tokenizer("llama")
 
 
 @pytest.mark.parametrize("ablate", ["heads", "layers"])
