@@ -50,6 +50,8 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     assert meta["measured"]["peak_host_mb"] > 0 and 0.3 < meta["measured"]["peak_host_ratio"] < 3
     circuit = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=eap")
     assert circuit.seconds is None and "no time model for study=circuit" in circuit.note
+    path = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=none", "patch=path")
+    assert path.seconds is None and "path or attribution patching" in path.note
 
 
 def test_a_model_built_here_is_refused_in_one_line(tmp_path):

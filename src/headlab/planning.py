@@ -181,13 +181,17 @@ def layer_flops(s: Shape, rows: int, tokens: int, layer: int) -> float:
     return rows * (tokens * per_token + 4 * s.n_heads * s.d_head * pairs)
 
 
-def sweep_gflop(cfg: Config, s: Shape, rows: int, tokens: int, reads: int) -> tuple[int, float]:
+def sweep_gflop(cfg: Config, s: Shape, rows: int, tokens: int, reads: int) -> tuple[int, float | None]:
     """(interventions, GFLOP) of study=sweep's stacked passes: each intervention runs the blocks from its
-    layer on (the clean run all of them) and reads the logits at `reads` positions a prompt."""
+    layer on (the clean run all of them) and reads the logits at `reads` positions a prompt. None where
+    the sweep patches paths or attributes (their executors run other passes: no time model yet)."""
     from .interventions.plan import plan
+    from .vocabulary import Method
 
     ones = {layer: [1.0] * s.n_heads for layer in range(s.n_layers)}  # the uniform sweep's scales: shapes only
     interventions = plan(cfg, s.n_layers, s.n_heads, ones, {})
+    if any(iv.method in (Method.path, Method.attribution) for iv in interventions):
+        return len(interventions), None
     blocks = [layer_flops(s, rows, tokens, layer) for layer in range(s.n_layers)]
     from_layer = [sum(blocks[layer:]) for layer in range(s.n_layers)]
     logits = rows * reads * 2 * s.d_model * s.vocab
@@ -226,6 +230,9 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, rows, tokens, reads)
+    if plan.gflop is None:
+        plan.note = "time: no time model for path or attribution patching yet (memory above)"
+        return plan
     plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     return plan
