@@ -5,7 +5,9 @@ measured; models built here are refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 
+import pandas as pd
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -57,3 +59,25 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
 def test_a_model_built_here_is_refused_in_one_line(tmp_path):
     refused = run_headlab("plan", "model=toy-attn-1l", cwd=tmp_path)
     assert refused.returncode == 2 and "plan a pretrained one" in error_line(refused)
+
+
+def test_a_run_keeps_its_memory_budget_or_is_refused_naming_the_least_it_needs(llama_dir, tmp_path):
+    args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "ablate=heads", "output.n_boot=0")
+    refused = run_headlab("run", *args, "engine.max_memory=100MB", f"hydra.run.dir={tmp_path / 'no'}", cwd=tmp_path)
+    line = error_line(refused)
+    assert refused.returncode == 2 and "engine.max_memory=100MB: this run needs at least" in line, refused.stderr
+    assert not (tmp_path / "no" / "results.parquet").exists()
+    least = float(re.search(r"at least ([\d,]+)MB", line)[1].replace(",", ""))  # type: ignore[index]
+    plan = headlab.plan(*args)
+    # a budget between the least and the default chunk's peak: the chunk is lowered to fit, the table unchanged
+    budget = int((least + plan.peak_host_mb) / 2) + 1
+    kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr
+    meta = json.loads((tmp_path / "in" / "meta.json").read_text())
+    assert meta["budget"]["chunk_mb"] < 32 and meta["budget"]["planned_peak_host_mb"] <= budget
+    free = run_headlab("run", *args, f"hydra.run.dir={tmp_path / 'free'}", cwd=tmp_path)
+    assert free.returncode == 0, free.stderr
+    tables = [pd.read_parquet(tmp_path / d / "results.parquet") for d in ("in", "free")]
+    pd.testing.assert_series_equal(tables[0]["value"], tables[1]["value"], atol=1e-5, rtol=1e-5)
+    bad = run_headlab("run", *args, "engine.max_memory=lots", cwd=tmp_path)
+    assert bad.returncode == 2 and "a size in MB or GB" in error_line(bad)

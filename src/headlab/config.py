@@ -22,7 +22,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .config_rules import NATURAL, POSITIVE, RUN_NAME, Range, setting
+from .config_rules import MEMORY, NATURAL, POSITIVE, RUN_NAME, Range, setting
 
 GROUPS = ("study", "model", "task", "ablate", "patch", "train", "sae", "experiment")
 
@@ -69,6 +69,10 @@ class EngineConfig:
     # on a GPU, chunks are sized from its free memory instead: this share of it, after the clean caches
     gpu_memory_share: float = setting(0.5, Range(0, 1, low_open=True))
     naive: bool = False  # one full forward pass per intervention (the reference implementation)
+    # a host-memory budget (512MB, 8GB) the run keeps (a pretrained model): its plan (planning.py) is made
+    # before loading, chunk_mb lowered until the predicted peak fits, and a run that cannot fit is refused
+    # in one line naming the least budget it needs; null: no budget
+    max_memory: str | None = setting(None, MEMORY)
 
 
 @dataclass

@@ -134,6 +134,7 @@ PEERS = ("autocircuit", "eap_ig", "mib")
 PEER_CHOICES = ("auto", "none", *PEERS)  # task.peer: auto is the file's format's peer, none is headlab's own
 POSITION = Matches(r"all|-?\d+|[A-Za-z_][A-Za-z0-9_]*", "all, an index or a role name")
 RECEIVER = Matches(r"logits|\d+\.\d+", "logits or a head layer.head")
+MEMORY = Matches(r"\d+(\.\d+)?(MB|GB)", "a size in MB or GB: 512MB, 8GB")
 RUN_NAME = Matches(r"[A-Za-z0-9_.+=-][A-Za-z0-9_.,+=@-]*", "a name of letters, digits and _.,+=@- (a dir name)")
 
 NO_DEFAULT: Any = object()

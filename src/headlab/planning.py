@@ -76,6 +76,7 @@ class Plan:
     baseline_mb: float
     tokenizer_mb: float
     peak_host_mb: float
+    logits_mb: float = 0.0  # one prompt's logits at its read positions
     interventions: int | None = None
     gflop: float | None = None
     matmul_gflops: float | None = None
@@ -220,11 +221,10 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
     # the readout holds chunk_mb of logits, one prompt's at least, with their log-softmax and its exponent
-    logits = 3 * max(cfg.engine.chunk_mb, reads * s.vocab * 4 / MB)
-    working = WORKING_COPIES * cfg.engine.chunk_mb + logits
+    working = working_mb(cfg.engine.chunk_mb, reads * s.vocab * 4 / MB)
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
-        baseline_mb + tokenizer_mb + weights + caches + working,
+        baseline_mb + tokenizer_mb + weights + caches + working, reads * s.vocab * 4 / MB,
     )  # fmt: skip
     if study not in TIMED:
         plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
@@ -236,6 +236,36 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     return plan
+
+
+def working_mb(chunk_mb: float, logits_mb: float) -> float:
+    """The engine's working memory at `chunk_mb`: WORKING_COPIES chunks and the readout's logits."""
+    return WORKING_COPIES * chunk_mb + 3 * max(chunk_mb, logits_mb)
+
+
+def budget_mb(size: str) -> float:
+    """engine.max_memory ("512MB", "8GB") in MB."""
+    return float(size[:-2]) * (1024 if size.endswith("GB") else 1)
+
+
+def fitted_chunk(plan: Plan, chunk_mb: float, size: str) -> float:
+    """The largest chunk (MB, at most `chunk_mb`, at least 1) whose predicted peak fits the budget `size`;
+    refused in one line, naming the least budget the run needs, where even a 1 MB chunk does not fit."""
+    fixed = plan.peak_host_mb - plan.working_mb
+    room = budget_mb(size) - fixed
+    if room < working_mb(1.0, plan.logits_mb):
+        need = fixed + working_mb(1.0, plan.logits_mb)
+        raise UsageError(
+            f"engine.max_memory={size}: this run needs at least {need:,.0f}MB (weights {plan.weights_mb:,.0f}, "
+            f"caches {plan.caches_mb:,.0f}, this process {plan.baseline_mb + plan.tokenizer_mb:,.0f}): headlab plan"
+        )
+    low, high = 1.0, chunk_mb
+    if working_mb(high, plan.logits_mb) <= room:
+        return high
+    for _ in range(30):  # working_mb grows with the chunk: bisect
+        middle = (low + high) / 2
+        low, high = (middle, high) if working_mb(middle, plan.logits_mb) <= room else (low, middle)
+    return low
 
 
 def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:

@@ -15,11 +15,21 @@ from pathlib import Path
 import pandas as pd
 
 from .. import results
-from ..config import Config
+from ..config import Config, option
 from ..errors import UsageError
 from ..io import atomic_write_bytes
-from ..planning import TIMED, measured, predict, rss_mb, shape_of_model, tokenizer_mb
-from .context import RunContext, apply_threads
+from ..planning import (
+    TIMED,
+    fitted_chunk,
+    measured,
+    plan_prompts,
+    predict,
+    rss_mb,
+    shape_of_model,
+    tokenizer_mb,
+    working_mb,
+)
+from .context import EVAL_SEED_OFFSET, RunContext, apply_threads
 from .registry import study_for
 from .study import Study
 
@@ -60,8 +70,12 @@ def execute_run(
         return previous
     check_figures(cfg)
     threads = apply_threads(cfg)
+    key = study.hash(cfg)  # the config as asked for: a budget's smaller chunks compute the same table
+    budget = within_budget(cfg) if cfg.engine.max_memory else None  # before anything loads
     ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg), threads=threads)
     ctx.meta["threads"] = threads.as_meta()
+    if budget is not None:
+        ctx.meta["budget"] = budget
     baseline, started = rss_mb(), time.perf_counter()
     df = study.run(ctx)
     if study.name in TIMED and ctx.model is not None:  # its plan beside what it measured: each run checks it
@@ -70,13 +84,27 @@ def execute_run(
         shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
         plan = predict(cfg, shape, data, data.positions.shape[1], baseline, tokenizer)
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
-    results.write(df, run_dir, results.run_meta(study.hash(cfg), ctx.timings, {"study": study.name, **ctx.meta}))
+    results.write(df, run_dir, results.run_meta(key, ctx.timings, {"study": study.name, **ctx.meta}))
     # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
     # merged into one numbers.json, which an earlier config's run in this dir must not seed
     (Path(run_dir) / "figures" / "numbers.json").unlink(missing_ok=True)
     for figures in dict.fromkeys(f for f in (study.figures, cfg.output.figures) if f):
         draw_figures(figures, df, Path(run_dir))
     return df
+
+
+def within_budget(cfg: Config) -> dict:
+    """engine.max_memory kept: the run's plan made before loading (a pretrained model), engine.chunk_mb lowered
+    until the predicted peak fits; refused in one line where it cannot (planning.fitted_chunk)."""
+    from ..tasks import build_task
+
+    if option(cfg.model.kind) != "hf":
+        raise UsageError(f"engine.max_memory plans a pretrained model's run; {cfg.model.name} is built here")
+    plan = plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+    chunk = fitted_chunk(plan, cfg.engine.chunk_mb, str(cfg.engine.max_memory))
+    cfg.engine.chunk_mb = chunk
+    peak = plan.peak_host_mb - plan.working_mb + working_mb(chunk, plan.logits_mb)
+    return {"max_memory": cfg.engine.max_memory, "chunk_mb": round(chunk, 2), "planned_peak_host_mb": round(peak, 1)}
 
 
 def run_in_memory(study: Study, ctx: RunContext) -> pd.DataFrame:

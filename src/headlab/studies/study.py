@@ -51,6 +51,7 @@ class Study:
     def hash(self, cfg: Config) -> str:
         """The run's cache key: this study's name and options, what else it reads, and CACHE_VERSION."""
         plain = to_plain(cfg)
+        plain.get("engine", {}).pop("max_memory", None)  # a budget changes where the run computes, not what
         parts = {key: plain.get(key) for key in (*ALWAYS_READ, *self.reads)}
         return cache_key({**parts, "study": {**plain["study"], "name": self.name}})
 
