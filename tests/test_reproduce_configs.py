@@ -154,7 +154,14 @@ def retrieval_wu_runs(quick: bool) -> list[list[str]]:
     grid = ["task.depths=10", "task.n_prompts=10", "study.haystack_lens=[1000,2000,4000]"]
     return [
         ["experiment=retrieval_heads_smollm2", *grid],
-        ["experiment=retrieval_heads_smollm2", "model=gemma3-270m", "task.prompt=question", *grid],
+        [
+            "experiment=retrieval_heads_smollm2",
+            "model=gemma3-270m",
+            "task.prompt=question",
+            *grid,
+            "study.top_k=4",
+            "study.random_outside=7",
+        ],
     ]
 
 
