@@ -54,9 +54,15 @@ def _attribution(method: str) -> Scorer:
     return edges
 
 
-def _summed_over_receivers(edges: Scorer) -> Scorer:
-    """A node's score as the sum of its outgoing edges' (attribution is linear in the receivers)."""
-    return lambda model, task, data, graph, b: torch.nan_to_num(edges(model, task, data, graph, b)).sum(1)
+def _attribution_method(name: str, description: str, paper: str, code: str, proof: str, integrates: bool) -> Method:
+    """An edges/eap.py method's record: a node's score is the sum of its outgoing edges' (attribution is
+    linear in the receivers)."""
+    edges = _attribution(name)
+
+    def nodes(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, b: Budget) -> Tensor:
+        return torch.nan_to_num(edges(model, task, data, graph, b)).sum(1)
+
+    return Method(name, description, paper, code, proof, edges, nodes, integrates)
 
 
 def _exact_edges(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, b: Budget) -> Tensor:
@@ -71,33 +77,28 @@ HANNAMW = "hannamw/EAP-IG, src/eap/attribute.py"
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method(
+        _attribution_method(
             "eap",
             "edge attribution patching: one clean and one corrupted forward, one backward",
             "Syed et al. 2023, arXiv 2310.10348",
             f"{HANNAMW} (get_scores_eap)",
             "tests/test_edges.py::test_eap_equals_the_reference_on_every_edge (a hand-built split forward pass)",
-            _attribution("eap"),
-            _summed_over_receivers(_attribution("eap")),
+            integrates=False,
         ),
-        Method(
+        _attribution_method(
             "eap_ig",
             "EAP with integrated gradients over interpolated input embeddings",
             "Hanna et al. 2024, arXiv 2403.17806; MIB, arXiv 2504.13151",
             f"{HANNAMW} (get_scores_eap_ig: k = 0..steps-1)",
             "tests/test_edges.py::test_eap_ig_equals_a_sum_by_hand_in_both_conventions_which_differ",
-            _attribution("eap_ig"),
-            _summed_over_receivers(_attribution("eap_ig")),
             integrates=True,
         ),
-        Method(
+        _attribution_method(
             "eap_ig_activations",
             "EAP-IG over each node's interpolated output in turn",
             "MIB, arXiv 2504.13151",
             f"{HANNAMW} (get_scores_ig_activations: k = 1..steps)",
             "tests/test_edges.py::test_eap_ig_over_activations_equals_the_authors_sum_by_hand",
-            _attribution("eap_ig_activations"),
-            _summed_over_receivers(_attribution("eap_ig_activations")),
             integrates=True,
         ),
         Method(
