@@ -25,6 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from headlab.models.hf import load_hf
+from headlab.planning import block_flops, shape_of_config
 from headlab.tasks import Task, TaskData, mean_of
 from tl_configs import tl_gpt2_config, tl_llama_config
 
@@ -229,29 +230,19 @@ def ablation_work_ratio(config: Any, prompts: int, tokens: int) -> float:
 
 def forward_flops(config: Any, prompts: int, tokens: int, read_positions: int = 1) -> dict[str, float]:
     """The matrix-product FLOPs of one forward pass over `prompts` rows of `tokens` tokens, from the model's
-    shapes (a Hugging Face config): every layer at every position (q, k, v and output projections, the
-    attention scores and their weighted sum over the causal keys a query sees, within the sliding window
-    on sliding layers, the MLP's projections) and the unembedding at `read_positions` positions a row (what
-    the metric reads). Norms, rotary tables, softmax and activations are not counted. Returns "forward", and
-    "backward": the gradient of that pass's read logits down to the first layer's activations (no weight
-    gradients): each projection once more, the attention's scores and sum twice (gradients of q, k, v)."""
-    d, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    d_head = getattr(config, "head_dim", None) or d // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d_mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d
-    gated = config.model_type != "gpt2"
-    per_token = 2 * d * (heads + 2 * kv) * d_head + 2 * heads * d_head * d + 2 * d * d_mlp * (3 if gated else 2)
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * layers
-    window = getattr(config, "sliding_window", None) or tokens
-    pairs = 0  # (query, key) pairs of every layer of one row
-    for kind in kinds:
-        reach = window if kind == "sliding_attention" else tokens
-        pairs += sum(min(q + 1, reach) for q in range(tokens))
-    attention = 4 * heads * d_head * pairs  # q.k and the weighted sum of v, per pair and head
-    logits = 2 * d * config.vocab_size * read_positions
-    forward = prompts * (layers * tokens * per_token + attention + logits)
-    return {"forward": float(forward), "backward": float(forward + prompts * attention)}
+    shapes (a Hugging Face config; headlab's plan counts them, planning.block_flops): every layer at every
+    position (q, k, v and output projections, the attention scores and their weighted sum over the causal
+    keys a query sees, within the sliding window on sliding layers, the MLP's projections) and the
+    unembedding at `read_positions` positions a row (what the metric reads). Norms, rotary tables, softmax
+    and activations are not counted. Returns "forward", and "backward": the gradient of that pass's read
+    logits down to the first layer's activations (no weight gradients): each projection once more, the
+    attention's scores and sum twice (gradients of q, k, v)."""
+    shape = shape_of_config(config, 0, 4)
+    parts = [block_flops(shape, prompts, tokens, layer) for layer in range(shape.n_layers)]
+    attention = sum(a for _, a in parts)
+    logits = prompts * 2 * shape.d_model * shape.vocab * read_positions
+    forward = sum(d for d, _ in parts) + attention + logits
+    return {"forward": float(forward), "backward": float(forward + attention)}
 
 
 def matmul_peak_gflops(n: int, device: str, repeats: int = 5) -> float:

@@ -33,6 +33,7 @@ import torch
 
 from .config import Config, option
 from .errors import HeadlabError, UsageError
+from .models.families import family_of
 
 MB = 2**20
 # a block's activations alive at once per chunk, in units of engine.chunk_mb (its widest: edits.copy_bytes),
@@ -130,7 +131,7 @@ def shape_of_config(config: Any, params: int, itemsize: int) -> Shape:
         d_model=config.hidden_size,
         d_mlp=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size,
         vocab=config.vocab_size,
-        gated=config.model_type not in ("gpt2", "gpt_neox"),
+        gated=getattr(family_of(config), "gated_mlp", True),
         params=params,
         itemsize=itemsize,
         window=getattr(config, "sliding_window", None),
@@ -172,14 +173,14 @@ def hf_shape(cfg: Config) -> tuple[Shape, Any]:
     return shape_of_config(config, params, itemsize), tokenizer
 
 
-def layer_flops(s: Shape, rows: int, tokens: int, layer: int) -> float:
-    """Matrix-product FLOPs of one block over `rows` prompts of `tokens` positions: the q, k, v and output
-    projections, the scores and the weighted sum over the causal keys (within a sliding window), the MLP."""
+def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, float]:
+    """Matrix-product FLOPs of one block over `rows` prompts of `tokens` positions: (the q, k, v and output
+    projections and the MLP, the scores and the weighted sum over the causal keys within a sliding window)."""
     per_token = 2 * s.d_model * (s.n_heads + 2 * s.n_kv) * s.d_head + 2 * s.n_heads * s.d_head * s.d_model
     per_token += 2 * s.d_model * s.d_mlp * (3 if s.gated else 2)
     reach = s.window if s.sliding and s.sliding[layer] and s.window else tokens
     pairs = sum(min(q + 1, reach) for q in range(tokens))
-    return rows * (tokens * per_token + 4 * s.n_heads * s.d_head * pairs)
+    return rows * tokens * per_token, rows * 4 * s.n_heads * s.d_head * pairs
 
 
 def sweep_gflop(cfg: Config, s: Shape, rows: int, tokens: int, reads: int) -> tuple[int, float | None]:
@@ -193,7 +194,7 @@ def sweep_gflop(cfg: Config, s: Shape, rows: int, tokens: int, reads: int) -> tu
     interventions = plan(cfg, s.n_layers, s.n_heads, ones, {})
     if any(iv.method in (Method.path, Method.attribution) for iv in interventions):
         return len(interventions), None
-    blocks = [layer_flops(s, rows, tokens, layer) for layer in range(s.n_layers)]
+    blocks = [sum(block_flops(s, rows, tokens, layer)) for layer in range(s.n_layers)]
     from_layer = [sum(blocks[layer:]) for layer in range(s.n_layers)]
     logits = rows * reads * 2 * s.d_model * s.vocab
     total = sum(from_layer[min(iv.layer or 0, s.n_layers - 1)] + logits for iv in interventions)
@@ -220,11 +221,11 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     activation = rows * tokens * s.d_model * 4  # float32 activations, whatever the weights' dtype
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
-    # the readout holds chunk_mb of logits, one prompt's at least, with their log-softmax and its exponent
-    working = working_mb(cfg.engine.chunk_mb, reads * s.vocab * 4 / MB)
+    logits = reads * s.vocab * 4 / MB  # one prompt's, float32
+    working = working_mb(cfg.engine.chunk_mb, logits)
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
-        baseline_mb + tokenizer_mb + weights + caches + working, reads * s.vocab * 4 / MB,
+        baseline_mb + tokenizer_mb + weights + caches + working, logits,
     )  # fmt: skip
     if study not in TIMED:
         plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
@@ -239,7 +240,8 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
 
 
 def working_mb(chunk_mb: float, logits_mb: float) -> float:
-    """The engine's working memory at `chunk_mb`: WORKING_COPIES chunks and the readout's logits."""
+    """The engine's working memory at `chunk_mb`: WORKING_COPIES chunks, and the readout's logits (chunk_mb
+    of them, one prompt's `logits_mb` at least) with their log-softmax and its exponent."""
     return WORKING_COPIES * chunk_mb + 3 * max(chunk_mb, logits_mb)
 
 

@@ -106,6 +106,7 @@ class Family:
     # tests/test_prefix.py holds every row that says so to full passes. False for a family whose blocks
     # work out positions themselves: its sweeps then run every position
     suffix_runs: bool = True
+    gated_mlp: bool = True  # the MLP has three projections (gate, up, down); GPT-2's and GPT-NeoX's have two
 
 
 _LLAMA = Family("model.layers", "self_attn", "o_proj", "model.norm")
@@ -138,6 +139,7 @@ FAMILIES: dict[str, Family] = {
         down_proj="mlp.c_proj",
         attn_norm="ln_1",
         mlp_norm="ln_2",
+        gated_mlp=False,
     ),
     "gpt_neox": Family(
         "gpt_neox.layers",
@@ -148,6 +150,7 @@ FAMILIES: dict[str, Family] = {
         qkv_projs=("query_key_value",),
         qkv_split=interleaved_split,
         down_proj="mlp.dense_4h_to_h",
+        gated_mlp=False,
     ),
     "llama": _LLAMA,
     "qwen2": _LLAMA,
@@ -171,3 +174,8 @@ FAMILIES: dict[str, Family] = {
         "head, so a head's query and key inputs are not its own",
     ),
 }
+
+
+def family_of(config: Any) -> Family | None:
+    """A Hugging Face config's row (by its model_type); None for a family headlab does not know."""
+    return FAMILIES.get(config.model_type)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import HeadlabError
-from .families import FAMILIES, Family, attribute
+from .families import FAMILIES, Family, attribute, family_of
 from .hooked import HookedModel, torch_dtype
 from .sites import HeadSites, headlab_attention
 
@@ -112,7 +112,7 @@ def load_hf(
         config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError, ValueError or hub errors depending on the cause
         raise HeadlabError(f"cannot load {where}: {_first_line(e)}") from e
-    family = FAMILIES.get(config.model_type)
+    family = family_of(config)
     if family is None:
         raise HeadlabError(
             f"unsupported architecture '{config.model_type}' ({where}); supported: {', '.join(sorted(FAMILIES))}"
