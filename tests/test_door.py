@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from conftest import error_line, run_headlab
 from headlab import config_rules, multirun
 from headlab.config import GROUPS, Config, config_dir
-from headlab.config_rules import Each, Matches, OneOf, Range, rule_for
+from headlab.config_rules import Each, Known, Matches, OneOf, Range, rule_for
 from headlab.door import compose, group_options, launcher_of, validate_overrides
 from headlab.errors import UsageError
 
@@ -116,8 +116,8 @@ def out_of_range(rule: typing.Any, key: str) -> st.SearchStrategy[str]:
         return st.sampled_from(["foo", "cuda:99", "gpu"])
     if isinstance(rule, Each):
         return out_of_range(rule.rule, key).map(lambda v: f"[[{v}]]" if key == "model.heads" else f"[{v}]")
-    if isinstance(rule, OneOf):
-        return st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12).filter(lambda w: w not in rule.words)
+    if isinstance(rule, (OneOf, Known)):  # a word from a fixed list, or from a registry (circuit methods)
+        return st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12).filter(lambda w: not rule.accepts(w))
     if isinstance(rule, Matches):
         return st.sampled_from(["1x", "a/b", "x.y", "@@"]).filter(lambda w: not rule.accepts(w))
     assert isinstance(rule, Range), rule
