@@ -328,6 +328,18 @@ def compare(
     out.print(f"compare.parquet, compare.csv, compare.png: {target}", highlight=False, soft_wrap=True)
 
 
+@app.command(context_settings=PASS_THROUGH)
+def audit(
+    ctx: typer.Context,
+    run_dir: Path = typer.Argument(..., help="A circuit run (its circuit.json) or an ioi_classes run (its heads)."),
+) -> None:
+    """Is it *the* circuit? `headlab audit RUN_DIR [key=value ...]`: stability, disjoint rivals and Shi et
+    al.'s hypothesis tests for the run's circuit, on its model and task (`headlab run study=audit` alike)."""
+    from .studies.audit import audit_overrides
+
+    _single("run", [*audit_overrides(run_dir), *ctx.args])
+
+
 @app.command()
 def reuse(
     first: Path = typer.Argument(..., help="A head sweep or circuit: run dir, sweep dir or results.parquet."),

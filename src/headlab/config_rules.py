@@ -96,7 +96,7 @@ class Matches:
 class Each:
     """Every element of a list (or of each inner list) satisfies `rule`; at least `least` of them."""
 
-    rule: Range | OneOf | Matches
+    rule: Range | OneOf | Known | Matches
     least: int = 0
 
     def accepts(self, value: Any) -> bool:

@@ -29,6 +29,7 @@ FIGURES: dict[str, Draw] = {
     name: _lazy(name)
     for name in (
         "attn_sae",
+        "audit",
         "circuit",
         "count01",
         "head_attribution",

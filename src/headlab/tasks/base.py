@@ -73,7 +73,7 @@ class TaskData:
             if bool((at == self.positions[:, k]).all())
         ]
 
-    def take(self, rows: slice) -> TaskData:
+    def take(self, rows: slice | Tensor) -> TaskData:
         """The prompts `rows` (answers, roles and groups sliced alike; the reference set is kept whole,
         its groups dropped)."""
         cut = lambda d: d and {k: v[rows] for k, v in d.items()}  # noqa: E731

@@ -1,0 +1,76 @@
+"""study=audit's figures, from its table alone: audit_overlap.png (the Jaccard index of every pair of the
+found circuit, its variants and its rivals), audit_faithfulness.png (each one's faithfulness on the
+held-out prompts) and audit_tests.png (the hypothesis tests' p-values against the level)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..edges.hypothesis import ALPHA
+from .canvas import pyplot, save
+
+KIND_COLOURS = {"found": "black", "resample": "tab:blue", "seed": "tab:cyan", "templates": "tab:green",
+                "method": "tab:orange", "steps": "tab:purple", "rival": "tab:red"}  # fmt: skip
+
+
+def draw(table: pd.DataFrame, out: Path) -> dict:
+    out = Path(out)
+    numbers: dict = {}
+    if "intervention" not in table:
+        return numbers
+    for (model, task), rows in table.groupby(["model", "task"], sort=False):
+        suffix = "" if table[["model", "task"]].drop_duplicates().shape[0] == 1 else f"_{model}_{task}"
+        overlap = rows[rows["intervention"] == "overlap"]
+        if len(overlap):
+            _overlap(overlap, f"{model} on {task}", out / f"audit_overlap{suffix}.png")
+        audit = rows[rows["intervention"] == "audit"]
+        faith = audit[(audit["metric"] == "faithfulness")]
+        if len(faith):
+            _faithfulness(faith, f"{model} on {task}", out / f"audit_faithfulness{suffix}.png")
+            numbers[f"audit_variants{suffix}"] = int(faith["variant"].ne("found").sum())
+        tests = audit[audit["metric"].str.endswith("_p")]
+        if len(tests):
+            _tests(tests, f"{model} on {task}", out / f"audit_tests{suffix}.png")
+    return numbers
+
+
+def _overlap(rows: pd.DataFrame, title: str, path: Path) -> None:
+    names = list(dict.fromkeys(rows["variant"]))
+    matrix = rows.pivot_table(index="variant", columns="other", values="value").reindex(index=names, columns=names)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(1.0 + 0.42 * len(names), 0.8 + 0.4 * len(names)))
+    image = ax.imshow(matrix.to_numpy(float), vmin=0, vmax=1, cmap="viridis")
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    fig.colorbar(image, ax=ax, label="Jaccard index of the units")
+    ax.set_title(f"{title}: overlap of circuits of one size", fontsize=9)
+    save(fig, path)
+
+
+def _faithfulness(rows: pd.DataFrame, title: str, path: Path) -> None:
+    kinds = rows["kind"].fillna("found") if "kind" in rows else pd.Series("found", index=rows.index)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(rows) + 1.5), 3.2))
+    x = np.arange(len(rows))
+    ax.bar(x, rows["value"].to_numpy(float), color=[KIND_COLOURS.get(k, "grey") for k in kinds])
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xticks(x, rows["variant"].tolist(), rotation=90, fontsize=7)
+    ax.set_ylabel("faithfulness (held-out prompts)")
+    ax.set_title(f"{title}: the found circuit, its variants and its disjoint rivals", fontsize=9)
+    save(fig, path)
+
+
+def _tests(rows: pd.DataFrame, title: str, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(4.5, 2.6))
+    p = rows["value"].to_numpy(float).clip(1e-6, 1)
+    names = [m[:-2] for m in rows["metric"]]
+    ax.barh(names, p, color=["tab:red" if r else "tab:green" for r in rows["rejected"].fillna(False)])
+    ax.axvline(ALPHA, color="black", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"p-value (red: rejected at {ALPHA})")
+    ax.set_title(f"{title}: Shi et al.'s circuit hypothesis tests", fontsize=9)
+    save(fig, path)
