@@ -157,6 +157,9 @@ def validate(command: Command) -> None:
             _, cfg = door.compose_checked(overrides, hydra_config=True, device=False)
             if name not in ("check",):
                 study_for(run_as, cfg, named_study(door.expand_short_forms(overrides)))
+    elif name == "audit":  # the run dir's own overrides come from its files; the rest compose as a run's
+        _, cfg = door.compose_checked(["study=audit", *extra], hydra_config=True, device=False)
+        study_for("run", cfg, named_study(["study=audit"]))
     elif name == "reproduce" and params.get("name"):
         chosen = reproduce.get(params["name"])
         model, extra_overrides = reproduce.model_override(tuple(params.get("overrides") or ()))

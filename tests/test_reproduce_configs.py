@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from headlab import reproduce
@@ -165,7 +166,27 @@ def retrieval_wu_runs(quick: bool) -> list[list[str]]:
     ]
 
 
+def ioi_audit_runs(quick: bool) -> list[list[str]]:
+    small = "task.n_prompts=6 study.held_out=6 study.resamples=1 study.draws=0 study.n_random=10"
+    small += " study.permutations=100 study.n_boot=50"
+    audit = ["study=audit", "model=smollm2-135m", "task=ioi", *(small.split() if quick else ["task.n_prompts=16"])]
+    classes = [
+        "study=ioi_classes",
+        "model=smollm2-135m",
+        *(["task.n_prompts=6", "output.n_boot=50"] if quick else ["task.n_prompts=64"]),
+    ]
+    if quick:
+        return [
+            audit,
+            classes,
+            [*audit[:3], "study.circuit={previous}", *audit[3:]],
+            [*audit[:3], "study.level=heads", *audit[3:]],
+        ]
+    return [audit, classes, [*audit, "study.circuit={previous}"], [*audit, "study.level=heads"]]
+
+
 REFERENCE = {
+    "ioi_audit": (ioi_audit_runs, "run"),
     "retrieval_heads": (retrieval_heads_runs, "run"),
     "retrieval_wu": (retrieval_wu_runs, "run"),
     "count01": (count01_runs, "run"),
@@ -196,6 +217,7 @@ def test_declared_grid_expands_to_the_python_grid(name, quick):
         "ioi_trained": "ioi",
         "recall_reasoning_facts": "recall_reasoning",
         "attn_sae_smollm2": "attn_sae",
+        "ioi_audit": "audit",
     }.get(name, name)  # the per-head score figures serve it
     assert repro.command == command and repro.figures == figures and repro.figures in FIGURES
 
@@ -206,6 +228,23 @@ def test_a_run_that_needs_an_environment_variable_runs_only_where_it_is_set(monk
     assert reproduce.expand(runs) == [["a=1"]]
     monkeypatch.setenv("HEADLAB_X", "/some/dir")
     assert reproduce.expand(runs) == [["a=1"], ["model.path=/some/dir"]]
+
+
+def test_previous_names_the_run_dir_of_the_run_before_it(tmp_path, monkeypatch):
+    from headlab import studies
+
+    seen: list[tuple[str, Path]] = []
+    monkeypatch.setattr(studies, "already_done", lambda *a, **k: False)
+    def execute_run(command, cfg, run_dir, **k):
+        run_dir.mkdir(parents=True)
+        seen.append((cfg, run_dir))
+
+    monkeypatch.setattr(studies, "execute_run", execute_run)
+    monkeypatch.setattr(reproduce.results, "collect", lambda base: pd.DataFrame())
+    reproduce.run_all("ioi_audit", tmp_path, quick=True, log=lambda line: None)
+    (_, classes_dir), (audit_cfg, audit_dir) = seen[1], seen[2]
+    assert audit_cfg.study.circuit == str(classes_dir.resolve())
+    assert "previous" in audit_dir.name  # the dir is named by the run as written: the same on every machine
 
 
 def test_unknown_reproduction_names_the_known_ones():

@@ -16,6 +16,7 @@ Each reproduction is a file configs/reproduce/<name>.yaml:
           - {run: experiment=c, unless: {h: 1}}     a run left out at the points where h is 1
           - {run: model.path={GPT2}, env: GPT2}     a run only where the environment variable GPT2 is
                                                     set (non-empty), {GPT2} replaced by its value
+          - study=audit study.circuit={previous}    {previous}: the run dir of the run before it
         append: seed={seed}              overrides that end each of the block's runs
     quick:                             `--quick`: the runs above, except where these say (each optional)
       runs: [...]                        these runs instead of the full ones
@@ -51,6 +52,7 @@ from .figures import FIGURES
 from .io import atomic_write_bytes
 
 COMMANDS = ("run", "sae")  # the headlab commands a reproduction's runs can be
+PREVIOUS = "previous"  # {previous} in a run: the run dir of the run before it
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,8 @@ def _split(line: Any) -> list[str]:
 
 def _fill(token: str, env: dict[str, Any]) -> str:
     def value(match: re.Match) -> str:
+        if match[1] == PREVIOUS:  # filled in when the runs run (run_all)
+            return match[0]
         if match[1] not in env:
             raise ValueError(f"{token}: {{{match[1]}}} is no grid variable here")
         return _text(env[match[1]])
@@ -256,9 +260,12 @@ def run_all(
     on = f"-{model}" if model and model != repro.model else ""
     base = root / "reproduce" / (name + on + ("-quick" if quick else ""))
     runs = repro.runs(quick, model)
-    for i, overrides in enumerate(runs, 1):
+    for i, written in enumerate(runs, 1):
+        run_dir = base / _slug(written)
+        # quoted: a run dir's name holds '=', which Hydra reads unquoted as the next override
+        before = f"'{(base / _slug(runs[i - 2])).resolve()}'" if i > 1 else "{previous}"
+        overrides = [o.replace("{" + PREVIOUS + "}", before) for o in written]
         cfg = compose([*overrides, f"output.root={root}", *extra])
-        run_dir = base / _slug(overrides)
         named = named_study([*overrides, *extra])
         if already_done(cfg, run_dir, repro.command, named):
             log(f"[{i}/{len(runs)}] skip (done): {run_dir.name}")

@@ -187,15 +187,10 @@ def run(ctx: RunContext) -> pd.DataFrame:
 def found_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget) -> Found:
     c = ctx.options
     if c.heads:
-        units = Units(graph, "heads")
-        given = [head_unit(str(h)) for h in c.heads]
-        unknown = sorted(set(given) - set(units.names))
-        if unknown:
-            raise UsageError(f"study.heads: {', '.join(unknown)} not heads of this model")
-        edge_scores = score(ctx, graph, budget, c.method, ctx.get_data())
-        chosen = torch.tensor([n in given for n in units.names])
-        return Found(units, units.scores(edge_scores), chosen, "heads " + ",".join(given), edge_scores)
+        return heads_circuit(ctx, graph, budget, [head_unit(str(h)) for h in c.heads])
     units = Units(graph, c.level)
+    if c.circuit and (Path(c.circuit) / "meta.json").is_file() and not (Path(c.circuit) / CIRCUIT_FILE).is_file():
+        return heads_circuit(ctx, graph, budget, classed_heads(Path(c.circuit)))
     if c.circuit:
         path = Path(c.circuit)
         path = path / CIRCUIT_FILE if path.is_dir() else path
@@ -236,12 +231,30 @@ def audit_overrides(run_dir: Path) -> list[str]:
         options = [f"study.{k}={'null' if study[k] is None else study[k]}" for k in GRAPH_OPTIONS if k in study]
         return ["study=audit", *kept, *options, f"study.circuit={run_dir.resolve()}"]
     if study.get("name") == "ioi_classes":
-        classes = json.loads((run_dir / "meta.json").read_text()).get("classes") or {}
-        heads = [f"a{h.split('.')[0]}.h{h.split('.')[1]}" for members in classes.values() for h in members]
-        if not heads:
-            raise UsageError(f"{run_dir}: its ioi_classes run classed no head: nothing to audit")
-        return ["study=audit", *kept, f"study.heads=[{','.join(heads)}]"]
+        return ["study=audit", *kept, f"study.circuit={run_dir.resolve()}"]
     raise UsageError(f"{run_dir}: a {study.get('name')} run; audit reads a circuit or an ioi_classes run")
+
+
+def heads_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget, given: list[str]) -> Found:
+    units = Units(graph, "heads")
+    unknown = sorted(set(given) - set(units.names))
+    if unknown:
+        raise UsageError(f"study.heads: {', '.join(unknown)} not heads of this model")
+    edge_scores = score(ctx, graph, budget, ctx.options.method, ctx.get_data())
+    chosen = torch.tensor([n in given for n in units.names])
+    return Found(units, units.scores(edge_scores), chosen, "heads " + ",".join(given), edge_scores)
+
+
+def classed_heads(run_dir: Path) -> list[str]:
+    """The heads an ioi_classes run put in a class (its meta.json's `classes`, "layer.head")."""
+    try:
+        classes = json.loads((run_dir / "meta.json").read_text()).get("classes") or {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"{run_dir}: its meta.json cannot be read ({e})") from e
+    heads = [f"a{h.split('.')[0]}.h{h.split('.')[1]}" for members in classes.values() for h in members]
+    if not heads:
+        raise UsageError(f"{run_dir}: neither a circuit.json nor an ioi_classes run with classed heads")
+    return heads
 
 
 def head_unit(name: str) -> str:
