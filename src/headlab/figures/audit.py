@@ -4,6 +4,7 @@ held-out prompts) and audit_tests.png (the hypothesis tests' p-values against th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,24 +18,62 @@ KIND_COLOURS = {"found": "black", "resample": "tab:blue", "seed": "tab:cyan", "t
 
 
 def draw(table: pd.DataFrame, out: Path) -> dict:
+    """The three figures per audited circuit (one set where the table holds one audit), and the numbers:
+    per model, per circuit (`audited`), its size, faithfulness, stability, best rival and tests."""
     out = Path(out)
     numbers: dict = {}
-    if "intervention" not in table:
+    if "intervention" not in table or "audited" not in table:
         return numbers
-    for (model, task), rows in table.groupby(["model", "task"], sort=False):
-        suffix = "" if table[["model", "task"]].drop_duplicates().shape[0] == 1 else f"_{model}_{task}"
+    audits = table[["model", "task", "audited"]].drop_duplicates()
+    for (model, task, audited), rows in table.groupby(["model", "task", "audited"], sort=False):
+        suffix = "" if len(audits) == 1 else "_" + re.sub(r"[^A-Za-z0-9.]+", "_", f"{model}_{audited}")
+        title = f"{model} on {task}, {audited}"
         overlap = rows[rows["intervention"] == "overlap"]
         if len(overlap):
-            _overlap(overlap, f"{model} on {task}", out / f"audit_overlap{suffix}.png")
+            _overlap(overlap, title, out / f"audit_overlap{suffix}.png")
         audit = rows[rows["intervention"] == "audit"]
-        faith = audit[(audit["metric"] == "faithfulness")]
+        faith = audit[audit["metric"] == "faithfulness"]
         if len(faith):
-            _faithfulness(faith, f"{model} on {task}", out / f"audit_faithfulness{suffix}.png")
-            numbers[f"audit_variants{suffix}"] = int(faith["variant"].ne("found").sum())
+            _faithfulness(faith, title, out / f"audit_faithfulness{suffix}.png")
         tests = audit[audit["metric"].str.endswith("_p")]
         if len(tests):
-            _tests(tests, f"{model} on {task}", out / f"audit_tests{suffix}.png")
+            _tests(tests, title, out / f"audit_tests{suffix}.png")
+        numbers.setdefault(str(model), {})[str(audited)] = summary_numbers(audit)
     return numbers
+
+
+def summary_numbers(audit: pd.DataFrame) -> dict:
+    """One audit's headline numbers, by the table's metric names."""
+
+    def one(metric: str, variant: str | None = None) -> pd.Series | None:
+        rows = audit[audit["metric"] == metric]
+        rows = rows if variant is None else rows[rows["variant"] == variant]
+        return rows.iloc[0] if len(rows) else None
+
+    def value(metric: str, variant: str | None = None) -> float | None:
+        r = one(metric, variant)
+        return None if r is None else float(r["value"])
+
+    found: dict = {
+        "size": value("size"),
+        "units": value("units"),
+        "n_held_out": int(audit["n"].iloc[0]),
+        "faithfulness": value("faithfulness", "found"),
+    }
+    for _, r in audit[audit["metric"] == "jaccard_mean"].iterrows():
+        found[f"jaccard_{r['kind']}"] = [float(r["value"]), float(r["ci_low"]), float(r["ci_high"])]
+    rivals = audit[(audit["metric"] == "faithfulness") & (audit["kind"] == "rival")]
+    if len(rivals):
+        found["best_rival_faithfulness"] = float(rivals["value"].max())
+    margin = one("margin")
+    if margin is not None:
+        found["margin"] = [float(margin["value"]), float(margin["ci_low"]), float(margin["ci_high"])]
+        found["unique"] = bool(margin["ci_low"] > 0)
+    for test in ("equivalence", "independence", "minimality"):
+        r = one(f"{test}_p")
+        if r is not None:
+            found[test] = {"p_value": float(r["value"]), "rejected": bool(r["rejected"])}
+    return found
 
 
 def _overlap(rows: pd.DataFrame, title: str, path: Path) -> None:

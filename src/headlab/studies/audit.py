@@ -94,6 +94,7 @@ class Found:
     scores: Tensor  # [units] float64
     chosen: Tensor  # [units] bool
     source: str
+    label: str  # what the audited circuit is, in a few words (the table's `audited` column)
     edge_scores: Tensor | None = field(default=None, repr=False)  # [senders, receivers] where scored here
 
 
@@ -128,7 +129,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     units, size = found.units, int(found.chosen.sum())
     if size == 0 or size == units.count:
         raise UsageError(f"the circuit holds {size} of {units.count} {units.level}: nothing to audit")
-    info = {**run_info(cfg), "n": held.n, "intervention": "audit", "method": c.method}
+    info = {**run_info(cfg), "n": held.n, "intervention": "audit", "method": c.method, "audited": found.label}
     found_metric = measure(units.to_mask(found.chosen))
     rows = [{**info, "metric": "size", "value": size}, {**info, "metric": "units", "value": units.count}]
     rows.append({**info, "metric": "faithfulness", "variant": "found", "value": measure.scale.share(found_metric)})
@@ -187,10 +188,10 @@ def run(ctx: RunContext) -> pd.DataFrame:
 def found_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget) -> Found:
     c = ctx.options
     if c.heads:
-        return heads_circuit(ctx, graph, budget, [head_unit(str(h)) for h in c.heads])
+        return heads_circuit(ctx, graph, budget, [head_unit(str(h)) for h in c.heads], "heads given")
     units = Units(graph, c.level)
     if c.circuit and (Path(c.circuit) / "meta.json").is_file() and not (Path(c.circuit) / CIRCUIT_FILE).is_file():
-        return heads_circuit(ctx, graph, budget, classed_heads(Path(c.circuit)))
+        return heads_circuit(ctx, graph, budget, classed_heads(Path(c.circuit)), "heads of the IOI classes")
     if c.circuit:
         path = Path(c.circuit)
         path = path / CIRCUIT_FILE if path.is_dir() else path
@@ -201,12 +202,13 @@ def found_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget) -> Found:
             raise UsageError(f"{path}: no edge is in_graph")
         if not torch.nan_to_num(edge_scores).any():  # a circuit without scores: its rivals are cut from ours
             edge_scores = score(ctx, graph, budget, c.method, ctx.get_data())
-        return Found(units, units.scores(edge_scores), units.of_mask(mask), str(path))
+        return Found(units, units.scores(edge_scores), units.of_mask(mask), str(path), f"{units.level} of {path.name}")
     edge_scores = score(ctx, graph, budget, c.method, ctx.get_data())
     scores = units.scores(edge_scores)
     with ctx.timed("found_runs"):
         own = Measure(ctx, graph, ctx.get_data())  # found on the run's own prompts, as study=circuit finds it
-    return Found(units, scores, smallest(units, scores, own, c.target), f"{c.method} at {c.target}", edge_scores)
+    how = f"{units.level} found by {c.method} at {c.target}"
+    return Found(units, scores, smallest(units, scores, own, c.target), how, how, edge_scores)
 
 
 RUN_KEYS = ("model", "task", "seed", "device", "engine", "train")  # what of a run's overrides an audit keeps
@@ -235,14 +237,14 @@ def audit_overrides(run_dir: Path) -> list[str]:
     raise UsageError(f"{run_dir}: a {study.get('name')} run; audit reads a circuit or an ioi_classes run")
 
 
-def heads_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget, given: list[str]) -> Found:
+def heads_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget, given: list[str], label: str) -> Found:
     units = Units(graph, "heads")
     unknown = sorted(set(given) - set(units.names))
     if unknown:
         raise UsageError(f"study.heads: {', '.join(unknown)} not heads of this model")
     edge_scores = score(ctx, graph, budget, ctx.options.method, ctx.get_data())
     chosen = torch.tensor([n in given for n in units.names])
-    return Found(units, units.scores(edge_scores), chosen, "heads " + ",".join(given), edge_scores)
+    return Found(units, units.scores(edge_scores), chosen, "heads " + ",".join(given), label, edge_scores)
 
 
 def classed_heads(run_dir: Path) -> list[str]:
