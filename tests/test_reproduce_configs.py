@@ -182,7 +182,8 @@ def ioi_audit_runs(quick: bool) -> list[list[str]]:
             [*audit[:3], "study.circuit={previous}", *audit[3:]],
             [*audit[:3], "study.level=heads", *audit[3:]],
         ]
-    return [audit, classes, [*audit, "study.circuit={previous}"], [*audit, "study.level=heads"]]
+    activations = "study.methods=[eap,eap_ig,eap_ig_activations]"
+    return [[*audit, activations], classes, [*audit, "study.circuit={previous}"], [*audit, "study.level=heads"]]
 
 
 REFERENCE = {

@@ -553,6 +553,52 @@ def retrieval_models(numbers: Numbers) -> str:
     return "\n".join(lines)
 
 
+# --- ioi_audit -----------------------------------------------------------------------------------------
+
+AUDIT_KINDS = (("resample", "resamples"), ("seed", "other draws"), ("templates", "template halves"),
+               ("method", "methods"), ("steps", "2x steps"))  # fmt: skip
+
+
+def audit_tests(n: Numbers) -> str:
+    def one(test: str) -> str:
+        t = n.get(test) or {}
+        verdict = "rejected" if t.get("rejected") else "kept"
+        return f"{test[:5]}. p {fmt(t.get('p_value'), 3)} ({verdict})" if t else f"{test[:5]}. n/a"
+
+    return "; ".join(one(t) for t in ("equivalence", "independence", "minimality"))
+
+
+def interval_cell(triple: Any) -> str:
+    """[value, low, high] as "value [low, high]"."""
+    triple = triple if isinstance(triple, list) and len(triple) == 3 else [None, None, None]
+    return with_ci(triple[0], triple[1:], 2)
+
+
+def ioi_audits(files: dict[str, Numbers]) -> str:
+    """`reproduce ioi_audit` on each model: one row per audited circuit."""
+    lines = [
+        header(
+            "model, circuit", "units (of)", "faithfulness", *(f"Jaccard: {label}" for _, label in AUDIT_KINDS),
+            "best disjoint rival; margin [95%]", "Shi et al.'s tests (H0 kept / rejected at 0.05)",
+        )
+    ]  # fmt: skip
+    for numbers in files.values():
+        for model, audits in numbers.items():
+            if model == "provenance" or not isinstance(audits, dict):
+                continue
+            for audited, n in audits.items():
+                jaccards = [interval_cell(n.get(f"jaccard_{k}")) for k, _ in AUDIT_KINDS]
+                rival = f"{fmt(n.get('best_rival_faithfulness'))}; {interval_cell(n.get('margin'))}"
+                rival += " (unique)" if n.get("unique") else " (not unique)"
+                lines.append(
+                    row(
+                        f"{model}, {audited}", f"{fmt(n.get('size'))} ({fmt(n.get('units'))})",
+                        fmt(n.get("faithfulness")), *jaccards, rival, audit_tests(n),
+                    )
+                )  # fmt: skip
+    return "\n".join(lines)
+
+
 TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
     ("retrieval_wu", "models"): retrieval_models,
     ("attn_sae", "layers"): attn_sae_layers,
@@ -570,4 +616,5 @@ TABLES_OF_FILES: dict[tuple[str, str], Callable[[dict[str, Numbers]], str]] = {
     ("ioi+ioi-gemma3-270m", "models"): ioi_models,
     ("recall_reasoning_facts+recall_reasoning_facts-gemma3-270m", "models"): recall_reasoning_models,
     ("head_attribution+ioi+ioi-gemma3-270m", "cases"): head_attribution_cases,
+    ("ioi_audit+ioi_audit-gemma3-270m", "audits"): ioi_audits,
 }
