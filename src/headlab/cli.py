@@ -335,7 +335,7 @@ def audit(
 ) -> None:
     """Is it *the* circuit? `headlab audit RUN_DIR [key=value ...]`: stability, disjoint rivals and Shi et
     al.'s hypothesis tests for the run's circuit, on its model and task (`headlab run study=audit` alike)."""
-    from .studies.audit import audit_overrides
+    from .studies.audit_sources import audit_overrides
 
     _single("run", [*audit_overrides(run_dir), *ctx.args])
 

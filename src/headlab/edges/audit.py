@@ -144,6 +144,9 @@ class Variant:
     faithfulness: float = float("nan")  # on the held-out prompts
     jaccard: float = float("nan")  # with the found circuit's units
     jaccard_heads: float = float("nan")
+    at_target: Tensor | None = None  # [units] bool: its own smallest circuit reaching the target, where asked
+    jaccard_at_target: float = float("nan")  # with the found circuit's units
+    faithfulness_at_target: float = float("nan")  # on the held-out prompts
 
 
 @dataclass

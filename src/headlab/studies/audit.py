@@ -2,24 +2,26 @@
 hypothesis tests of Shi et al. 2024 (arXiv 2410.13032) for an edge circuit or a set of heads.
 
 The circuit: `study.circuit`, a circuit.json (ours, EAP-IG's or MIB's layout: its in_graph edges and their
-scores), a run directory holding one, or heads (`[a9.h6,a10.h0]`, level heads); unset, the smallest
-circuit by `study.method`'s scores reaching `study.target` of the clean-corrupted gap on the run's prompts
-(as study=circuit reports it). Every circuit is then measured exactly (edges/evaluate.py) on
-`study.held_out` prompts drawn apart from those it was found on:
+scores), a run directory holding one, or an ioi_classes run (its classed heads); `study.heads`, heads
+(`[a9.h6,a10.h0]`); unset, the smallest circuit by `study.method`'s scores reaching `study.target` of the
+clean-corrupted gap on the run's prompts (as study=circuit reports it). Every circuit is then measured
+exactly (edges/evaluate.py) on `study.held_out` prompts drawn apart from those it was found on:
 
 1. stability (edges/audit.py): the units scored again over bootstrap resamples of the prompts, other
    prompt draws, each half of the templates (scored on one half, measured on the other's held-out
-   prompts), other methods and twice the steps; each variant's top units at the found circuit's size,
-   their Jaccard index with it (an interval over resamples and draws), their faithfulness, and each unit's
-   share of the resampled circuits that keep it;
+   prompts), other methods and twice the steps; each variant's top units at the found circuit's size and
+   (`study.at_target`) its own smallest circuit reaching the target on its own prompts, their Jaccard
+   index with the found circuit (an interval over resamples and draws), their faithfulness, and each unit's
+   share of the resampled and redrawn circuits that keep it;
 2. rivals: disjoint circuits of the same size (edges/audit.rivals), the best one's faithfulness and the
    margin to the found circuit with a paired bootstrap interval: unique at its size where it is above 0;
 3. the hypothesis tests (edges/hypothesis.py): equivalence, independence, minimality.
+
+tests/test_audit.py runs it on hand-set transformers with a planted circuit and a planted twin.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +35,7 @@ from .. import results
 from ..config import run_info
 from ..config_rules import COUNT, NATURAL, SHARE, Each, Known, OneOf, Range, setting
 from ..edges import hypothesis
-from ..edges.audit import LEVELS, Rival, Scale, Units, Variant, interval, jaccard, keep_shares, margin, random_units
-from ..edges.audit import rivals as find_rivals
+from ..edges.audit import LEVELS, Scale, Units, Variant, jaccard, keep_shares, random_units, rivals
 from ..edges.eap import doubled_steps
 from ..edges.evaluate import circuit_metric, clean_and_corrupted
 from ..edges.graph import KV_EDGES, EdgeGraph
@@ -44,12 +45,11 @@ from ..edges.postnorm import POST_NORM_RULES
 from ..edges.record import metric_column
 from ..errors import UsageError
 from ..progress import progress_bar
-from ..tables import head_of
 from ..tasks import TaskData
-from .circuit import CIRCUIT_FILE
+from .audit_rows import keep_share_rows, overlap_rows, rival_rows, summary, test_rows, unique, variant_rows
+from .audit_sources import circuit_file, classed_heads, head_unit, is_classes_run
 from .context import EVAL_SEED_OFFSET, RunContext
 from .study import Study, StudyOptions
-from .summary import console
 
 HELD_OUT_OFFSET = 7_919  # the held-out prompts' seed, apart from the run's prompts and the other draws
 DRAW_OFFSET = 104_729  # the s-th other draw of the prompts: seed + EVAL_SEED_OFFSET + s * DRAW_OFFSET
@@ -60,7 +60,8 @@ class AuditOptions(StudyOptions):
     """`study=audit`: stability, rivals and Shi et al.'s hypothesis tests for one circuit."""
 
     name: str = "audit"
-    # a circuit.json (ours, EAP-IG's or MIB's layout) or a run dir holding one; None: found here (or heads)
+    # a circuit.json (ours, EAP-IG's or MIB's layout), a run dir holding one, or an ioi_classes run's dir;
+    # None: found here (or study.heads)
     circuit: str | None = None
     heads: list[str] | None = None  # a circuit of heads instead ([a9.h6,a10.h0] or [L9H6,L10H0]): level heads
     level: str = setting("edges", OneOf(LEVELS))  # the units of a circuit found here or read from a file
@@ -78,6 +79,8 @@ class AuditOptions(StudyOptions):
     methods: list[str] = setting(factory=lambda: ["eap", "eap_ig"], rule=Each(Known(method_names)))
     exact_limit: int = setting(2000, NATURAL)  # exact patching as a variant only on graphs this small
     twice_the_steps: bool = True  # an integrating method's scores at 2 * steps as a variant
+    # each variant's own smallest circuit reaching study.target on its own prompts, measured and compared too
+    at_target: bool = True
     rivals: int = setting(3, NATURAL)  # rounds of the disjoint rival search
     epsilon: float = setting(hypothesis.EPSILON, SHARE)  # equivalence's margin
     permutations: int = setting(1000, COUNT)  # independence's permutation test
@@ -86,6 +89,24 @@ class AuditOptions(StudyOptions):
     max_units: int = setting(30, COUNT)  # minimality: the circuit's units tested, largest |score| first
     prompts_per_pass: int = setting(16, COUNT)
     n_boot: int = setting(1000, NATURAL)  # the margin's bootstrap
+
+
+class Measure:
+    """Circuits measured exactly on one set of prompts (its clean and corrupted runs recorded once)."""
+
+    def __init__(self, audit: Audit, data: TaskData):
+        self.audit, self.data = audit, data
+        self.runs = clean_and_corrupted(audit.model, audit.graph, data)
+        graph = audit.graph
+        self.scale = Scale(self(graph.real.clone()), self(torch.zeros_like(graph.real)))
+
+    def __call__(self, mask: Tensor) -> np.ndarray:
+        a = self.audit
+        a.evaluations += 1
+        return circuit_metric(a.model, a.task, self.data, a.graph, mask, self.runs).double().cpu().numpy()
+
+    def share(self, mask: Tensor, rows: np.ndarray | None = None) -> float:
+        return self.scale.share(self(mask), rows)
 
 
 @dataclass
@@ -98,174 +119,101 @@ class Found:
     edge_scores: Tensor | None = field(default=None, repr=False)  # [senders, receivers] where scored here
 
 
-class Measure:
-    """Circuits measured exactly on the held-out prompts (the clean and corrupted runs recorded once)."""
+class Audit:
+    """One audit's shared state: the model's graph, the method's budget, each prompt set's recorded runs."""
 
-    def __init__(self, ctx: RunContext, graph: EdgeGraph, data: TaskData):
-        self.model, self.task, self.data, self.graph = ctx.get_model(), ctx.get_task(), data, graph
-        self.runs = clean_and_corrupted(self.model, graph, data)
-        self.calls = 0
-        self.scale = Scale(self(graph.real.clone()), self(torch.zeros_like(graph.real)))
+    def __init__(self, ctx: RunContext):
+        self.ctx, self.c, cfg = ctx, ctx.options, ctx.cfg
+        metric_column(ctx.get_task())
+        self.model, self.task, self.data = ctx.get_model(), ctx.get_task(), ctx.get_data()
+        self.graph = EdgeGraph.of(self.model, self.c.post_norm, self.c.kv_edges)
+        self.budget = Budget(self.c.steps, self.c.prompts_per_pass, self.c.ig_steps_from, cfg.engine.chunk_mb)
+        self.evaluations = 0
+        self._measures: dict[int, Measure] = {}
+        held = self.task.build(self.c.held_out, seed=cfg.seed + EVAL_SEED_OFFSET + HELD_OUT_OFFSET, model=self.model)
+        self.held = self.measure(held.to(str(self.model.input_device)))
 
-    def __call__(self, mask: Tensor) -> np.ndarray:
-        self.calls += 1
-        metric = circuit_metric(self.model, self.task, self.data, self.graph, mask, self.runs)
-        return metric.double().cpu().numpy()
+    def measure(self, prompts: TaskData) -> Measure:
+        if id(prompts) not in self._measures:
+            with self.ctx.timed("recorded_runs"):
+                self._measures[id(prompts)] = Measure(self, prompts)
+        return self._measures[id(prompts)]
+
+    def score(self, method: str, prompts: TaskData) -> Tensor:
+        return get_method(method).edges(self.model, self.task, prompts, self.graph, self.budget)
+
+    def draw(self, s: int) -> TaskData:
+        cfg = self.ctx.cfg
+        other = self.task.build(self.data.n, seed=cfg.seed + EVAL_SEED_OFFSET + s * DRAW_OFFSET, model=self.model)
+        return other.to(str(self.model.input_device))
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
-    cfg, c = ctx.cfg, ctx.options
-    metric_column(ctx.get_task())
-    model, task = ctx.get_model(), ctx.get_task()
-    ctx.get_data()  # the run's own prompts, placed where the model reads them
-    graph = EdgeGraph.of(model, c.post_norm, c.kv_edges)
-    budget = Budget(c.steps, c.prompts_per_pass, c.ig_steps_from, cfg.engine.chunk_mb, False)
-    held = task.build(c.held_out, seed=cfg.seed + EVAL_SEED_OFFSET + HELD_OUT_OFFSET, model=model)
-    held = held.to(str(model.input_device))
-    with ctx.timed("held_out_runs"):
-        measure = Measure(ctx, graph, held)
+    audit, c, seed = Audit(ctx), ctx.options, ctx.cfg.seed
+    held = audit.held
     with ctx.timed("found"):
-        found = found_circuit(ctx, graph, budget)
+        found = found_circuit(audit)
     units, size = found.units, int(found.chosen.sum())
     if size == 0 or size == units.count:
         raise UsageError(f"the circuit holds {size} of {units.count} {units.level}: nothing to audit")
-    info = {**run_info(cfg), "n": held.n, "intervention": "audit", "method": c.method, "audited": found.label}
-    found_metric = measure(units.to_mask(found.chosen))
+    info = {**run_info(ctx.cfg), "n": held.data.n, "intervention": "audit", "method": c.method, "audited": found.label}
+    found_metric = held(units.to_mask(found.chosen))
     rows = [{**info, "metric": "size", "value": size}, {**info, "metric": "units", "value": units.count}]
-    rows.append({**info, "metric": "faithfulness", "variant": "found", "value": measure.scale.share(found_metric)})
+    rows.append({**info, "metric": "faithfulness", "variant": "found", "value": held.scale.share(found_metric)})
     with ctx.timed("stability"):
-        variants = stability(ctx, graph, budget, found, measure, held)
-    rows += variant_rows(info, variants, found)
+        variants = stability(audit, found)
+    rows += variant_rows(info, variants)
     with ctx.timed("rivals"):
-        rivals = find_rivals(units, found.scores, found.chosen, measure, measure.scale, c.rivals)
-    rows += rival_rows(info, rivals, found_metric, measure.scale, c.n_boot, cfg.seed)
+        found_rivals = rivals(units, found.scores, found.chosen, held, held.scale, c.rivals)
+    rows += rival_rows(info, found_rivals, found_metric, held.scale, c.n_boot, seed)
     with ctx.timed("tests"):
-        tests, mini = hypothesis_tests(c, found, found_metric, measure, cfg.seed)
-    if np.array_equal(found_metric, measure.scale.clean):
+        tests, mini, tested = hypothesis_tests(audit, found, found_metric)
+    if np.array_equal(found_metric, held.scale.clean):
         ctx.note("the circuit scores as the model on every prompt: equivalence (a share of prompts) cannot tell")
-    rows += [
-        {**info, "metric": f"{t.test}_p", "value": t.p_value, "statistic": t.statistic, "rejected": t.rejected}
-        for t in tests
-    ]
-    tested = units_tested(found, c.max_units)
-    rows += [
-        {
-            **info,
-            "intervention": "minimality",
-            "unit": units.names[u],
-            "metric": "knockout_effect",
-            "value": e,
-            "p_value": p,
-        }
-        for u, e, p in zip(tested, mini.effects.tolist(), mini.p_values.tolist())
-    ]
+    rows += test_rows(info, tests, mini, units, tested)
     shares = keep_shares([v.chosen for v in variants if v.kind in ("resample", "seed")] or [found.chosen])
-    kept = (shares > 0) | found.chosen
-    rows += [
-        {
-            **info,
-            "intervention": "keep_share",
-            "unit": units.names[u],
-            "metric": "keep_share",
-            "value": float(shares[u]),
-            "in_circuit": bool(found.chosen[u]),
-        }
-        for u in kept.nonzero().flatten().tolist()
-    ]
+    rows += keep_share_rows(info, units, found.chosen, shares)
+    named = [("found", found.chosen), *((v.name, v.chosen) for v in variants)]
+    rows += overlap_rows(info, named + [(f"rival_{r.round}", r.chosen) for r in found_rivals])
     ctx.meta.update(
         circuit=found.source,
         level=units.level,
         size=size,
-        held_out_prompts=held.n,
-        evaluations=measure.calls,
+        held_out_prompts=held.data.n,
+        evaluations=audit.evaluations,
         tests={t.test: {"p_value": t.p_value, "rejected": t.rejected, "meaning": t.meaning} for t in tests},
-        unique=bool(rivals) and rival_margin_above_zero(rows),
+        unique=unique(rows),
     )
-    rows += overlap_rows(info, found, variants, rivals)
     return results.conform(pd.DataFrame(rows))
 
 
-def found_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget) -> Found:
-    c = ctx.options
+def found_circuit(audit: Audit) -> Found:
+    c = audit.c
     if c.heads:
-        return heads_circuit(ctx, graph, budget, [head_unit(str(h)) for h in c.heads], "heads given")
-    units = Units(graph, c.level)
-    if c.circuit and (Path(c.circuit) / "meta.json").is_file() and not (Path(c.circuit) / CIRCUIT_FILE).is_file():
-        return heads_circuit(ctx, graph, budget, classed_heads(Path(c.circuit)), "heads of the IOI classes")
+        return heads_circuit(audit, [head_unit(str(h)) for h in c.heads], "heads given")
+    if c.circuit and is_classes_run(Path(c.circuit)):
+        return heads_circuit(audit, classed_heads(Path(c.circuit)), "heads of the IOI classes")
+    units = Units(audit.graph, c.level)
     if c.circuit:
-        path = Path(c.circuit)
-        path = path / CIRCUIT_FILE if path.is_dir() else path
-        if not path.is_file():
-            raise UsageError(f"study.circuit={c.circuit}: neither a circuit.json nor a run dir holding one")
-        edge_scores, mask = graph.from_json(json.loads(path.read_text()))
-        if not mask.any():
-            raise UsageError(f"{path}: no edge is in_graph")
+        edge_scores, mask, path = circuit_file(c.circuit, audit.graph)
         if not torch.nan_to_num(edge_scores).any():  # a circuit without scores: its rivals are cut from ours
-            edge_scores = score(ctx, graph, budget, c.method, ctx.get_data())
+            edge_scores = audit.score(c.method, audit.data)
         return Found(units, units.scores(edge_scores), units.of_mask(mask), str(path), f"{units.level} of {path.name}")
-    edge_scores = score(ctx, graph, budget, c.method, ctx.get_data())
+    edge_scores = audit.score(c.method, audit.data)
     scores = units.scores(edge_scores)
-    with ctx.timed("found_runs"):
-        own = Measure(ctx, graph, ctx.get_data())  # found on the run's own prompts, as study=circuit finds it
     how = f"{units.level} found by {c.method} at {c.target}"
-    return Found(units, scores, smallest(units, scores, own, c.target), how, how, edge_scores)
+    # found on the run's own prompts, as study=circuit finds it
+    return Found(units, scores, smallest(units, scores, audit.measure(audit.data), c.target), how, how, edge_scores)
 
 
-RUN_KEYS = ("model", "task", "seed", "device", "engine", "train")  # what of a run's overrides an audit keeps
-GRAPH_OPTIONS = ("method", "steps", "ig_steps_from", "kv_edges", "post_norm")  # a circuit run's, kept alike
-
-
-def audit_overrides(run_dir: Path) -> list[str]:
-    """`headlab audit RUN_DIR`: the overrides of `headlab run study=audit` on the run's model, task and
-    seed, auditing its circuit (a circuit run's circuit.json) or its head classes (an ioi_classes run's)."""
-    import yaml
-
-    hydra = run_dir / ".hydra"
-    try:
-        given = yaml.safe_load((hydra / "overrides.yaml").read_text()) or []
-        study = (yaml.safe_load((hydra / "config.yaml").read_text()) or {}).get("study", {})
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"{run_dir}: not a headlab run dir (its .hydra/ cannot be read: {e})") from e
-    kept = [o for o in given if o.split("=")[0].lstrip("+").split(".")[0] in RUN_KEYS]
-    if study.get("name") == "circuit":
-        if not (run_dir / CIRCUIT_FILE).is_file():
-            raise UsageError(f"{run_dir}: a circuit run without {CIRCUIT_FILE} (study.level=nodes?): nothing to audit")
-        options = [f"study.{k}={'null' if study[k] is None else study[k]}" for k in GRAPH_OPTIONS if k in study]
-        return ["study=audit", *kept, *options, f"study.circuit={run_dir.resolve()}"]
-    if study.get("name") == "ioi_classes":
-        return ["study=audit", *kept, f"study.circuit={run_dir.resolve()}"]
-    raise UsageError(f"{run_dir}: a {study.get('name')} run; audit reads a circuit or an ioi_classes run")
-
-
-def heads_circuit(ctx: RunContext, graph: EdgeGraph, budget: Budget, given: list[str], label: str) -> Found:
-    units = Units(graph, "heads")
+def heads_circuit(audit: Audit, given: list[str], label: str) -> Found:
+    units = Units(audit.graph, "heads")
     unknown = sorted(set(given) - set(units.names))
     if unknown:
         raise UsageError(f"study.heads: {', '.join(unknown)} not heads of this model")
-    edge_scores = score(ctx, graph, budget, ctx.options.method, ctx.get_data())
+    edge_scores = audit.score(audit.c.method, audit.data)
     chosen = torch.tensor([n in given for n in units.names])
     return Found(units, units.scores(edge_scores), chosen, "heads " + ",".join(given), label, edge_scores)
-
-
-def classed_heads(run_dir: Path) -> list[str]:
-    """The heads an ioi_classes run put in a class (its meta.json's `classes`, "layer.head")."""
-    try:
-        classes = json.loads((run_dir / "meta.json").read_text()).get("classes") or {}
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{run_dir}: its meta.json cannot be read ({e})") from e
-    heads = [f"a{h.split('.')[0]}.h{h.split('.')[1]}" for members in classes.values() for h in members]
-    if not heads:
-        raise UsageError(f"{run_dir}: neither a circuit.json nor an ioi_classes run with classed heads")
-    return heads
-
-
-def head_unit(name: str) -> str:
-    """A head's unit name (a9.h6) from either spelling (a9.h6, L9H6)."""
-    try:
-        layer, head = head_of(name)
-    except ValueError:
-        return name
-    return f"a{layer}.h{head}"
 
 
 def smallest(units: Units, scores: Tensor, measure: Measure, target: float) -> Tensor:
@@ -276,15 +224,11 @@ def smallest(units: Units, scores: Tensor, measure: Measure, target: float) -> T
     while high - low > 1:
         mid = (low + high) // 2
         chosen = units.top(scores, mid)
-        if measure.scale.share(measure(units.to_mask(chosen))) >= target:
+        if measure.share(units.to_mask(chosen)) >= target:
             high, best = mid, chosen
         else:
             low = mid
     return best
-
-
-def score(ctx: RunContext, graph: EdgeGraph, budget: Budget, method: str, data: TaskData) -> Tensor:
-    return get_method(method).edges(ctx.get_model(), ctx.get_task(), data, graph, budget)
 
 
 @dataclass
@@ -299,17 +243,14 @@ class Planned:
     held_rows: np.ndarray | None = None
 
 
-def planned(ctx: RunContext, graph: EdgeGraph, held: TaskData) -> list[Planned]:
-    cfg, c = ctx.cfg, ctx.options
-    model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
-    rng = np.random.default_rng(cfg.seed)
+def planned(audit: Audit) -> list[Planned]:
+    c, data, held = audit.c, audit.data, audit.held.data
+    rng = np.random.default_rng(audit.ctx.cfg.seed)
     plan = [
         Planned(f"resample_{r + 1}", "resample", data.take(torch.as_tensor(rng.integers(0, data.n, data.n))), c.method)
         for r in range(c.resamples)
     ]
-    for s in range(1, c.draws + 1):
-        other = task.build(data.n, seed=cfg.seed + EVAL_SEED_OFFSET + s * DRAW_OFFSET, model=model)
-        plan.append(Planned(f"draw_{s + 1}", "seed", other.to(str(model.input_device)), c.method))
+    plan += [Planned(f"draw_{s + 1}", "seed", audit.draw(s), c.method) for s in range(1, c.draws + 1)]
     if c.templates and data.groups is not None and held.groups is not None and len(data.groups.unique()) > 1:
         names = data.groups.unique().sort().values
         for half, (mine, theirs) in zip("ab", ((names[::2], names[1::2]), (names[1::2], names[::2]))):
@@ -318,190 +259,81 @@ def planned(ctx: RunContext, graph: EdgeGraph, held: TaskData) -> list[Planned]:
             if len(rows) and len(held_rows):
                 plan.append(Planned(f"templates_{half}", "templates", data.take(rows), c.method, held_rows))
     for m in c.methods:
-        if m == "exact" and graph.n_edges > c.exact_limit:
-            ctx.note(f"exact patching left out of the methods: {graph.n_edges} edges > study.exact_limit")
+        if m == "exact" and audit.graph.n_edges > c.exact_limit:
+            audit.ctx.note(f"exact patching left out of the methods: {audit.graph.n_edges} edges > study.exact_limit")
             continue
         plan.append(Planned(f"method_{m}", "method", data, m))
+    if c.twice_the_steps and get_method(c.method).integrates:
+        plan.append(Planned(f"steps_{2 * c.steps}", "steps", data, c.method))
     return plan
 
 
-def stability(
-    ctx: RunContext, graph: EdgeGraph, budget: Budget, found: Found, measure: Measure, held: TaskData
-) -> list[Variant]:
-    c = ctx.options
-    plan = planned(ctx, graph, held)
-    model, task, data = ctx.get_model(), ctx.get_task(), ctx.get_data()
-    twice = c.twice_the_steps and get_method(c.method).integrates
+def stability(audit: Audit, found: Found) -> list[Variant]:
+    c, ctx = audit.c, audit.ctx
+    plan = planned(audit)
     base = found.edge_scores  # the method's own scores on the run's prompts, where it found the circuit
     variants: list[Variant] = []
-    found_heads = found.units.heads_of(found.chosen)
-    size = int(found.chosen.sum())
-    with progress_bar("audit: stability", total=len(plan) + twice, enabled=ctx.show_progress) as bar:
+    with progress_bar("audit: stability", total=len(plan), enabled=ctx.show_progress) as bar:
         for p in plan:
             started = time.perf_counter()
-            if p.kind == "method" and p.method == c.method:
-                base = score(ctx, graph, budget, p.method, p.prompts) if base is None else base
+            if p.kind in ("method", "steps") and p.method == c.method and base is None:
+                base = audit.score(c.method, audit.data)
+            if p.kind == "steps":
+                assert base is not None
+                steps, ppp, first = c.steps, c.prompts_per_pass, c.ig_steps_from
+                m, t, d, g = audit.model, audit.task, audit.data, audit.graph
+                edge_scores = doubled_steps(m, t, d, g, c.method, base, steps, ppp, False, first)
+            elif p.kind == "method" and p.method == c.method:
+                assert base is not None
                 edge_scores = base
             else:
-                edge_scores = score(ctx, graph, budget, p.method, p.prompts)
-            variants.append(variant(p.name, p.kind, edge_scores, found, size, found_heads, measure, p.held_rows))
+                edge_scores = audit.score(p.method, p.prompts)
+            variants.append(variant(audit, p, edge_scores, found))
             ctx.meta.setdefault("variant_seconds", {})[p.name] = round(time.perf_counter() - started, 1)
-            bar.update(len(variants))
-        if twice:
-            base = score(ctx, graph, budget, c.method, data) if base is None else base
-            steps, ppp, first = c.steps, c.prompts_per_pass, c.ig_steps_from
-            doubled = doubled_steps(model, task, data, graph, c.method, base, steps, ppp, False, first)
-            variants.append(variant(f"steps_{2 * c.steps}", "steps", doubled, found, size, found_heads, measure, None))
             bar.update(len(variants))
     return variants
 
 
-def variant(
-    name: str,
-    kind: str,
-    edge_scores: Tensor,
-    found: Found,
-    size: int,
-    found_heads: Tensor,
-    measure: Measure,
-    held_rows: np.ndarray | None,
-) -> Variant:
-    units = found.units
-    chosen = units.top(units.scores(edge_scores), size)
-    v = Variant(name, kind, chosen)
-    v.jaccard, v.jaccard_heads = jaccard(chosen, found.chosen), jaccard(units.heads_of(chosen), found_heads)
-    v.faithfulness = measure.scale.share(measure(units.to_mask(chosen)), held_rows)
+def variant(audit: Audit, p: Planned, edge_scores: Tensor, found: Found) -> Variant:
+    units, held = found.units, audit.held
+    scores = units.scores(edge_scores)
+    size = int(found.chosen.sum())
+    chosen = units.top(scores, size)
+    v = Variant(p.name, p.kind, chosen)
+    v.jaccard = jaccard(chosen, found.chosen)
+    v.jaccard_heads = jaccard(units.heads_of(chosen), units.heads_of(found.chosen))
+    v.faithfulness = held.share(units.to_mask(chosen), p.held_rows)
+    if audit.c.at_target:
+        # searched as the found circuit was (a bisection from the whole graph), so equal scores find it again
+        v.at_target = smallest(units, scores, audit.measure(p.prompts), audit.c.target)
+        v.jaccard_at_target = jaccard(v.at_target, found.chosen)
+        v.faithfulness_at_target = held.share(units.to_mask(v.at_target), p.held_rows)
     return v
 
 
-def units_tested(found: Found, max_units: int) -> list[int]:
-    inside = found.chosen.nonzero().flatten()
-    order = torch.argsort(found.scores[inside].abs(), descending=True, stable=True)
-    return inside[order[:max_units]].tolist()
-
-
 def hypothesis_tests(
-    c: AuditOptions, found: Found, found_metric: np.ndarray, measure: Measure, seed: int
-) -> tuple[list[hypothesis.Outcome], hypothesis.Minimality]:
-    units, model_metric = found.units, measure.scale.clean
-    complement = measure(units.to_mask(~found.chosen))
-    knocked = []
-    for u in units_tested(found, c.max_units):
+    audit: Audit, found: Found, found_metric: np.ndarray
+) -> tuple[list[hypothesis.Outcome], hypothesis.Minimality, list[int]]:
+    c, units, held, seed = audit.c, found.units, audit.held, audit.ctx.cfg.seed
+    complement = held(units.to_mask(~found.chosen))
+    inside = found.chosen.nonzero().flatten()
+    tested = inside[torch.argsort(found.scores[inside].abs(), descending=True, stable=True)[: c.max_units]].tolist()
+    knocked, added = [], []
+    for u in tested:
         without = found.chosen.clone()
         without[u] = False
-        knocked.append(measure(units.to_mask(without)))
-    added = []
+        knocked.append(held(units.to_mask(without)))
     for u in random_units(~found.chosen, c.n_random, seed):
         more = found.chosen.clone()
         more[u] = True
-        added.append(measure(units.to_mask(more)))
+        added.append(held(units.to_mask(more)))
     mini = hypothesis.minimality(found_metric, np.stack(knocked), np.stack(added), c.quantile)
     tests = [
-        hypothesis.equivalence(model_metric, found_metric, c.epsilon),
-        hypothesis.independence(model_metric, complement, c.permutations, seed),
+        hypothesis.equivalence(held.scale.clean, found_metric, c.epsilon),
+        hypothesis.independence(held.scale.clean, complement, c.permutations, seed),
         mini.outcome,
     ]
-    return tests, mini
-
-
-def variant_rows(info: dict, variants: list[Variant], found: Found) -> list[dict]:
-    rows = []
-    for v in variants:
-        base = {**info, "variant": v.name, "kind": v.kind}
-        rows += [
-            {**base, "metric": "jaccard", "value": v.jaccard},
-            {**base, "metric": "jaccard_heads", "value": v.jaccard_heads},
-            {**base, "metric": "faithfulness", "value": v.faithfulness},
-        ]
-    for kind in dict.fromkeys(v.kind for v in variants):
-        values = [v.jaccard for v in variants if v.kind == kind]
-        low, high = interval(values)
-        rows.append(
-            {
-                **info,
-                "kind": kind,
-                "metric": "jaccard_mean",
-                "value": float(np.mean(values)),
-                "ci_low": low,
-                "ci_high": high,
-            }
-        )
-    return rows
-
-
-def rival_rows(
-    info: dict, rivals: list[Rival], found_metric: np.ndarray, scale: Scale, n_boot: int, seed: int
-) -> list[dict]:
-    rows = []
-    for r in rivals:
-        base = {**info, "variant": f"rival_{r.round}", "kind": "rival"}
-        rows += [
-            {**base, "metric": "faithfulness", "value": r.faithfulness},
-            {**base, "metric": "shared_units", "value": r.shared_units},
-            {**base, "metric": "jaccard_heads", "value": r.jaccard_heads},
-            {**base, "metric": "rival_size", "value": int(r.chosen.sum())},
-        ]
-    if rivals:
-        best = max(rivals, key=lambda r: r.faithfulness)
-        value, low, high = margin(found_metric, best.per_prompt, scale, n_boot, seed)
-        rows.append(
-            {
-                **info,
-                "variant": f"rival_{best.round}",
-                "kind": "rival",
-                "metric": "margin",
-                "value": value,
-                "ci_low": low,
-                "ci_high": high,
-            }
-        )
-    return rows
-
-
-def rival_margin_above_zero(rows: list[dict]) -> bool:
-    (row,) = [r for r in rows if r.get("metric") == "margin"]
-    return bool(row["ci_low"] > 0) if np.isfinite(row["ci_low"]) else bool(row["value"] > 0)
-
-
-def overlap_rows(info: dict, found: Found, variants: list[Variant], rivals: list[Rival]) -> list[dict]:
-    """Pairwise Jaccard of the found circuit's, every variant's and every rival's units (the report's matrix)."""
-    named = [("found", found.chosen), *((v.name, v.chosen) for v in variants)]
-    named += [(f"rival_{r.round}", r.chosen) for r in rivals]
-    return [
-        {**info, "intervention": "overlap", "variant": a, "other": b, "metric": "jaccard", "value": jaccard(x, y)}
-        for a, x in named
-        for b, y in named
-    ]
-
-
-def summary(df: pd.DataFrame, max_rows: int) -> None:
-    audit = df[df["intervention"] == "audit"]
-    values = dict(zip(audit["metric"], audit["value"]))
-    found = audit[(audit["metric"] == "faithfulness") & (audit["variant"] == "found")]["value"].iloc[0]
-    size, units = int(values["size"]), int(values["units"])
-    console.print(
-        f"{df['model'].iloc[0]} on {df['task'].iloc[0]}: a circuit of {size} of {units} units,"
-        f" faithfulness {found:.3f} on {int(df['n'].iloc[0])} held-out prompts",
-        highlight=False,
-        markup=False,
-    )
-    for _, r in audit[audit["metric"] == "jaccard_mean"].iterrows():
-        console.print(
-            f"  overlap over {r['kind']}: Jaccard {r['value']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
-            highlight=False,
-            markup=False,
-        )
-    margin_rows = audit[audit["metric"] == "margin"]
-    if len(margin_rows):
-        m = margin_rows.iloc[0]
-        console.print(
-            f"  best disjoint rival ({m['variant']}): margin {m['value']:.3f} [{m['ci_low']:.3f}, {m['ci_high']:.3f}]",
-            highlight=False,
-            markup=False,
-        )
-    for _, r in audit[audit["metric"].str.endswith("_p")].iterrows():
-        verdict = "rejected" if r["rejected"] else "not rejected"
-        console.print(f"  {r['metric'][:-2]}: p = {r['value']:.3g} ({verdict})", highlight=False, markup=False)
+    return tests, mini, tested
 
 
 STUDY = Study(
