@@ -169,7 +169,8 @@ def retrieval_wu_runs(quick: bool) -> list[list[str]]:
 def ioi_audit_runs(quick: bool) -> list[list[str]]:
     small = "task.n_prompts=6 study.held_out=6 study.resamples=1 study.draws=0 study.n_random=10"
     small += " study.permutations=100 study.n_boot=50"
-    audit = ["study=audit", "model=smollm2-135m", "task=ioi", *(small.split() if quick else ["task.n_prompts=16"])]
+    full = ["task.n_prompts=16", "study.max_units=0"]
+    audit = ["study=audit", "model=smollm2-135m", "task=ioi", *(small.split() if quick else full)]
     classes = [
         "study=ioi_classes",
         "model=smollm2-135m",
@@ -236,6 +237,7 @@ def test_previous_names_the_run_dir_of_the_run_before_it(tmp_path, monkeypatch):
 
     seen: list[tuple[str, Path]] = []
     monkeypatch.setattr(studies, "already_done", lambda *a, **k: False)
+
     def execute_run(command, cfg, run_dir, **k):
         run_dir.mkdir(parents=True)
         seen.append((cfg, run_dir))

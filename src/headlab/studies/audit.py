@@ -86,7 +86,8 @@ class AuditOptions(StudyOptions):
     permutations: int = setting(1000, COUNT)  # independence's permutation test
     n_random: int = setting(100, COUNT)  # minimality: random units outside the circuit
     quantile: float = setting(hypothesis.QUANTILE, SHARE)  # minimality: the share of random units to beat
-    max_units: int = setting(30, COUNT)  # minimality: the circuit's units tested, largest |score| first
+    # minimality: the circuit's units tested, smallest |score| first (the likeliest to be redundant); 0: all
+    max_units: int = setting(30, NATURAL)
     prompts_per_pass: int = setting(16, COUNT)
     n_boot: int = setting(1000, NATURAL)  # the margin's bootstrap
 
@@ -317,7 +318,8 @@ def hypothesis_tests(
     c, units, held, seed = audit.c, found.units, audit.held, audit.ctx.cfg.seed
     complement = held(units.to_mask(~found.chosen))
     inside = found.chosen.nonzero().flatten()
-    tested = inside[torch.argsort(found.scores[inside].abs(), descending=True, stable=True)[: c.max_units]].tolist()
+    weakest_first = inside[torch.argsort(found.scores[inside].abs(), stable=True)]
+    tested = (weakest_first[: c.max_units] if c.max_units else weakest_first).tolist()
     knocked, added = [], []
     for u in tested:
         without = found.chosen.clone()
