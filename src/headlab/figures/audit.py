@@ -42,6 +42,12 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     return numbers
 
 
+def finite(x: object) -> float | None:
+    """A number for numbers.json: None where there is none (an interval over one variant)."""
+    value = float(x)  # type: ignore[arg-type]
+    return value if np.isfinite(value) else None
+
+
 def summary_numbers(audit: pd.DataFrame) -> dict:
     """One audit's headline numbers, by the table's metric names."""
 
@@ -55,19 +61,20 @@ def summary_numbers(audit: pd.DataFrame) -> dict:
         return None if r is None else float(r["value"])
 
     found: dict = {
-        "size": value("size"),
-        "units": value("units"),
+        "size": int(value("size") or 0),
+        "units": int(value("units") or 0),
         "n_held_out": int(audit["n"].iloc[0]),
         "faithfulness": value("faithfulness", "found"),
     }
-    for _, r in audit[audit["metric"] == "jaccard_mean"].iterrows():
-        found[f"jaccard_{r['kind']}"] = [float(r["value"]), float(r["ci_low"]), float(r["ci_high"])]
+    for _, r in audit[audit["metric"].isin(["jaccard_mean", "jaccard_at_target_mean"])].iterrows():
+        at = "_at_target" if r["metric"] == "jaccard_at_target_mean" else ""
+        found[f"jaccard{at}_{r['kind']}"] = [finite(r["value"]), finite(r["ci_low"]), finite(r["ci_high"])]
     rivals = audit[(audit["metric"] == "faithfulness") & (audit["kind"] == "rival")]
     if len(rivals):
         found["best_rival_faithfulness"] = float(rivals["value"].max())
     margin = one("margin")
     if margin is not None:
-        found["margin"] = [float(margin["value"]), float(margin["ci_low"]), float(margin["ci_high"])]
+        found["margin"] = [finite(margin["value"]), finite(margin["ci_low"]), finite(margin["ci_high"])]
         found["unique"] = bool(margin["ci_low"] > 0)
     for test in ("equivalence", "independence", "minimality"):
         r = one(f"{test}_p")
@@ -94,7 +101,8 @@ def _faithfulness(rows: pd.DataFrame, title: str, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(rows) + 1.5), 3.2))
     x = np.arange(len(rows))
-    ax.bar(x, rows["value"].to_numpy(float), color=[KIND_COLOURS.get(k, "grey") for k in kinds])
+    bars = ax.bar(x, rows["value"].to_numpy(float), color=[KIND_COLOURS.get(k, "grey") for k in kinds])
+    ax.bar_label(bars, fmt="%.2f", fontsize=6)
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xticks(x, rows["variant"].tolist(), rotation=90, fontsize=7)
     ax.set_ylabel("faithfulness (held-out prompts)")

@@ -571,14 +571,17 @@ def audit_tests(n: Numbers) -> str:
 def interval_cell(triple: Any) -> str:
     """[value, low, high] as "value [low, high]"."""
     triple = triple if isinstance(triple, list) and len(triple) == 3 else [None, None, None]
-    return with_ci(triple[0], triple[1:], 2)
+    return with_ci(triple[0], triple[1:] if triple[1] is not None else None, 2)
 
 
 def ioi_audits(files: dict[str, Numbers]) -> str:
     """`reproduce ioi_audit` on each model: one row per audited circuit."""
     lines = [
         header(
-            "model, circuit", "units (of)", "faithfulness", *(f"Jaccard: {label}" for _, label in AUDIT_KINDS),
+            "model, circuit",
+            "units (of)",
+            "faithfulness",
+            *(f"Jaccard over {label}: at its size; at the target" for _, label in AUDIT_KINDS),
             "best disjoint rival; margin [95%]", "Shi et al.'s tests (H0 kept / rejected at 0.05)",
         )
     ]  # fmt: skip
@@ -587,7 +590,10 @@ def ioi_audits(files: dict[str, Numbers]) -> str:
             if model == "provenance" or not isinstance(audits, dict):
                 continue
             for audited, n in audits.items():
-                jaccards = [interval_cell(n.get(f"jaccard_{k}")) for k, _ in AUDIT_KINDS]
+                jaccards = [
+                    f"{interval_cell(n.get(f'jaccard_{k}'))}; {fmt((n.get(f'jaccard_at_target_{k}') or [None])[0])}"
+                    for k, _ in AUDIT_KINDS
+                ]
                 rival = f"{fmt(n.get('best_rival_faithfulness'))}; {interval_cell(n.get('margin'))}"
                 rival += " (unique)" if n.get("unique") else " (not unique)"
                 lines.append(
