@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import headlab
@@ -81,3 +83,43 @@ def test_a_run_keeps_its_memory_budget_or_is_refused_naming_the_least_it_needs(l
     pd.testing.assert_series_equal(tables[0]["value"], tables[1]["value"], atol=1e-5, rtol=1e-5)
     bad = run_headlab("run", *args, "engine.max_memory=lots", cwd=tmp_path)
     assert bad.returncode == 2 and "a size in MB or GB" in error_line(bad)
+
+
+def test_weights_that_do_not_fit_the_budget_wait_on_disk_as_few_blocks_as_needed():
+    from headlab.errors import UsageError
+    from headlab.planning import Plan, fitted, working_mb
+
+    work = working_mb(32, 1.0)
+    # this process 510 MB, weights 1000 MB in 8 blocks of 100 MB (and 200 MB of embeddings), caches 50 MB
+    plan = Plan("sweep", "m", 0, 8, 16, 1000.0, 50.0, work, 500.0, 10.0, 1560.0 + work, 1.0, 100.0, 8)
+    chunk, moved = fitted(plan, 32, "1400MB")
+    # k blocks on disk hold 1000 - 100 k + 200 MB (one block read at a time, counted twice): k = 4 fits a
+    # 1 MB chunk's working memory (10 MB) under 1400 MB, 3 does not
+    assert moved.layers_on_disk == 4 and moved.weights_mb == 800.0
+    assert moved.peak_host_mb - moved.working_mb + working_mb(chunk, 1.0) <= 1400
+    assert fitted(plan, 32, "4GB") == (32, plan)  # room enough: every block in memory, the chunk as asked
+    with pytest.raises(UsageError, match=r"needs at least 970MB \(weights 400"):
+        fitted(plan, 32, "900MB")  # every block on disk leaves the embeddings, one block twice and the rest
+
+
+def test_a_model_with_blocks_on_disk_sweeps_as_in_memory_and_its_copies_go_with_it(llama_dir):
+    import gc
+
+    from headlab.interventions import CLEAN, Intervention
+    from headlab.interventions.engine import execute
+    from headlab.models.hf import load_hf
+    from test_prefix import LastRealToken, prompts
+
+    whole = load_hf(str(llama_dir), need_tokenizer=False)
+    streamed = load_hf(str(llama_dir), need_tokenizer=False, layers_on_disk=2)
+    layers = streamed.module.hf_device_map
+    assert [layers[f"model.layers.{i}"] for i in range(3)] == ["cpu", "disk", "disk"]
+    folder = streamed.module.model.layers[2].self_attn.q_proj._hf_hook.weights_map.dataset.save_folder
+    data = prompts(50257)
+    ivs = [CLEAN, *(Intervention("ablate_head", "zero", l, h) for l in range(3) for h in range(4))]
+    got = execute(streamed, LastRealToken(), data, ivs, chunk_mb=0.05)
+    expected = execute(whole, LastRealToken(), data, ivs, chunk_mb=0.05)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    del streamed
+    gc.collect()
+    assert not Path(folder).exists()

@@ -2,7 +2,9 @@
 
 From the shapes alone (the model's config, its parameters counted on torch's meta device, the run's own
 prompts built with the model's tokenizer) and a fraction of a second measuring this machine:
-  weights   parameters x the run's dtype (a GGUF model runs dequantised to float32)
+  weights   parameters x the run's dtype (a GGUF model runs dequantised to float32); with
+            model.layers_on_disk, those blocks' weights are read from disk as a pass reaches them (one at a
+            time, counted twice: accelerate reads it through a memory map into a tensor)
   caches    what a sweep keeps of the clean run: every block's input, the final residual stream
             [prompts, tokens, d_model] and each layer's keys and values
   working   the engine's chunk: engine.chunk_mb of a block's widest activation, WORKING_COPIES of it alive
@@ -25,7 +27,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -78,6 +80,9 @@ class Plan:
     tokenizer_mb: float
     peak_host_mb: float
     logits_mb: float = 0.0  # one prompt's logits at its read positions
+    layer_mb: float = 0.0  # one block's weights
+    n_layers: int = 0
+    layers_on_disk: int = 0  # the last blocks' weights read from disk as a pass reaches them
     interventions: int | None = None
     gflop: float | None = None
     matmul_gflops: float | None = None
@@ -92,6 +97,11 @@ class Plan:
             f"{self.caches_mb:,.0f}, working {self.working_mb:,.0f}, tokenizer {self.tokenizer_mb:,.0f}, this "
             f"process before loading {self.baseline_mb:,.0f})",
         ]
+        if self.layers_on_disk:
+            out.append(
+                f"weights on disk: the last {self.layers_on_disk} of {self.n_layers} blocks ({self.layer_mb:,.0f} MB "
+                "each), read as each pass reaches them (model.layers_on_disk)"
+            )
         if self.seconds is not None:
             out.append(
                 f"time: {self.seconds:,.0f} s ({self.interventions} interventions, {self.gflop:,.0f} GFLOP at "
@@ -217,7 +227,9 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     """The plan of `cfg` on a model of shape `s` and these prompts (TaskData)."""
     rows, tokens = data.inputs["input_ids"].shape
     study = cfg.study.name
-    weights = s.params * s.itemsize / MB
+    block = layer_mb(s)
+    on_disk = min(int(getattr(cfg.model, "layers_on_disk", 0) or 0), s.n_layers)
+    weights = s.params * s.itemsize / MB - on_disk * block + (2 * block if on_disk else 0.0)
     activation = rows * tokens * s.d_model * 4  # float32 activations, whatever the weights' dtype
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
@@ -225,7 +237,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     working = working_mb(cfg.engine.chunk_mb, logits)
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
-        baseline_mb + tokenizer_mb + weights + caches + working, logits,
+        baseline_mb + tokenizer_mb + weights + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
     if study not in TIMED:
         plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
@@ -237,6 +249,39 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     return plan
+
+
+def layer_mb(s: Shape) -> float:
+    """One block's weights (its projections; its norms are a rounding error), MB."""
+    attention = s.d_model * (2 * s.n_heads + 2 * s.n_kv) * s.d_head
+    return (attention + s.d_model * s.d_mlp * (3 if s.gated else 2)) * s.itemsize / MB
+
+
+def on_disk(plan: Plan, layers: int) -> Plan:
+    """The plan with the last `layers` blocks' weights on disk instead of in memory (one in memory at a
+    time, counted twice: read through a memory map into a tensor)."""
+    change = (plan.layers_on_disk - layers) * plan.layer_mb
+    change += (2 * plan.layer_mb if layers else 0.0) - (2 * plan.layer_mb if plan.layers_on_disk else 0.0)
+    return replace(
+        plan, weights_mb=plan.weights_mb + change, peak_host_mb=plan.peak_host_mb + change, layers_on_disk=layers
+    )
+
+
+def fitted(plan: Plan, chunk_mb: float, size: str) -> tuple[float, Plan]:
+    """(the chunk, the plan) that keep the budget `size`: the largest chunk (fitted_chunk) with every block's
+    weights in memory, else with as few of the last blocks' weights on disk as let a 1 MB chunk fit;
+    refused in one line naming the least budget where even all of them on disk do not."""
+    least = working_mb(1.0, plan.logits_mb)
+    budget = budget_mb(size)
+    layers = plan.layers_on_disk
+    while (
+        layers < plan.n_layers
+        and plan.layer_mb
+        and on_disk(plan, layers).peak_host_mb - plan.working_mb + least > budget
+    ):
+        layers += 1
+    moved = on_disk(plan, layers)
+    return fitted_chunk(moved, chunk_mb, size), moved
 
 
 def working_mb(chunk_mb: float, logits_mb: float) -> float:

@@ -7,6 +7,9 @@ attention interface as "headlab"; the only per-family knowledge is a model_type'
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import HeadlabError
+from ..errors import HeadlabError, UsageError
+from ..locations import cache_dir
 from .families import FAMILIES, Family, attribute, family_of
 from .hooked import HookedModel, torch_dtype
 from .sites import HeadSites, headlab_attention
@@ -95,9 +99,11 @@ def load_hf(
     need_tokenizer: bool = True,
     device_map: str | dict | None = None,
     offload_folder: str | None = None,
+    layers_on_disk: int = 0,
 ) -> HookedModel:
     """`device_map` ("auto", or accelerate's dict of module -> device, "disk" with `offload_folder`):
-    the model spread over devices, each layer's caches then on its layer's device."""
+    the model spread over devices, each layer's caches then on its layer's device. `layers_on_disk`: the
+    last blocks' weights on disk (disk_placement), in a folder of the per-user cache removed with the model."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -118,6 +124,11 @@ def load_hf(
             f"unsupported architecture '{config.model_type}' ({where}); supported: {', '.join(sorted(FAMILIES))}"
         )
     source = Pretrained(path, revision, trust_remote_code)
+    folder = None
+    if layers_on_disk and not device_map:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        folder = offload_folder or tempfile.mkdtemp(prefix="offload-", dir=cache_dir())
+        device_map, offload_folder = disk_placement(config, family, layers_on_disk), folder
     placement = {"device_map": device_map, "offload_folder": offload_folder} if device_map else {}
     weights_dtype = torch_dtype(dtype)
     try:
@@ -132,7 +143,32 @@ def load_hf(
     if tok is None and Path(path).is_dir():  # its own tokenizer, where usable: a task asked for later needs it
         hooked.tokenizer_from(lambda: _usable_tokenizer(model, path, revision, where))
     hooked.source = source
+    if folder is not None:
+        weakref.finalize(hooked, shutil.rmtree, folder, True)  # the copies go with the model
     return hooked
+
+
+def disk_placement(config: Any, family: Family, layers_on_disk: int) -> dict[str, str]:
+    """from_pretrained's device_map with the last `layers_on_disk` blocks on "disk" and everything else on
+    the CPU, read off the model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(config)
+    blocks = family.blocks
+    n = len(attribute(empty, blocks))
+    if not 0 < layers_on_disk <= n:
+        raise UsageError(f"model.layers_on_disk={layers_on_disk}: this model has {n} blocks")
+    placement = {name: "cpu" for name, _ in empty.named_modules() if name and "." not in name}
+    parents = blocks.split(".")
+    for depth in range(1, len(parents)):  # the blocks' parents give way to their children
+        parent = ".".join(parents[:depth])
+        placement.pop(parent, None)
+        child = empty.get_submodule(parent)
+        placement |= {f"{parent}.{name}": "cpu" for name, _ in child.named_children()}
+    placement.pop(blocks, None)
+    placement |= {f"{blocks}.{i}": "disk" if i >= n - layers_on_disk else "cpu" for i in range(n)}
+    return placement
 
 
 def _usable_tokenizer(model: PreTrainedModel, path: str, revision: str | None, where: str) -> Any:

@@ -54,6 +54,10 @@ class ModelConfig:
     # hf: "auto" spreads the layers over every visible GPU (then CPU) with accelerate, for a model larger
     # than one device; null: the whole model on the run's device
     device_map: str | None = setting(None, OneOf(("auto", "balanced", "balanced_low_0", "sequential")))
+    # hf: the last N blocks' weights left on disk (accelerate's disk offload, in a folder of the per-user
+    # cache removed with the model) and read as each pass reaches them; engine.max_memory sets it where the
+    # weights do not fit its budget
+    layers_on_disk: int = setting(0, NATURAL)
     # toy architecture
     n_layers: int = setting(1, COUNT)
     n_heads: int = setting(4, COUNT)
@@ -117,6 +121,7 @@ def load(cfg: ModelConfig, need_tokenizer: bool = False) -> HookedModel:
             dtype=cfg.dtype,
             need_tokenizer=need_tokenizer,
             device_map=cfg.device_map,
+            layers_on_disk=cfg.layers_on_disk,
         )
         if weights is not None:
             hooked.weights = weights

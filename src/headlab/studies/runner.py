@@ -20,7 +20,7 @@ from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..planning import (
     TIMED,
-    fitted_chunk,
+    fitted,
     measured,
     plan_prompts,
     predict,
@@ -95,16 +95,22 @@ def execute_run(
 
 def within_budget(cfg: Config) -> dict:
     """engine.max_memory kept: the run's plan made before loading (a pretrained model), engine.chunk_mb lowered
-    until the predicted peak fits; refused in one line where it cannot (planning.fitted_chunk)."""
+    until the predicted peak fits, the last blocks' weights left on disk where the weights alone do not
+    (model.layers_on_disk); refused in one line where even that cannot (planning.fitted)."""
     from ..tasks import build_task
 
     if option(cfg.model.kind) != "hf":
         raise UsageError(f"engine.max_memory plans a pretrained model's run; {cfg.model.name} is built here")
     plan = plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
-    chunk = fitted_chunk(plan, cfg.engine.chunk_mb, str(cfg.engine.max_memory))
-    cfg.engine.chunk_mb = chunk
+    chunk, plan = fitted(plan, cfg.engine.chunk_mb, str(cfg.engine.max_memory))
+    cfg.engine.chunk_mb, cfg.model.layers_on_disk = chunk, plan.layers_on_disk
     peak = plan.peak_host_mb - plan.working_mb + working_mb(chunk, plan.logits_mb)
-    return {"max_memory": cfg.engine.max_memory, "chunk_mb": round(chunk, 2), "planned_peak_host_mb": round(peak, 1)}
+    return {
+        "max_memory": cfg.engine.max_memory,
+        "chunk_mb": round(chunk, 2),
+        "layers_on_disk": plan.layers_on_disk,
+        "planned_peak_host_mb": round(peak, 1),
+    }
 
 
 def run_in_memory(study: Study, ctx: RunContext) -> pd.DataFrame:

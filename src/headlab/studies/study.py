@@ -52,6 +52,7 @@ class Study:
         """The run's cache key: this study's name and options, what else it reads, and CACHE_VERSION."""
         plain = to_plain(cfg)
         plain.get("engine", {}).pop("max_memory", None)  # a budget changes where the run computes, not what
+        plain.get("model", {}).pop("layers_on_disk", None)  # so does where the weights wait
         parts = {key: plain.get(key) for key in (*ALWAYS_READ, *self.reads)}
         return cache_key({**parts, "study": {**plain["study"], "name": self.name}})
 

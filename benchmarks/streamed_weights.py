@@ -1,0 +1,103 @@
+"""Weights larger than the budget: a random-weight model of the Llama-3.2-1B shape in float32 (4.7 GiB of
+weights) swept under `engine.max_memory` below its weights, against the same sweep in memory.
+
+The model: LlamaConfig with Llama-3.2-1B's sizes (16 layers, 32 query and 8 key/value heads of 64, d_model
+2048, d_mlp 8192, vocabulary 128,256, tied embeddings), torch seed 0, saved once into
+outputs/bench/llama-3.2-1b-shape (shards of 500 MB) with GPT-2's tokenizer (tests/data). The run:
+`headlab run model=hf model.path=<it> task=ioi task.n_prompts=4 ablate=layers` (every head of each layer
+zero-ablated together, one layer at a time), each in its own process: once with `engine.max_memory=<budget>`
+(the plan leaves the last blocks' weights on disk, model.layers_on_disk, and lowers the chunk), once
+without. Printed: the plan, each run's peak resident memory (ru_maxrss of its process, which counts the
+pages of the memory-mapped files it reads: the safetensors shards at loading, each offloaded block as it
+is read) and seconds, and the largest difference between the two tables.
+
+Run from the repo root: `python benchmarks/streamed_weights.py [--budget 3GB]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "outputs" / "bench" / "llama-3.2-1b-shape"
+TOKENIZER = ROOT / "tests" / "data" / "gpt2-tokenizer"
+
+
+def build() -> Path:
+    if (MODEL / "config.json").is_file():
+        return MODEL
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=2048,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(MODEL, max_shard_size="500MB")
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(MODEL)
+    return MODEL
+
+
+def run(name: str, extra: list[str], out: Path) -> dict:
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [
+        sys.executable, "-m", "headlab", "run", "model=hf", f"model.path={MODEL}", "task=ioi", "task.n_prompts=4",
+        "ablate=layers", "output.n_boot=0", f"hydra.run.dir={run_dir}", *extra,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: {proc.stderr.strip().splitlines()[-1]}")
+    meta = json.loads((run_dir / "meta.json").read_text())
+    meta["wall_seconds"] = time.perf_counter() - started
+    meta["table"] = pd.read_parquet(run_dir / "results.parquet")
+    return meta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", default="3GB")
+    a = parser.parse_args()
+    build()
+    out = ROOT / "outputs" / "bench" / "streamed_weights"
+    load = os.getloadavg()[0]
+    streamed = run("streamed", [f"engine.max_memory={a.budget}"], out)
+    whole = run("in_memory", [], out)
+    budget, plan = streamed["budget"], streamed["plan"]
+    print(f"model: Llama-3.2-1B shape, random weights, float32 ({plan['params'] / 1e9:.2f}B parameters)")
+    print(f"weights_mb: {plan['params'] * 4 / 2**20:,.0f}")
+    print(f"budget: {a.budget}")
+    print(f"layers_on_disk: {budget['layers_on_disk']} of 16")
+    print(f"chunk_mb: {budget['chunk_mb']}")
+    print(f"planned_peak_host_mb: {budget['planned_peak_host_mb']:,.0f}")
+    print(f"streamed_peak_host_mb: {streamed['measured']['peak_host_mb']:,.0f}")
+    print(f"in_memory_peak_host_mb: {whole['measured']['peak_host_mb']:,.0f}")
+    print(f"streamed_seconds: {streamed['wall_seconds']:.1f}")
+    print(f"in_memory_seconds: {whole['wall_seconds']:.1f}")
+    diff = (streamed["table"]["value"] - whole["table"]["value"]).abs().max()
+    print(f"max_abs_difference: {diff:.2e}")
+    print(f"load_average_1min: {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
