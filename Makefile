@@ -90,6 +90,10 @@ threads-bench: $(STAMP)  # a run beside a busy process: headlab's own thread cou
 plan-bench: $(STAMP)  # headlab plan against what each sweep measured (smollm2-135m, gemma3-270m): docs/benchmarks/plan_accuracy.txt, ~10 min
 	$(BIN)/python benchmarks/plan_accuracy.py --out docs/benchmarks/plan_accuracy.txt
 
+.PHONY: streamed-bench
+streamed-bench: $(STAMP)  # a Llama-3.2-1B-shaped model swept under engine.max_memory below its weights: docs/benchmarks/streamed_weights_cpu.txt, ~3 min
+	$(BIN)/python benchmarks/streamed_weights.py > docs/benchmarks/streamed_weights_cpu.txt.tmp && grep -E '^[a-z_0-9]+: ' docs/benchmarks/streamed_weights_cpu.txt.tmp > docs/benchmarks/streamed_weights_cpu.txt; rm -f docs/benchmarks/streamed_weights_cpu.txt.tmp
+
 .PHONY: atlas-pictures
 atlas-pictures: $(STAMP)  # README's and the docs' atlas pictures from fresh atlases (needs chromium), with their seconds
 	rm -f docs/benchmarks/atlas_pictures.txt

@@ -9,7 +9,10 @@ zero-ablated together, one layer at a time), each in its own process: once with 
 (the plan leaves the last blocks' weights on disk, model.layers_on_disk, and lowers the chunk), once
 without. Printed: the plan, each run's peak resident memory (ru_maxrss of its process, which counts the
 pages of the memory-mapped files it reads: the safetensors shards at loading, each offloaded block as it
-is read) and seconds, and the largest difference between the two tables.
+is read) and, sampled from /proc every 20 ms, its peak anonymous memory (RssAnon: what the budget holds)
+and file-backed pages (RssFile, which the system drops under pressure), its seconds, and the largest
+difference between the two tables; then EAP-IG (`circuit=eap_ig`, 5 steps, no faithfulness curve) under
+the same budget, its peak memory and seconds.
 
 Run from the repo root: `python benchmarks/streamed_weights.py [--budget 3GB]`.
 """
@@ -57,19 +60,33 @@ def build() -> Path:
     return MODEL
 
 
-def run(name: str, extra: list[str], out: Path) -> dict:
+def run(name: str, extra: list[str], out: Path, study: tuple[str, ...] = ("ablate=layers",)) -> dict:
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     args = [
         sys.executable, "-m", "headlab", "run", "model=hf", f"model.path={MODEL}", "task=ioi", "task.n_prompts=4",
-        "ablate=layers", "output.n_boot=0", f"hydra.run.dir={run_dir}", *extra,
+        *study, "output.n_boot=0", f"hydra.run.dir={run_dir}", *extra,
     ]  # fmt: skip
     started = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    peaks = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+    while proc.poll() is None:  # the child's anonymous and file-backed resident pages, sampled
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            break
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key in peaks:
+                peaks[key] = max(peaks[key], int(value.split()[0]))
+        time.sleep(0.02)
+    _, err = proc.communicate()
     if proc.returncode != 0:
-        raise SystemExit(f"{name}: {proc.stderr.strip().splitlines()[-1]}")
+        raise SystemExit(f"{name}: {err.strip().splitlines()[-1]}")
     meta = json.loads((run_dir / "meta.json").read_text())
     meta["wall_seconds"] = time.perf_counter() - started
+    meta["peak_rss_mb"], meta["peak_anon_mb"], meta["peak_file_mb"] = (peaks[k] / 1024 for k in peaks)
     meta["table"] = pd.read_parquet(run_dir / "results.parquet")
     return meta
 
@@ -90,12 +107,22 @@ def main() -> None:
     print(f"layers_on_disk: {budget['layers_on_disk']} of 16")
     print(f"chunk_mb: {budget['chunk_mb']}")
     print(f"planned_peak_host_mb: {budget['planned_peak_host_mb']:,.0f}")
-    print(f"streamed_peak_host_mb: {streamed['measured']['peak_host_mb']:,.0f}")
-    print(f"in_memory_peak_host_mb: {whole['measured']['peak_host_mb']:,.0f}")
+    for label, m in (("streamed", streamed), ("in_memory", whole)):
+        print(f"{label}_peak_host_mb: {m['measured']['peak_host_mb']:,.0f} (ru_maxrss)")
+        print(f"{label}_peak_anonymous_mb: {m['peak_anon_mb']:,.0f} (RssAnon, sampled every 20 ms)")
+        print(f"{label}_peak_file_backed_mb: {m['peak_file_mb']:,.0f} (RssFile: mapped files' pages)")
     print(f"streamed_seconds: {streamed['wall_seconds']:.1f}")
     print(f"in_memory_seconds: {whole['wall_seconds']:.1f}")
     diff = (streamed["table"]["value"] - whole["table"]["value"]).abs().max()
     print(f"max_abs_difference: {diff:.2e}")
+    eap = run("eap_ig_streamed", [f"engine.max_memory={a.budget}"], out, ("circuit=eap_ig", "study.faithfulness=false"))
+    print(f"eap_ig_layers_on_disk: {eap['budget']['layers_on_disk']} of 16")
+    print(
+        f"eap_ig_streamed_peak_host_mb: {eap['measured']['peak_host_mb'] if 'measured' in eap else float('nan'):,.0f}"
+    )
+    print(f"eap_ig_streamed_peak_anonymous_mb: {eap['peak_anon_mb']:,.0f}")
+    print(f"eap_ig_streamed_peak_file_backed_mb: {eap['peak_file_mb']:,.0f}")
+    print(f"eap_ig_streamed_seconds: {eap['wall_seconds']:.1f}")
     print(f"load_average_1min: {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
 
 
