@@ -120,6 +120,15 @@ def test_a_model_with_blocks_on_disk_sweeps_as_in_memory_and_its_copies_go_with_
     got = execute(streamed, LastRealToken(), data, ivs, chunk_mb=0.05)
     expected = execute(whole, LastRealToken(), data, ivs, chunk_mb=0.05)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # attribution reads W_O and the q/k/v weights directly: loaded from disk for the read
+    from headlab.edges.eap import scores
+    from headlab.edges.graph import EdgeGraph
+
+    task = headlab.load_task("ioi", n_prompts=4)
+    ioi = task.build(4, 0, load_hf(str(llama_dir)))  # the prompts need the tokenizer, the scores do not
+    a = scores(whole, task, ioi, EdgeGraph.of(whole), "eap_ig")
+    b = scores(streamed, task, ioi, EdgeGraph.of(streamed), "eap_ig")
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0, equal_nan=True)
     del streamed
     gc.collect()
     assert not Path(folder).exists()

@@ -10,9 +10,11 @@ import logging
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -148,6 +150,20 @@ def load_hf(
     return hooked
 
 
+def held(module: nn.Module, read: Callable[[nn.Module], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    """read(module): its weights as tensors; where accelerate's offload keeps them on disk (model.layers_on_disk),
+    loaded for the read and copied out of it."""
+    from accelerate.utils import align_module_device, has_offloaded_params
+
+    offloaded = [m for m in module.modules() if has_offloaded_params(m)]
+    if not offloaded:
+        return read(module)
+    with ExitStack() as stack:
+        for m in offloaded:
+            stack.enter_context(align_module_device(m))
+        return tuple(t.detach().clone() for t in read(module))
+
+
 def disk_placement(config: Any, family: Family, layers_on_disk: int) -> dict[str, str]:
     """from_pretrained's device_map with the last `layers_on_disk` blocks on "disk" and everything else on
     the CPU, read off the model built on the meta device."""
@@ -189,12 +205,12 @@ def hook_hf(model: PreTrainedModel, name: str, family: Family, tokenizer: Any = 
     outs = [attribute(a, family.out_proj) for a in attns]
 
     def w_o(layer: int) -> Tensor:
-        weight = outs[layer].weight
+        weight = held(outs[layer], lambda m: (cast(Tensor, m.weight),))[0]
         w_in_out = weight if family.conv1d else weight.T
         return w_in_out.reshape(n_heads, d_head, -1)
 
     def w_qkv(layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        return family.qkv(attns[layer], n_heads, n_kv, d_head)
+        return held(attns[layer], lambda m: family.qkv(m, n_heads, n_kv, d_head))  # type: ignore[return-value]
 
     def qkv_split(outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         return family.qkv_split(outs, n_heads, n_kv, d_head)
