@@ -111,6 +111,9 @@ def test_a_circuit_method_added_from_outside_is_one_record(model_dir, monkeypatc
     got, want = (t[t.intervention == "edge"].set_index("edge").value for t in (mine, theirs))
     assert set(mine.method.dropna()) == {"flipped_eap"} and len(got) == len(want)
     pd.testing.assert_series_equal(got, -want, check_names=False)
+    from headlab.studies.circuit import summary
+
+    summary(mine, 5)  # a table without the faithfulness curve prints its edges alone
     nodes = headlab.circuit(model, task, method="flipped_eap", level="nodes")
     assert (nodes.intervention == "node").all()
     with pytest.raises(headlab.UsageError, match="study.method=nope: expected one of eap, eap_ig"):

@@ -332,6 +332,8 @@ def summary(df: pd.DataFrame, max_rows: int) -> None:
     faithfulness = df[(df["intervention"] == "circuit") & (df["metric"] != "faithfulness")]
     for method, rows in faithfulness.groupby("method", sort=False):
         values = dict(zip(rows["metric"], rows["value"]))
+        if "cpr" not in values:  # study.faithfulness=false: the graph's sizes alone
+            continue
         bounds = rows.reindex(columns=["metric", "ci_low", "ci_high"])  # a summarised table may hold no interval
         ci = {m: f" [{lo:.3f}, {hi:.3f}]" if pd.notna(lo) else "" for m, lo, hi in bounds.itertuples(index=False)}
         console.print(
