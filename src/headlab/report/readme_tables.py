@@ -607,6 +607,7 @@ def ioi_audits(files: dict[str, Numbers]) -> str:
 
 TABLES: dict[tuple[str, str], Callable[[Numbers], str]] = {
     ("retrieval_wu", "models"): retrieval_models,
+    ("ioi_audit", "audits"): lambda numbers: ioi_audits({"ioi_audit": numbers}),
     ("attn_sae", "layers"): attn_sae_layers,
     ("attn_sae_smollm2", "layers"): attn_sae_layers,
     ("attn_sae_smollm2-gemma3-270m", "layers"): attn_sae_layers,
