@@ -123,7 +123,8 @@ def test_study_runs_any_study_and_the_old_calls_are_its_short_forms(toy):
     swept = headlab.study(model, task, "sweep", ablate="layers", method="mean", **common)
     pd.testing.assert_frame_equal(swept, headlab.sweep(model, task, ablate="layers", method="mean", **common))
     assert set(swept["intervention"]) == {"none", "ablate_layer"} and set(swept["method"]) == {"none", "mean"}
-    with pytest.raises(headlab.UsageError, match="unknown study 'nope'; choose from: atlas, audit, circuit, composition"):
+    known = "atlas, audit, circuit, composition"
+    with pytest.raises(headlab.UsageError, match=f"unknown study 'nope'; choose from: {known}"):
         headlab.study(model, task, "nope")
 
 
