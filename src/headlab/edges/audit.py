@@ -18,7 +18,6 @@ is: edges/methods.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,11 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .faithfulness import Evaluator
 from .graph import EdgeGraph
 
 LEVELS = ("edges", "heads")
-
-PerPrompt = Callable[[Tensor], np.ndarray]  # an edge mask [senders, receivers] -> the metric per prompt [n]
 
 
 @dataclass(frozen=True)
@@ -121,20 +119,6 @@ def jaccard(a: Tensor, b: Tensor) -> float:
 
 
 @dataclass
-class Scale:
-    """What faithfulness is a share of, on the held-out prompts: the full model's and the empty circuit's
-    metric per prompt."""
-
-    clean: np.ndarray  # [n]
-    corrupted: np.ndarray  # [n]
-
-    def share(self, metric: np.ndarray, rows: np.ndarray | None = None) -> float:
-        rows = np.arange(len(metric)) if rows is None else rows
-        gap = self.clean[rows].mean() - self.corrupted[rows].mean()
-        return float((metric[rows].mean() - self.corrupted[rows].mean()) / gap) if gap else float("nan")
-
-
-@dataclass
 class Variant:
     """One other way of finding the circuit, scored and cut at the found circuit's size."""
 
@@ -159,7 +143,7 @@ class Rival:
     per_prompt: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
 
 
-def rivals(units: Units, scores: Tensor, found: Tensor, evaluate: PerPrompt, scale: Scale, rounds: int) -> list[Rival]:
+def rivals(units: Units, scores: Tensor, found: Tensor, ev: Evaluator, rounds: int) -> list[Rival]:
     """Disjoint circuits of the found one's size (in units before pruning), each the best by `scores`
     of the units no earlier circuit holds."""
     size, forbidden, out = int(found.sum()), found.clone(), []
@@ -170,24 +154,24 @@ def rivals(units: Units, scores: Tensor, found: Tensor, evaluate: PerPrompt, sca
         chosen = units.top(scores, size, forbidden)
         if not chosen.any():
             break
-        metric = evaluate(units.to_mask(chosen))
+        metric = ev.per_prompt(units.to_mask(chosen))
         shared = int((chosen & found).sum())
-        out.append(Rival(r, chosen, scale.share(metric), shared, jaccard(units.heads_of(chosen), found_heads), metric))
+        out.append(Rival(r, chosen, ev.share(metric), shared, jaccard(units.heads_of(chosen), found_heads), metric))
         forbidden |= chosen
     return out
 
 
 def margin(
-    found: np.ndarray, rival: np.ndarray, scale: Scale, n_boot: int, seed: int, level: float = 0.95
+    found: np.ndarray, rival: np.ndarray, ev: Evaluator, n_boot: int, seed: int, level: float = 0.95
 ) -> tuple[float, float, float]:
     """The found circuit's faithfulness less the rival's, and its percentile bootstrap interval over the
-    prompts (the same resample for both circuits and the scale)."""
-    value = scale.share(found) - scale.share(rival)
+    prompts (the same resample for both circuits and the clean and corrupted runs)."""
+    value = ev.share(found) - ev.share(rival)
     if not n_boot:
         return value, float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     n = len(found)
-    draws = [scale.share(found, rows) - scale.share(rival, rows) for rows in rng.integers(0, n, size=(n_boot, n))]
+    draws = [ev.share(found, rows) - ev.share(rival, rows) for rows in rng.integers(0, n, size=(n_boot, n))]
     low, high = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
     return value, float(low), float(high)
 

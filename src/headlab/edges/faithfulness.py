@@ -80,9 +80,15 @@ class Evaluator:
         pick = self.graph.greedy if self.selection == "greedy" else self.graph.top_n
         return pick(torch.nan_to_num(scores), n, absolute=absolute, ungrouped=ungrouped)
 
-    def share(self, metric: np.ndarray) -> float:
-        gap = self.clean - self.corrupted
-        return (float(metric.mean()) - self.corrupted) / gap if gap else float("nan")
+    def share(self, metric: np.ndarray, rows: np.ndarray | None = None) -> float:
+        """The metric [n] as a share of the clean-corrupted gap, over the prompts `rows` (None: all)."""
+        if rows is None:
+            clean, corrupted, mean = self.clean, self.corrupted, float(metric.mean())
+        else:
+            clean, corrupted = float(self.clean_per_prompt[rows].mean()), float(self.corrupted_per_prompt[rows].mean())
+            mean = float(metric[rows].mean())
+        gap = clean - corrupted
+        return (mean - corrupted) / gap if gap else float("nan")
 
     def of(self, circuit: Tensor) -> float:
         return self.share(self.per_prompt(circuit))

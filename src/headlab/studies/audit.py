@@ -36,9 +36,9 @@ from .. import results
 from ..config import run_info
 from ..config_rules import COUNT, NATURAL, SHARE, Each, Known, OneOf, Range, setting
 from ..edges import hypothesis
-from ..edges.audit import LEVELS, Scale, Units, Variant, jaccard, keep_shares, random_units, rivals
+from ..edges.audit import LEVELS, Units, Variant, jaccard, keep_shares, random_units, rivals
 from ..edges.eap import doubled_steps
-from ..edges.evaluate import circuit_metric, clean_and_corrupted
+from ..edges.faithfulness import Evaluator
 from ..edges.graph import KV_EDGES, EdgeGraph
 from ..edges.methods import Budget, method_names
 from ..edges.methods import get as get_method
@@ -93,22 +93,21 @@ class AuditOptions(StudyOptions):
     n_boot: int = setting(1000, NATURAL)  # the margin's bootstrap
 
 
-class Measure:
-    """Circuits measured exactly on one set of prompts (its clean and corrupted runs recorded once)."""
+class Measure(Evaluator):
+    """The faithfulness Evaluator of one set of prompts (its clean and corrupted runs recorded once), counting
+    the audit's exact evaluations."""
 
     def __init__(self, audit: Audit, data: TaskData):
-        self.audit, self.data = audit, data
-        self.runs = clean_and_corrupted(audit.model, audit.graph, data)
-        graph = audit.graph
-        self.scale = Scale(self(graph.real.clone()), self(torch.zeros_like(graph.real)))
+        self.audit = audit
+        super().__init__(audit.model, audit.task, data, audit.graph)
 
-    def __call__(self, mask: Tensor) -> np.ndarray:
-        a = self.audit
-        a.evaluations += 1
-        return circuit_metric(a.model, a.task, self.data, a.graph, mask, self.runs).double().cpu().numpy()
+    def per_prompt(self, circuit: Tensor) -> np.ndarray:
+        self.audit.evaluations += 1
+        return super().per_prompt(circuit)
 
-    def share(self, mask: Tensor, rows: np.ndarray | None = None) -> float:
-        return self.scale.share(self(mask), rows)
+    def faithfulness(self, mask: Tensor, rows: np.ndarray | None = None) -> float:
+        """The circuit's share of the clean-corrupted gap over the prompts `rows` (None: all)."""
+        return self.share(self.per_prompt(mask), rows)
 
 
 @dataclass
@@ -159,18 +158,18 @@ def run(ctx: RunContext) -> pd.DataFrame:
     if size == 0 or size == units.count:
         raise UsageError(f"the circuit holds {size} of {units.count} {units.level}: nothing to audit")
     info = {**run_info(ctx.cfg), "n": held.data.n, "intervention": "audit", "method": c.method, "audited": found.label}
-    found_metric = held(units.to_mask(found.chosen))
+    found_metric = held.per_prompt(units.to_mask(found.chosen))
     rows = [{**info, "metric": "size", "value": size}, {**info, "metric": "units", "value": units.count}]
-    rows.append({**info, "metric": "faithfulness", "variant": "found", "value": held.scale.share(found_metric)})
+    rows.append({**info, "metric": "faithfulness", "variant": "found", "value": held.share(found_metric)})
     with ctx.timed("stability"):
         variants = stability(audit, found)
     rows += variant_rows(info, variants)
     with ctx.timed("rivals"):
-        found_rivals = rivals(units, found.scores, found.chosen, held, held.scale, c.rivals)
-    rows += rival_rows(info, found_rivals, found_metric, held.scale, c.n_boot, seed)
+        found_rivals = rivals(units, found.scores, found.chosen, held, c.rivals)
+    rows += rival_rows(info, found_rivals, found_metric, held, c.n_boot, seed)
     with ctx.timed("tests"):
         tests, mini, tested = hypothesis_tests(audit, found, found_metric)
-    if np.array_equal(found_metric, held.scale.clean):
+    if np.array_equal(found_metric, held.clean_per_prompt):
         ctx.note("the circuit scores as the model on every prompt: equivalence (a share of prompts) cannot tell")
     rows += test_rows(info, tests, mini, units, tested)
     shares = keep_shares([v.chosen for v in variants if v.kind in ("resample", "seed")] or [found.chosen])
@@ -226,7 +225,7 @@ def smallest(units: Units, scores: Tensor, measure: Measure, target: float) -> T
     while high - low > 1:
         mid = (low + high) // 2
         chosen = units.top(scores, mid)
-        if measure.share(units.to_mask(chosen)) >= target:
+        if measure.faithfulness(units.to_mask(chosen)) >= target:
             high, best = mid, chosen
         else:
             low = mid
@@ -304,12 +303,12 @@ def variant(audit: Audit, p: Planned, edge_scores: Tensor, found: Found) -> Vari
     v = Variant(p.name, p.kind, chosen)
     v.jaccard = jaccard(chosen, found.chosen)
     v.jaccard_heads = jaccard(units.heads_of(chosen), units.heads_of(found.chosen))
-    v.faithfulness = held.share(units.to_mask(chosen), p.held_rows)
+    v.faithfulness = held.faithfulness(units.to_mask(chosen), p.held_rows)
     if audit.c.at_target:
         # searched as the found circuit was (a bisection from the whole graph), so equal scores find it again
         v.at_target = smallest(units, scores, audit.measure(p.prompts), audit.c.target)
         v.jaccard_at_target = jaccard(v.at_target, found.chosen)
-        v.faithfulness_at_target = held.share(units.to_mask(v.at_target), p.held_rows)
+        v.faithfulness_at_target = held.faithfulness(units.to_mask(v.at_target), p.held_rows)
     return v
 
 
@@ -317,7 +316,7 @@ def hypothesis_tests(
     audit: Audit, found: Found, found_metric: np.ndarray
 ) -> tuple[list[hypothesis.Outcome], hypothesis.Minimality, list[int]]:
     c, units, held, seed = audit.c, found.units, audit.held, audit.ctx.cfg.seed
-    complement = held(units.to_mask(~found.chosen))
+    complement = held.per_prompt(units.to_mask(~found.chosen))
     inside = found.chosen.nonzero().flatten()
     weakest_first = inside[torch.argsort(found.scores[inside].abs(), stable=True)]
     tested = (weakest_first[: c.max_units] if c.max_units else weakest_first).tolist()
@@ -325,15 +324,15 @@ def hypothesis_tests(
     for u in tested:
         without = found.chosen.clone()
         without[u] = False
-        knocked.append(held(units.to_mask(without)))
+        knocked.append(held.per_prompt(units.to_mask(without)))
     for u in random_units(~found.chosen, c.n_random, seed):
         more = found.chosen.clone()
         more[u] = True
-        added.append(held(units.to_mask(more)))
+        added.append(held.per_prompt(units.to_mask(more)))
     mini = hypothesis.minimality(found_metric, np.stack(knocked), np.stack(added), c.quantile)
     tests = [
-        hypothesis.equivalence(held.scale.clean, found_metric, c.epsilon),
-        hypothesis.independence(held.scale.clean, complement, c.permutations, seed),
+        hypothesis.equivalence(held.clean_per_prompt, found_metric, c.epsilon),
+        hypothesis.independence(held.clean_per_prompt, complement, c.permutations, seed),
         mini.outcome,
     ]
     return tests, mini, tested

@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 from torch import Tensor
 
-from ..edges.audit import Rival, Scale, Units, Variant, interval, jaccard, margin
+from ..edges.audit import Rival, Units, Variant, interval, jaccard, margin
+from ..edges.faithfulness import Evaluator
 from ..edges.hypothesis import Minimality, Outcome
 from .summary import console
 
@@ -40,7 +41,7 @@ def variant_rows(info: dict, variants: list[Variant]) -> list[dict]:
 
 
 def rival_rows(
-    info: dict, rivals: list[Rival], found_metric: np.ndarray, scale: Scale, n_boot: int, seed: int
+    info: dict, rivals: list[Rival], found_metric: np.ndarray, ev: Evaluator, n_boot: int, seed: int
 ) -> list[dict]:
     rows = []
     for r in rivals:
@@ -53,7 +54,7 @@ def rival_rows(
         ]
     if rivals:
         best = max(rivals, key=lambda r: r.faithfulness)
-        value, low, high = margin(found_metric, best.per_prompt, scale, n_boot, seed)
+        value, low, high = margin(found_metric, best.per_prompt, ev, n_boot, seed)
         base = {**info, "variant": f"rival_{best.round}", "kind": "rival"}
         rows.append({**base, "metric": "margin", "value": value, "ci_low": low, "ci_high": high})
     return rows
