@@ -121,11 +121,14 @@ def llama_config(layers: int, heads: int, kv_heads: int, d_model: int, d_mlp: in
     )
 
 
-def save_llama(path: str, config: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:
-    """A random Llama (torch seed 0, initialised in float32, stored in `dtype`), saved at `path`."""
+def save_llama(
+    path: str, config: LlamaConfig, dtype: torch.dtype, max_shard_size: str | None = None
+) -> LlamaForCausalLM:
+    """A random Llama (torch seed 0, initialised in float32, stored in `dtype`), saved at `path` (in shards
+    of at most `max_shard_size`, where given)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(dtype).eval()
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 
 

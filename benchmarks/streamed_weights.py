@@ -1,8 +1,8 @@
 """Weights larger than the budget: a random-weight model of the Llama-3.2-1B shape in float32 (4.7 GiB of
 weights) swept under `engine.max_memory` below its weights, against the same sweep in memory.
 
-The model: LlamaConfig with Llama-3.2-1B's sizes (16 layers, 32 query and 8 key/value heads of 64, d_model
-2048, d_mlp 8192, vocabulary 128,256, tied embeddings), torch seed 0, saved once into
+The model: bench_models' LLAMA_1B, Llama-3.2-1B's sizes (16 layers, 32 query and 8 key/value heads of 64,
+d_model 2048, d_mlp 8192, vocabulary 128,256, tied embeddings), torch seed 0 (save_llama), saved once into
 outputs/bench/llama-3.2-1b-shape (shards of 500 MB) with GPT-2's tokenizer (tests/data). The run:
 `headlab run model=hf model.path=<it> task=ioi task.n_prompts=4 ablate=layers` (every head of each layer
 zero-ablated together, one layer at a time), each in its own process: once with `engine.max_memory=<budget>`
@@ -40,23 +40,11 @@ def build() -> Path:
     if (MODEL / "config.json").is_file():
         return MODEL
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoTokenizer
 
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=2048,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(MODEL, max_shard_size="500MB")
+    from bench_models import LLAMA_1B, llama_config, save_llama
+
+    save_llama(str(MODEL), llama_config(**LLAMA_1B), torch.float32, max_shard_size="500MB")
     AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(MODEL)
     return MODEL
 

@@ -117,6 +117,16 @@ def tiny_hf_dir_with_tokenizer(tiny_hf_dir, gpt2_tokenizer, tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For a module of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): two intra-op
+    threads on a shared 2-core machine only spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def gpt2_tokenizer():
     from transformers import AutoTokenizer

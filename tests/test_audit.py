@@ -35,12 +35,7 @@ TWIN = {"input->a1.h3<v>", "a1.h3->logits"}
 QUICK = dict(n_prompts=16, held_out=16, n_random=30, permutations=300, resamples=3, draws=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def planted(gpt2_tokenizer, rival: bool, noise: float = 0.05, scale: float = 30.0):

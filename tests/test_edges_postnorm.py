@@ -45,12 +45,7 @@ SAMPLED = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rms_norm_float64(self, x: Tensor) -> Tensor:

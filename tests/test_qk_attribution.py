@@ -36,12 +36,7 @@ LAYER, HEAD = 2, 3
 TOL = 1e-5  # of the largest term: HF's RMSNorms round through float32 even in a float64 model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random_model(family: str, tokenizer):
