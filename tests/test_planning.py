@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -132,3 +133,9 @@ def test_a_model_with_blocks_on_disk_sweeps_as_in_memory_and_its_copies_go_with_
     del streamed
     gc.collect()
     assert not Path(folder).exists()
+    named = Path(folder).parent / "named-by-the-caller"
+    kept = load_hf(str(llama_dir), need_tokenizer=False, layers_on_disk=1, offload_folder=str(named))
+    del kept
+    gc.collect()
+    assert named.is_dir()  # a folder the caller named stays theirs
+    shutil.rmtree(named)

@@ -126,11 +126,12 @@ def load_hf(
             f"unsupported architecture '{config.model_type}' ({where}); supported: {', '.join(sorted(FAMILIES))}"
         )
     source = Pretrained(path, revision, trust_remote_code)
-    folder = None
+    made = None  # an offload folder made here: removed with the model (one the caller names is theirs)
     if layers_on_disk and not device_map:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        folder = offload_folder or tempfile.mkdtemp(prefix="offload-", dir=cache_dir())
-        device_map, offload_folder = disk_placement(config, family, layers_on_disk), folder
+        if offload_folder is None:
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            offload_folder = made = tempfile.mkdtemp(prefix="offload-", dir=cache_dir())
+        device_map = disk_placement(config, family, layers_on_disk)
     placement = {"device_map": device_map, "offload_folder": offload_folder} if device_map else {}
     weights_dtype = torch_dtype(dtype)
     try:
@@ -145,8 +146,8 @@ def load_hf(
     if tok is None and Path(path).is_dir():  # its own tokenizer, where usable: a task asked for later needs it
         hooked.tokenizer_from(lambda: _usable_tokenizer(model, path, revision, where))
     hooked.source = source
-    if folder is not None:
-        weakref.finalize(hooked, shutil.rmtree, folder, True)  # the copies go with the model
+    if made is not None:
+        weakref.finalize(hooked, shutil.rmtree, made, True)  # the copies go with the model
     return hooked
 
 
