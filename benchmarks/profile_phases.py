@@ -8,6 +8,8 @@ Two passes over the same runs, each run into a fresh output root, in this proces
   2. profiled  the same runs again, each phase under a dispatch mode that times every aten operator
                (OpTimes) and counts the FLOPs of every matrix product and attention (torch's flop registry,
                and COMPOSITES for the operators inference_mode hands over whole).
+The whole run: total_gflop (every phase's executed FLOPs), seconds_at_peak (that over the peak: the least
+time those products can take here) and total_peak_share (seconds_at_peak over total_seconds).
 Per phase: seconds (pass 1), gflop (executed, pass 2), gflops (gflop over pass 1's seconds), peak_share
 (that over the machine's float32 matmul peak, measured here: bench_models.matmul_peak_gflops on square
 products of the model's MLP width), ops_share (the operators' time over the phase's profiled wall clock:
@@ -193,6 +195,12 @@ def main() -> None:
         phases = profiled_pass(runs, b)
     lines.append(f"load_1min_after: {os.getloadavg()[0]:.2f}")
     lines.append(f"total_seconds: {seconds['total']:.1f}")
+    # the least time the run's executed products could take on this machine: a goal below it needs less
+    # arithmetic (a reuse of work), not a faster kernel
+    total_gflop = sum(phases.flops.values()) / 1e9
+    lines.append(f"total_gflop: {total_gflop:.0f}")
+    lines.append(f"seconds_at_peak: {total_gflop / peak:.1f}  (total_gflop / matmul_peak_gflops)")
+    lines.append(f"total_peak_share: {total_gflop / peak / max(seconds['total'], 1e-9):.2f}")
     for stage in [s for s in seconds if s not in ("total",)]:
         wall = seconds[stage]
         line = f"{stage}_seconds: {wall:.1f}"

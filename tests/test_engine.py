@@ -59,7 +59,8 @@ def test_batched_sweep_equals_naive_loop_on_toy(pos_emb, layer_norm):
     fast = execute(model, task, data, ivs, chunk_mb=2 * 40 * 3 * 27 * 27 * 8 / 2**20)
     slow = execute(model, task, data, ivs, naive=True)
     assert fast.shape == (len(ivs), 40, len(task.quantities))
-    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+    # the fast path runs prompts of like length apart (lengths.py): other product shapes, other rounding
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
     margin = task.quantities.index("label_margin")
     moved = (fast[1:, :, margin] - fast[0, :, margin]).abs().amax(1)
     assert (moved > 1e-3).float().mean() > 0.9  # nearly every intervention changes something

@@ -33,7 +33,7 @@ def test_the_sweeps_flops_are_what_the_engine_executes(llama_dir, ablate):
         headlab.sweep(model, task, ablate=ablate, n_boot=0)
     cfg = headlab.compose("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", f"ablate={ablate}")
     data = task.build(8, EVAL_SEED_OFFSET, model)
-    n, gflop = sweep_gflop(cfg, shape_of_model(model), 8, data.inputs["input_ids"].shape[1], data.positions.shape[1])
+    n, gflop = sweep_gflop(cfg, shape_of_model(model), data)
     assert n == 1 + (model.n_layers * model.n_heads if ablate == "heads" else model.n_layers)
     assert 0.85 < gflop / (counter.get_total_flops() / 1e9) < 1.2
 

@@ -138,8 +138,32 @@ def test_an_edit_at_every_position_runs_the_whole_sequence():
     model = toy("rotary")
     starts = suffix_starts(model)
     ivs = [CLEAN, Intervention("ablate_head", "zero", 1, 0), Intervention("ablate_head", "zero", 1, 1, token="END")]
-    execute(model, LastRealToken(), prompts(7), ivs, chunk_mb=1.0)  # both heads in one chunk
-    assert starts == [0]
+    execute(model, LastRealToken(), prompts(7), ivs, chunk_mb=1.0)  # both heads in one chunk per group of prompts
+    assert starts and set(starts) == {0}
+
+
+def test_prompts_of_unequal_length_run_in_groups_each_as_far_as_it_is_read():
+    """LENGTHS 7..11: each group of prompts runs through its longest prompt's last read position alone,
+    and the quantities equal one full pass per intervention over the whole padded batch."""
+    model = toy("rotary")
+    lengths: list[int] = []
+    run_blocks = model.run_blocks
+
+    def spy(h, *args, **kwargs):
+        lengths.append(h.shape[1] + kwargs.get("from_position", 0))
+        return run_blocks(h, *args, **kwargs)
+
+    model.run_blocks = spy
+    ivs = [CLEAN, *(Intervention("ablate_head", "mean", l, h) for l in range(model.n_layers) for h in range(2))]
+    report: dict = {}
+    fast = execute(model, LastRealToken(), prompts(7), ivs, chunk_mb=1.0, report=report)
+    groups = report["length_groups"]
+    assert len(groups) > 1 and groups[-1] == int(LENGTHS.max()) and sorted(groups) == groups
+    assert set(lengths) == set(groups) and min(lengths) < LENGTH
+    model.run_blocks = run_blocks
+    slow = execute(model, LastRealToken(), prompts(7), ivs, naive=True)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    assert (fast[1:, :, 0] - fast[0, :, 0]).abs().amax() > 1e-4
 
 
 @pytest.mark.parametrize("family", ["toy", *HF_FAMILIES])

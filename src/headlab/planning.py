@@ -193,10 +193,13 @@ def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, fl
     return rows * tokens * per_token, rows * 4 * s.n_heads * s.d_head * pairs
 
 
-def sweep_gflop(cfg: Config, s: Shape, rows: int, tokens: int, reads: int) -> tuple[int, float | None]:
-    """(interventions, GFLOP) of study=sweep's stacked passes: each intervention runs the blocks from its
-    layer on (the clean run all of them) and reads the logits at `reads` positions a prompt. None where
-    the sweep patches paths or attributes (their executors run other passes: no time model yet)."""
+def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float | None]:
+    """(interventions, GFLOP) of study=sweep's stacked passes over the prompts `data` (TaskData): each
+    intervention runs the blocks from its layer on (the clean run all of them), each group of prompts of like
+    length through its own longest (interventions/lengths.py, as the engine runs them), and reads the logits
+    at the read positions. None where the sweep patches paths or attributes (their executors run other
+    passes: no time model yet)."""
+    from .interventions.lengths import buckets, needed
     from .interventions.plan import plan
     from .vocabulary import Method
 
@@ -204,10 +207,16 @@ def sweep_gflop(cfg: Config, s: Shape, rows: int, tokens: int, reads: int) -> tu
     interventions = plan(cfg, s.n_layers, s.n_heads, ones, {})
     if any(iv.method in (Method.path, Method.attribution) for iv in interventions):
         return len(interventions), None
-    blocks = [sum(block_flops(s, rows, tokens, layer)) for layer in range(s.n_layers)]
-    from_layer = [sum(blocks[layer:]) for layer in range(s.n_layers)]
-    logits = rows * reads * 2 * s.d_model * s.vocab
-    total = sum(from_layer[min(iv.layer or 0, s.n_layers - 1)] + logits for iv in interventions)
+    rows, tokens = data.inputs["input_ids"].shape
+    need = needed(data, interventions)
+    groups = None if need is None else buckets(need)
+    sizes = [(rows, tokens)] if need is None or groups is None else [(len(g), int(need[g].max())) for g in groups]
+    total = 0.0
+    for n, length in sizes:
+        blocks = [sum(block_flops(s, n, length, layer)) for layer in range(s.n_layers)]
+        from_layer = [sum(blocks[layer:]) for layer in range(s.n_layers)]
+        logits = n * data.positions.shape[1] * 2 * s.d_model * s.vocab
+        total += sum(from_layer[min(iv.layer or 0, s.n_layers - 1)] + logits for iv in interventions)
     return len(interventions), total / 1e9
 
 
@@ -242,7 +251,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     if study not in TIMED:
         plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
         return plan
-    plan.interventions, plan.gflop = sweep_gflop(cfg, s, rows, tokens, reads)
+    plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
     if plan.gflop is None:
         plan.note = "time: no time model for path or attribution patching yet (memory above)"
         return plan

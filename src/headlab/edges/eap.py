@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UsageError
+from ..interventions.lengths import parts
 from ..models.hooked import HookedModel, Trace
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
@@ -148,10 +149,12 @@ def _summed(
     check_pairs(data)
     column = metric_column(task)
     total = torch.zeros(graph.real.shape, dtype=torch.float64)
-    slices = [slice(s, s + prompts_per_pass) for s in range(0, data.n, prompts_per_pass)]
-    with progress_bar(f"edges ({method})", total=len(slices) * len(runs), enabled=show_progress) as bar:
-        for i, rows in enumerate(slices):
-            part = data.take(rows)
+    # each pass's prompts in groups of like length, each through the positions it reads (lengths.parts)
+    passes = [
+        part for s in range(0, data.n, prompts_per_pass) for _, part in parts(data.take(slice(s, s + prompts_per_pass)))
+    ]
+    with progress_bar(f"edges ({method})", total=len(passes) * len(runs), enabled=show_progress) as bar:
+        for i, part in enumerate(passes):
             with torch.no_grad():  # not inference_mode: these tensors meet autograd below
                 clean = record(model, graph, part.inputs)
                 corrupt = record(model, graph, part.counterfactual)  # type: ignore[arg-type]

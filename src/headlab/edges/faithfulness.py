@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..interventions.lengths import parts
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
@@ -66,15 +67,20 @@ class Evaluator:
 
     def __init__(self, model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, selection: str = "top_n"):
         self.model, self.task, self.data, self.graph, self.selection = model, task, data, graph, selection
-        self.runs = clean_and_corrupted(model, graph, data)
+        # prompts of like length together, each group through the positions it reads (lengths.parts)
+        self.parts = [(rows, part, clean_and_corrupted(model, graph, part)) for rows, part in parts(data)]
         self.clean_per_prompt = self.per_prompt(graph.real.clone())
         self.corrupted_per_prompt = self.per_prompt(torch.zeros_like(graph.real))
         self.clean = float(self.clean_per_prompt.mean())
         self.corrupted = float(self.corrupted_per_prompt.mean())
 
     def per_prompt(self, circuit: Tensor) -> np.ndarray:
-        metric = circuit_metric(self.model, self.task, self.data, self.graph, circuit, self.runs)
-        return metric.double().cpu().numpy()
+        out = np.empty(self.data.n)
+        for rows, part, runs in self.parts:
+            out[rows.numpy()] = (
+                circuit_metric(self.model, self.task, part, self.graph, circuit, runs).double().cpu().numpy()
+            )
+        return out
 
     def circuit(self, scores: Tensor, n: int, absolute: bool, ungrouped: bool = False) -> Tensor:
         pick = self.graph.greedy if self.selection == "greedy" else self.graph.top_n

@@ -2,7 +2,8 @@
 
 The engine, path patching and attribution patching all run a batch that stacks g copies of the prompts
 ([g*n, ...]), copy i edited as its interventions say. This module holds what they share:
-  Sources           replacement values per (source, site, layer), recorded once per sweep
+  Sources           replacement values per (source, site, layer), recorded once per sweep (`subset`: for
+                    some of the prompts, cut to their length)
   position_axis     the positions' dimension in a site's layout
   site_index        the index of (prompts, positions, heads) in a site's layout
   edit_heads        the heads an edit touches on a site (k and v: key/value heads)
@@ -17,6 +18,7 @@ The engine, path patching and attribution patching all run a batch that stacks g
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from functools import cached_property
@@ -127,6 +129,15 @@ class Sources:
         means = _group_sums(sums, self.data) / _group_sums(counts, self.data).clamp_min(1)
         return means.to(t.dtype).expand(*means.shape[:axis], t.shape[axis], *means.shape[axis + 1 :])
 
+    def subset(self, rows: Tensor, data: TaskData) -> Sources:
+        """These values for the prompts `rows` alone, `data` being those prompts (lengths.bucket): the same
+        recorded values, each prompt's stored row as before."""
+        part = copy.copy(self)
+        part.shared_prefix = self.shared_prefix  # over every prompt: where a subset shares at least as much
+        part.data, part._rows_on, part._earliest = data, {}, {}
+        part.rows = {k: v[rows.cpu()] for k, v in self.rows.items()}
+        return part
+
     @cached_property
     def shared_prefix(self) -> int:
         """How many first positions every counterfactual prompt shares with its clean prompt."""
@@ -224,7 +235,8 @@ def apply_edit(x: Tensor, site: str, iv: Intervention, edit: Edit, sources: Sour
     source_pos: Position = source_place
     if offset:  # a suffix run: x holds positions offset.., the edit changes nothing before them
         pos = slice(None) if place is None else place - offset
-        source_pos = slice(offset, None) if source_place is None else source_place
+    if source_place is None:  # every position x holds: values recorded on longer prompts are cut to them
+        source_pos = slice(offset, offset + x.shape[position_axis(site)])
     # positions come with the prompts, on the device the model reads them on; a layer of a model spread
     # over devices (model.device_map) may sit on another
     pos = pos.to(x.device) if isinstance(pos, Tensor) else pos

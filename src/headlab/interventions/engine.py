@@ -8,8 +8,9 @@ never recomputed, nor is layer l's attention where nothing inside it is edited: 
 projection of the clean z, edited (HeadSites.replayed). Where every intervention of a chunk edits positions
 p.. only (a role such as END, an index), positions before p are the clean run's in every layer: blocks l..
 run on positions p.. alone, attending to the clean keys and values before p (HookedModel.run_blocks), on the
-families that allow it. `naive=True` runs one full forward pass per intervention instead: the reference the
-fast path is tested against.
+families that allow it. Prompts of unequal length run in groups of like length, each through the positions
+its prompts read (lengths.py). `naive=True` runs one full forward pass per intervention over the whole
+padded batch instead: the reference the fast path is tested against.
 
 `execute_joint` applies groups of interventions at several layers together (circuit knockouts): one full
 forward pass per group, with every involved layer's hooks installed at once.
@@ -26,7 +27,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
 from .attribution_patching import estimate
 from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_pattern, first_edited
+from .lengths import bucket, buckets, needed, through
 from .options import MeanOver
 from .path import run_path
 from .plan import Intervention
@@ -67,20 +68,7 @@ METHOD_WORDS: dict[str, str] = {
 def _through_last_read(data: TaskData) -> TaskData:
     """Drop positions after the last one any metric reads: in a causal model they cannot matter."""
     reads = [data.positions.max(), *(p.max() for p in (data.counterfactual_positions or {}).values())]
-    keep = int(max(reads)) + 1
-    seq_len = next(iter(data.inputs.values())).shape[1]
-    if keep >= seq_len:
-        return data
-
-    def cut(inputs: Inputs) -> Inputs:
-        return {k: v[:, :keep] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in inputs.items()}
-
-    return replace(
-        data,
-        inputs=cut(data.inputs),
-        counterfactual=data.counterfactual and cut(data.counterfactual),
-        reference=data.reference and cut(data.reference),
-    )
+    return through(data, int(max(reads)) + 1)
 
 
 def execute(
@@ -133,7 +121,7 @@ def execute(
         if naive:
             results = _run_naive(model, task, data, exact_ivs, sources, show_progress, chunk_mb)
         elif exact_ivs:
-            results = _run_stacked(
+            results = _run_by_length(
                 model, task, data, exact_ivs, sources, chunk_mb, gpu_memory_share, show_progress, report
             )
         for i, q in zip(exact, results):
@@ -149,6 +137,53 @@ def execute(
     return torch.stack(out)  # type: ignore[arg-type]
 
 
+def _run_by_length(
+    model: HookedModel,
+    task: Task,
+    data: TaskData,
+    interventions: Sequence[Intervention],
+    sources: Sources,
+    chunk_mb: float,
+    gpu_memory_share: float,
+    show_progress: bool,
+    report: dict,
+) -> list[Tensor]:
+    """_run_stacked over groups of prompts of like length, each cut to the positions it needs (lengths.py),
+    where that saves enough; their quantities put back in the prompts' order."""
+    need = needed(data, interventions)
+    groups = None if need is None else buckets(need)
+    if need is None or groups is None:
+        return _run_stacked(
+            model, task, data, interventions, sources, chunk_mb, gpu_memory_share, show_progress, report
+        )
+    out: list[Tensor | None] = [None] * len(interventions)
+    report["length_groups"] = [int(need[rows].max()) for rows in groups]
+    chunks = 0
+    for k, rows in enumerate(groups, 1):
+        length = int(need[rows].max())
+        part = bucket(data, rows, length)
+        label = f"sweep ({k}/{len(groups)}: {len(rows)} prompts, {length} positions)"
+        results = _run_stacked(
+            model,
+            task,
+            part,
+            interventions,
+            sources.subset(rows, part),
+            chunk_mb,
+            gpu_memory_share,
+            show_progress,
+            report,
+            label,
+        )
+        chunks += report.get("chunks", 0)
+        for i, q in enumerate(results):
+            if out[i] is None:
+                out[i] = q.new_empty(data.n, *q.shape[1:])
+            out[i][rows.to(q.device)] = q  # type: ignore[index]
+    report["chunks"] = chunks
+    return out  # type: ignore[return-value]
+
+
 def _run_stacked(
     model: HookedModel,
     task: Task,
@@ -159,6 +194,7 @@ def _run_stacked(
     gpu_memory_share: float,
     show_progress: bool,
     report: dict,
+    label: str = "sweep",
 ) -> list[Tensor]:
     n = data.n
     out: list[Tensor | None] = [None] * len(interventions)
@@ -198,7 +234,7 @@ def _run_stacked(
     report.update(cache_mb=round(trace.nbytes / 2**20, 3), chunk_mb=round(chunk_mb, 3), chunks=len(chunks))
     log.info("sweep: clean caches %.1f MB, %d chunks of at most %.0f MB", trace.nbytes / 2**20, len(chunks), chunk_mb)
     readouts = Readouts(model, task, data, chunk_mb)
-    with progress_bar("sweep", total=len(chunks), enabled=show_progress) as bar:
+    with progress_bar(label, total=len(chunks), enabled=show_progress) as bar:
         for done, (layer, idx) in enumerate(chunks, 1):
             chunk = [interventions[i] for i in idx]
             start = suffix_start(chunk)
