@@ -91,20 +91,19 @@ class Patches:
         for count in {int(self.reads[c]) for c in cols}:
             group = [i for i, c in enumerate(cols) if int(self.reads[c]) == count]
             kept, cut = self.kept[:count, [cols[i] for i in group]], self.cut[:count, [cols[i] for i in group]]
-            by_kept = kept.sum(0) < cut.sum(0)  # fewer kept edges than cut ones: the prefix sum less the kept
-            for use_kept, chosen in ((True, by_kept), (False, ~by_kept)):
-                if not bool(chosen.any()):
-                    continue
-                which = (kept if use_kept else cut)[:, chosen]
-                rows = which.any(1).nonzero().flatten()
-                if 2 * len(rows) > count:  # most rows: the prefix as it is (a view), not a gathered copy
-                    senders = self.diff[:count]
-                else:
-                    which, senders = which[rows], self.diff[rows]
-                part = torch.einsum("sk,snpd->knpd", which.to(self.diff.dtype), senders)
-                out[[group[j] for j in chosen.nonzero().flatten().tolist()]] = (
-                    self.prefix(count) - part if use_kept else part
-                )
+            # fewer kept edges than cut ones: the prefix sum less the kept; one product for both kinds, so
+            # that the senders' differences (memory-bound here) are read once
+            by_kept = kept.sum(0) < cut.sum(0)
+            which = torch.where(by_kept, -kept.to(self.diff.dtype), cut.to(self.diff.dtype))  # [count, k]
+            rows = which.ne(0).any(1).nonzero().flatten()
+            if 2 * len(rows) > count:  # most rows: the prefix as it is (a view), not a gathered copy
+                senders = self.diff[:count]
+            else:
+                which, senders = which[rows], self.diff[rows]
+            part = torch.einsum("sk,snpd->knpd", which, senders)
+            if bool(by_kept.any()):
+                part[by_kept] += self.prefix(count)
+            out[group] = part
         return out
 
     def prefix(self, count: int) -> Tensor:
