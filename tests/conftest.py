@@ -9,6 +9,12 @@ SHAPED = [
     "headlab.models.hooked",
     "headlab.analysis.qk_attribution",
     "headlab.analysis.ov_attribution",
+    "headlab.interventions.edits",
+    "headlab.interventions.engine",
+    "headlab.interventions.lengths",
+    "headlab.interventions.path",
+    "headlab.interventions.readout",
+    "headlab.sae.source_roles",
 ]
 install_import_hook(SHAPED, "beartype.beartype")
 

@@ -25,6 +25,7 @@ from functools import cached_property
 
 import numpy as np
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from ..config import option
@@ -129,7 +130,7 @@ class Sources:
         means = _group_sums(sums, self.data) / _group_sums(counts, self.data).clamp_min(1)
         return means.to(t.dtype).expand(*means.shape[:axis], t.shape[axis], *means.shape[axis + 1 :])
 
-    def subset(self, rows: Tensor, data: TaskData) -> Sources:
+    def subset(self, rows: Int[Tensor, " rows"], data: TaskData) -> Sources:
         """These values for the prompts `rows` alone, `data` being those prompts (lengths.bucket): the same
         recorded values, each prompt's stored row as before."""
         part = copy.copy(self)
@@ -143,7 +144,7 @@ class Sources:
         """How many first positions every counterfactual prompt shares with its clean prompt."""
         return _shared_prefix(self.data.inputs, self.data.counterfactual)
 
-    def value(self, source: str, site: str, layer: int) -> tuple[Tensor, Tensor]:
+    def value(self, source: str, site: str, layer: int) -> tuple[Tensor, Int[Tensor, " n"]]:
         """(stored values [rows, ...], row of each prompt [n] on the values' device)."""
         values = self.values[(source, site)][layer]
         key = (source, values.device)

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from ..config import option
@@ -83,7 +84,7 @@ def execute(
     mean_over: str = "positions",
     gpu_memory_share: float = GPU_MEMORY_SHARE,
     report: dict | None = None,
-) -> Tensor:
+) -> Float[Tensor, "interventions n Q"]:
     """Per-prompt task quantities for every intervention: [n_interventions, n_prompts, n_quantities].
     `mean_over` (positions | tokens): what mean ablation's mean is taken over (edits.Sources).
     `chunk_mb` bounds a chunk's widest activation on a CPU; on a GPU chunks take `gpu_memory_share` of its

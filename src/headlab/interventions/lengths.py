@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+from jaxtyping import Int
 from torch import Tensor
 
 from ..tasks import Inputs, TaskData
@@ -44,7 +45,7 @@ def through(data: TaskData, length: int) -> TaskData:
     )
 
 
-def needed(data: TaskData, interventions: Sequence[Intervention]) -> Tensor | None:
+def needed(data: TaskData, interventions: Sequence[Intervention]) -> Int[Tensor, " n"] | None:
     """[n]: how many first positions each prompt needs (through its last read position and every position
     an intervention names in it); None where lengths cannot be told apart: an edit of attention patterns
     (their key axis spans the whole batch) or a position counted from the end."""
@@ -62,7 +63,7 @@ def needed(data: TaskData, interventions: Sequence[Intervention]) -> Tensor | No
     return need + 1
 
 
-def buckets(need: Tensor) -> list[Tensor] | None:
+def buckets(need: Int[Tensor, " n"]) -> list[Int[Tensor, " rows"]] | None:
     """The prompts' rows in contiguous groups by `need` (shortest first), each group run through its
     longest need; None where one group is best."""
     order = torch.argsort(need, stable=True)
@@ -85,12 +86,12 @@ def buckets(need: Tensor) -> list[Tensor] | None:
     return [order[a:b] for a, b in zip(starts, cuts)]
 
 
-def bucket(data: TaskData, rows: Tensor, length: int) -> TaskData:
+def bucket(data: TaskData, rows: Int[Tensor, " rows"], length: int) -> TaskData:
     """The prompts `rows` (TaskData.take) through position length - 1."""
     return through(data.take(rows.to(data.positions.device)), length)
 
 
-def parts(data: TaskData) -> list[tuple[Tensor, TaskData]]:
+def parts(data: TaskData) -> list[tuple[Int[Tensor, " rows"], TaskData]]:
     """(rows, those prompts through the positions they read) for each group of prompts of like length, or
     every prompt as it is where one group is best: for code that runs whole prompts (the circuit metric)."""
     reads = [data.positions, *(data.counterfactual_positions or {}).values()]

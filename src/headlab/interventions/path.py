@@ -49,6 +49,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from ..models.hooked import HookedModel
@@ -92,7 +93,7 @@ def path_patch(
     chunk_mb: float = 32.0,
     show_progress: bool = False,
     seed: int = 0,
-) -> tuple[Tensor, list[Tensor]]:
+) -> tuple[Float[Tensor, "n Q"], list[Float[Tensor, "n Q"]]]:
     """(the clean quantities [n, Q], each sender's [n, Q]), with `held` in every pass, the clean run's and
     the reference run's included."""
     data = data.paired_reference()

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..models.hooked import HookedModel
@@ -48,7 +49,11 @@ def prompts_per_readout(model: HookedModel, positions: int, h: Tensor, chunk_mb:
 
 
 def in_slices(
-    model: HookedModel, h: Tensor, read: Tensor, chunk_mb: float, fn: Callable[[slice, Tensor], Tensor]
+    model: HookedModel,
+    h: Float[Tensor, "rows pos d_model"],
+    read: Int[Tensor, "rows P"],
+    chunk_mb: float,
+    fn: Callable[[slice, Tensor], Tensor],
 ) -> Tensor:
     """fn(rows, logits [rows, P, vocab]) over the logits of hidden states h [m, pos, d] at `read` [m, P], a slice
     of rows at a time with at most `chunk_mb` of logits each (one row at least, all of its P positions); the
@@ -63,7 +68,14 @@ def in_slices(
     return torch.cat(parts)
 
 
-def read_quantities(model: HookedModel, task: Task, h: Tensor, read: Tensor, data: TaskData, chunk_mb: float) -> Tensor:
+def read_quantities(
+    model: HookedModel,
+    task: Task,
+    h: Float[Tensor, "rows pos d_model"],
+    read: Int[Tensor, "rows P"],
+    data: TaskData,
+    chunk_mb: float,
+) -> Float[Tensor, "copies n Q"]:
     """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read` [copies*n, P]:
     where the task reads its quantities from a few rows of the vocabulary (Task.vocab_rows), those rows'
     logits of every copy; else the logits of as many copies as fit in `chunk_mb` at a time (copies x
@@ -105,7 +117,7 @@ class Readouts:
         self._indices: list[int] = []
         self._hidden: list[Tensor] = []
 
-    def add(self, indices: Sequence[int], h: Tensor, read: Tensor) -> None:
+    def add(self, indices: Sequence[int], h: Float[Tensor, "rows pos d_model"], read: Int[Tensor, "rows P"]) -> None:
         """Copy j of the stacked batch h [copies*n, pos, d] is intervention indices[j]; `read` [copies*n, P]."""
         rows = torch.arange(h.shape[0], device=h.device).unsqueeze(1)
         self._hidden.append(h[rows, read.to(h.device)])
