@@ -23,7 +23,6 @@ FENCE = re.compile(r"```.*?```", re.S)
 TYPED_TABLES = {
     "docs/benchmarks/index.md": ["d3230f105159"],  # the benchmarks' commands: versions and vocabulary sizes
     "docs/guides/atlas.md": ["c043490eabfd", "7a7bd3476b90"],  # the labels' cuts; smollm2's classes
-    "docs/guides/saes.md": ["24c861ad87b5"],  # smollm2's layer-0 SAE beside Kissane et al.
 }
 
 

@@ -85,7 +85,14 @@ def head_attribution_runs(quick: bool) -> list[list[str]]:
 
 
 def attn_sae_smollm2_runs(quick: bool) -> list[list[str]]:
-    return [["experiment=attn_sae_smollm2", "model=smollm2-135m", *(["sae.steps=50"] if quick else [])]]
+    return [
+        [
+            "experiment=attn_sae_smollm2",
+            "model=smollm2-135m",
+            "sae.layers=[0,-10,-1]",
+            *(["sae.steps=50"] if quick else []),
+        ]
+    ]
 
 
 def attn_sae_runs(quick: bool) -> list[list[str]]:

@@ -986,10 +986,11 @@ FAST = [
 
 def _check_head_roles(df: pd.DataFrame, top_n: int) -> None:
     """Each head's role rows against its top features by the table's decoder_share rows, their roles and
-    overlaps counted from the table's top_context rows (context_class) with pandas."""
+    overlaps counted from the table's top_context rows (source_role; none where no source drives the
+    feature up) with pandas."""
     shares = df[df["metric"] == "decoder_share"].pivot_table(index="feature", columns="head", values="value")
-    ctx = df[df["metric"] == "top_context"]
-    dist = pd.crosstab(ctx["feature"], ctx["context_class"], normalize="index")  # [feature, class]
+    ctx = df[(df["metric"] == "top_context") & (df["source_role"].fillna("") != "")]
+    dist = pd.crosstab(ctx["feature"], ctx["source_role"], normalize="index")  # [feature, role]
     heads = df[(df["intervention"] == "sae") & df["head"].notna() & df["feature"].isna()]
     wide = heads.pivot_table(index="head", columns="metric", values="value", dropna=False)
     in_role = heads[heads["metric"] == "top_features_in_role"]
@@ -1004,7 +1005,7 @@ def _check_head_roles(df: pd.DataFrame, top_n: int) -> None:
         d = dist.loc[top].to_numpy()
         overlaps = [np.minimum(d[i], d[j]).sum() for i in range(len(d)) for j in range(len(d)) if i != j]
         assert row["polysemantic"] == float(min(overlaps, default=np.nan) < 0.5)
-        counts = in_role[in_role["head"] == head].set_index("context_class")["value"]
+        counts = in_role[in_role["head"] == head].set_index("source_role")["value"]
         assert counts.sum() == len(top) and row["n_roles"] == (counts > 0).sum()
         majority = dist.loc[top].apply(lambda r: set(r.index[r == r.max()]), axis=1)
         if all(len(m) == 1 for m in majority):  # a tie is broken by class order, which the table does not hold
@@ -1119,7 +1120,7 @@ def test_quick_attn_sae_reproduction_draws_from_the_table_and_reuses_its_runs(tm
     assert {int(h) for h in written} == set(roles["head"])
     for head, counts in written.items():
         mine = roles[roles["head"] == int(head)]
-        assert counts == dict(zip(mine["context_class"], mine["value"].astype(int)))
+        assert counts == dict(zip(mine["source_role"], mine["value"].astype(int)))
     contexts = table[table["metric"] == "top_context"]
     from headlab.tasks.recall_reasoning import CONTEXT_CLASSES
 

@@ -7,10 +7,12 @@ recall and two-hop reasoning (experiment=attn_sae).
                             dominant head), per layer, relu_l1
   fig_top_features.png      for features each dominated by one head, their top-activating contexts
 numbers.json per architecture and layer: the summary metrics, among them polysemantic_head_fraction (heads
-two of whose top sae.head_features features by decoder share have unrelated roles, Kissane et al.'s reading,
-sae/head_attribution.py's head_roles), the old rules beside it, polysemantic_dominated_head_fraction (two
-such features among those a head dominates) and multi_feature_head_fraction (heads dominating an effective
-two features or more); and per head the roles of its top features (head_roles_<arch>_L<layer>).
+two of whose top sae.head_features features by decoder share have unrelated roles, read from where their
+attention comes from: sae/source_roles.py, Kissane et al.'s reading, sae/head_attribution.py's head_roles),
+its null rate, the same rule on the text's classes (context_class_*), the old rules beside them,
+polysemantic_dominated_head_fraction (two such features among those a head dominates) and
+multi_feature_head_fraction (heads dominating an effective two features or more); and per head the source
+roles of its top features (head_roles_<arch>_L<layer>).
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..sae.head_attribution import UNRELATED_OVERLAP  # noqa: E402
+from ..sae.source_roles import role_column  # noqa: E402
 from .canvas import save
 
 SUMMARY = (
     "l0",
     "explained_variance",
+    "ce_clean",
+    "ce_zero_ablation",
     "ce_loss_recovered",
     "dead_fraction",
     "polysemantic_head_fraction",
     "polysemantic_random_fraction",
+    "context_class_polysemantic_head_fraction",
+    "context_class_polysemantic_random_fraction",
     "polysemantic_dominated_head_fraction",
     "multi_feature_head_fraction",
 )
@@ -109,9 +116,14 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     }
     numbers["polysemantic_criterion"] = {
         "polysemantic_head_fraction": "share of heads two of whose top features by decoder share (Kissane et "
-        f"al. read 10) have top-activating contexts' class distributions overlapping < {UNRELATED_OVERLAP} "
-        "(classes: the task's roles, else token types)",
-        "polysemantic_dominated_head_fraction": "old rule: the same among the features a head dominates",
+        "al. read 10) have unrelated roles: the distributions of their top contexts' source roles (where the "
+        "feature's direct attribution comes from: first, current or previous token, induction, same token, "
+        f"local context, long range; sae/source_roles.py) overlap < {UNRELATED_OVERLAP}",
+        "polysemantic_random_fraction": "the same rule on top-feature sets drawn at random (its null rate)",
+        "context_class_polysemantic_head_fraction": "the same rule on the classes of the text at the features' "
+        "top contexts (punctuation, dialogue, sentence start, narration; else the task's roles or token "
+        "types): what the text is, not what the attention does",
+        "polysemantic_dominated_head_fraction": "old rule: the text classes among the features a head dominates",
         "multi_feature_head_fraction": "old criterion: share of heads dominating an effective >= 2 features",
         "unrelated_overlap": UNRELATED_OVERLAP,
     }
@@ -153,5 +165,5 @@ def head_roles(table: pd.DataFrame) -> dict[str, dict[str, dict[str, int]]]:
     out: dict[str, dict[str, dict[str, int]]] = {}
     for (method, layer, head), group in rows.groupby(["method", "layer", "head"]):
         roles = out.setdefault(f"head_roles_{method}_L{int(layer)}", {})
-        roles[str(int(head))] = {str(c): int(v) for c, v in zip(group["context_class"], group["value"])}
+        roles[str(int(head))] = {str(c): int(v) for c, v in zip(group[role_column(group)], group["value"])}
     return out

@@ -485,10 +485,14 @@ def markov_pruning(numbers: Numbers) -> str:
 SAE_COLUMNS = (
     ("l0", "L0", 1),
     ("explained_variance", "EV", 3),
+    ("ce_clean", "CE clean", 3),
+    ("ce_zero_ablation", "CE z zeroed", 3),
     ("ce_loss_recovered", "CE recovered", 3),
     ("dead_fraction", "dead", 2),
-    ("polysemantic_head_fraction", "polysemantic", 2),
+    ("polysemantic_head_fraction", "polysemantic (source roles)", 2),
     ("polysemantic_random_fraction", "the same rule, features assigned at random", 2),
+    ("context_class_polysemantic_head_fraction", "polysemantic (text classes)", 2),
+    ("context_class_polysemantic_random_fraction", "text classes, at random", 2),
     ("polysemantic_dominated_head_fraction", "polysemantic (dominance rule)", 2),
 )
 

@@ -15,7 +15,7 @@ import torch
 from omegaconf import MISSING
 from torch import Tensor, nn
 
-from ..config_rules import BETA, COUNT, NATURAL, POSITIVE, SHARE, Each, at_least, setting
+from ..config_rules import BETA, COUNT, NATURAL, POSITIVE, SHARE, Each, Range, at_least, setting
 
 
 @dataclass
@@ -24,8 +24,8 @@ class SaeConfig:
 
     architecture: str = MISSING  # set by each architecture's options (registry.py)
     layer: int = setting(0, NATURAL)
-    # one SAE per listed layer, in one run (None: sae.layer alone)
-    layers: list[int] | None = setting(None, Each(NATURAL))
+    # one SAE per listed layer, in one run (None: sae.layer alone); -1 is the last layer, as Python counts
+    layers: list[int] | None = setting(None, Each(Range(integer=True)))
     # experiment=attn_sae_smollm2 sizes them for smollm2 over data/alice.txt on 2 CPU cores
     expansion: int = setting(16, COUNT)  # latents per input dimension: d_sae = expansion * n_heads * d_head
     # fit on z scaled to a mean squared norm of d_in (SAELens's normalize_activations=

@@ -57,6 +57,7 @@ from ..sae.head_attribution import (
     top_activations,
 )
 from ..sae.metrics import ce_recovered, cross_entropy, reconstruction_metrics
+from ..sae.source_roles import SOURCE_ROLES, source_role_grid
 from ..tasks import Task
 from .context import RunContext
 from .sae_tables import context_classes, contexts_table, dfa_rows, summary, token_text
@@ -187,14 +188,15 @@ def input_scale(model: HookedModel, layer: int, corpus: Corpus, model_batch: int
 
 
 def fitted_layers(cfg: Config, n_layers: int) -> list[int]:
-    """sae.layers (in order, once each), else sae.layer; a layer the model lacks is refused."""
+    """sae.layers (in order, once each; a negative one counts from the last, as Python's indices do), else
+    sae.layer; a layer the model lacks is refused."""
     sc = cfg.sae
-    layers = list(dict.fromkeys(sc.layers)) if sc.layers else [sc.layer]
-    for layer in layers:
-        if not 0 <= layer < n_layers:
+    named = list(sc.layers) if sc.layers else [sc.layer]
+    for layer in named:
+        if not -n_layers <= layer < n_layers:
             name = "sae.layers" if sc.layers else "sae.layer"
             raise UsageError(f"{name}={layer}: model {cfg.model.name} has layers 0..{n_layers - 1}")
-    return layers
+    return list(dict.fromkeys(layer % n_layers for layer in named))
 
 
 def at_layer(cfg: Config, layer: int) -> Config:
@@ -268,11 +270,20 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
     locate = real_tokens(held_out).nonzero()  # token index -> (row, position)
     row_pos = locate[where]  # [k, d_sae, 2]
     classes = grid[row_pos[..., 0], row_pos[..., 1]].masked_fill(values <= 0, -1)
-    roles = head_roles(shares, frequency, classes, sc.head_features)
+    # a feature's role: where its attention comes from (Kissane et al.'s reading, sae/source_roles.py)
+    sources = source_role_grid(model, layer, sae, held_out, locate, values, where, sc.model_batch)
+    roles = head_roles(shares, frequency, sources, sc.head_features)
     dominated = head_polysemanticity(shares, frequency, sc.dominance, classes)
     metrics["polysemantic_head_fraction"] = sum(h["polysemantic"] for h in roles) / n_heads
     # the same rule on features assigned to heads at random: how often it fires by itself
     metrics["polysemantic_random_fraction"] = random_polysemantic_fraction(
+        frequency, sources, sc.head_features, NULL_DRAWS, cfg.seed
+    )
+    # the same rule on the classes of the text around the features' contexts (what the text is, not what
+    # the attention does)
+    by_text = head_roles(shares, frequency, classes, sc.head_features)
+    metrics["context_class_polysemantic_head_fraction"] = sum(h["polysemantic"] for h in by_text) / n_heads
+    metrics["context_class_polysemantic_random_fraction"] = random_polysemantic_fraction(
         frequency, classes, sc.head_features, NULL_DRAWS, cfg.seed
     )
     metrics["polysemantic_dominated_head_fraction"] = sum(h["polysemantic_dominated"] for h in dominated) / n_heads
@@ -293,7 +304,7 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
     for r, d in zip(roles, dominated):
         rows += [{**info, "head": r["head"], "metric": k, "value": float(r[k]), "n": tokens} for k in ROLE_METRICS]
         rows += [{**info, "head": d["head"], "metric": k, "value": float(d[k]), "n": tokens} for k in DOMINATED_METRICS]
-        counts = r["roles"] + [0] * (len(class_names) - len(r["roles"]))
+        counts = r["roles"] + [0] * (len(SOURCE_ROLES) - len(r["roles"]))
         rows += [
             {
                 **info,
@@ -301,9 +312,9 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
                 "metric": "top_features_in_role",
                 "value": float(c),
                 "n": tokens,
-                "context_class": name,
+                "source_role": name,
             }
-            for name, c in zip(class_names, counts)
+            for name, c in zip(SOURCE_ROLES, counts)
         ]
     live = (frequency > 0).nonzero().squeeze(1)
     share_rows = pd.DataFrame(
@@ -319,6 +330,7 @@ def layer_rows(cfg: Config, model, task, sae, record, held_out: Corpus, clean: f
     ranks = torch.tensor(contexts["rank"].tolist(), dtype=torch.long)
     features = torch.tensor(contexts["feature"].tolist(), dtype=torch.long)
     contexts["context_class"] = [class_names[c] for c in classes[ranks, features].tolist()]
+    contexts["source_role"] = [SOURCE_ROLES[c] if c >= 0 else "" for c in sources[ranks, features].tolist()]
     dfa = dfa_rows(model, layer, sae, held_out, locate, values, where, frequency, info)
     context_rows = contexts.rename(columns={"activation": "value"}).assign(**info, metric="top_context", n=1)
     frame = pd.concat([pd.DataFrame(rows), share_rows, dfa, context_rows], ignore_index=True)

@@ -16,6 +16,7 @@ from ..sae.activations import Corpus
 from ..sae.contexts import text_classes, token_type
 from ..sae.export import hook_name
 from ..sae.head_attribution import direct_feature_attribution
+from ..sae.source_roles import role_column
 from ..tasks import Task
 from .summary import aggregated, console
 
@@ -130,8 +131,9 @@ def _layer_summary(df: pd.DataFrame, layer: int, max_rows: int) -> None:
         return  # a table written before head_roles
     in_role = heads[(heads["metric"] == "top_features_in_role") & (heads["value"] > 0)]
     table = Table(
-        title="per head, its top features by decoder share (Kissane et al.'s reading): their roles (majority "
-        "context class) and whether two are unrelated; the old rule (dominated features) beside it"
+        title="per head, its top features by decoder share (Kissane et al.'s reading): their roles (where their "
+        "attention comes from, sae/source_roles.py) and whether two are unrelated; the old rule (dominated "
+        "features, text classes) beside it"
     )
     columns = ("head", "top", "mean share", "roles", "least overlap", "polysemantic", "dominated", "old rule")
     for col in columns:
@@ -142,7 +144,7 @@ def _layer_summary(df: pd.DataFrame, layer: int, max_rows: int) -> None:
             str(int(head)),
             str(int(r["n_top_features"])),
             f"{r['top_feature_share']:.2f}",
-            ", ".join(f"{c} {int(v)}" for c, v in zip(mine["context_class"], mine["value"])),
+            ", ".join(f"{c} {int(v)}" for c, v in zip(mine[role_column(mine)], mine["value"])),
             f"{r['min_class_overlap']:.2f}",
             "yes" if r["polysemantic"] else "no",
             str(int(r["n_dominated"])),
