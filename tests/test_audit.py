@@ -162,6 +162,31 @@ def test_the_planted_circuit_is_found_stable_unique_equivalent_and_minimal(uniqu
     assert _value(df, "independence_p").rejected
 
 
+def test_the_circuit_study_and_the_audit_find_one_smallest_circuit(unique):
+    """Both search circuits of k edges (EdgeGraph.top_pruned) by one bisection (faithfulness.reaching): the
+    circuit study's smallest circuit reaching the target is the audit's found circuit."""
+    edges = headlab.circuit(unique, headlab.load_task("ioi"), n_prompts=16, exact_check=0, n_boot=0)
+    rows = edges[edges.intervention == "edge"]
+    in_circuit = rows[rows.in_circuit.fillna(False).astype(bool)]
+    assert set(in_circuit.edge) == PLANTED
+    target = edges[(edges.intervention == "circuit") & (edges.metric == "target_edges")].value
+    assert int(target.iloc[0]) == len(PLANTED)
+    graph = EdgeGraph.of(unique)
+    scores = torch.rand(graph.real.shape, generator=torch.Generator().manual_seed(0))
+    ranking = graph.ranking(scores)
+
+    def prefix(m: int) -> torch.Tensor:
+        mask = torch.zeros_like(graph.real)
+        mask.view(-1)[ranking[:m]] = True
+        return graph.prune(mask)
+
+    for k in (1, 5, 40):
+        # the shortest prefix of the ranking that prunes to k edges or more, found by a scan (an edge added
+        # never prunes one that survived, so pruned sizes rise with the prefix and bisection finds it too)
+        m = next(m for m in range(k, len(ranking) + 1) if int(prefix(m).sum()) >= k)
+        assert graph.top_pruned(scores, k).equal(prefix(m)) and int(prefix(m).sum()) >= k
+
+
 def test_a_random_circuit_of_the_same_size_is_rejected(unique, tmp_path):
     graph = EdgeGraph.of(unique)
     names = graph.edge_names()

@@ -77,36 +77,20 @@ class Units:
         return self.graph.real & ~cut[:, None]
 
     def top(self, scores: Tensor, k: int, forbidden: Tensor | None = None) -> Tensor:
-        """[units] bool: the k units of highest |score|, none of `forbidden`. Edges are pruned of dangling
-        ones as the circuit study prunes its circuits, and taken down the ranking until k survive the
-        pruning (fewer only where every allowed edge is taken), so circuits of one size compare."""
+        """[units] bool: the k units of highest |score|, none of `forbidden`. Edges: EdgeGraph.top_pruned's
+        circuit of k edges (pruned as the circuit study prunes its circuits), so circuits of one size
+        compare."""
+        if self.level == "edges":
+            full = torch.zeros(self.graph.real.shape, dtype=torch.float64)
+            full.view(-1)[self.index] = scores.double()
+            allowed = None if forbidden is None else self.to_mask(~forbidden)
+            return self.of_mask(self.graph.top_pruned(full, k, allowed))
         key = scores.abs().double()
-        allowed = torch.ones(self.count, dtype=torch.bool) if forbidden is None else ~forbidden
+        allowed_units = torch.ones(self.count, dtype=torch.bool) if forbidden is None else ~forbidden
         order = torch.argsort(key, descending=True, stable=True)
-        order = order[allowed[order]]
-        if self.level == "heads":
-            chosen = torch.zeros(self.count, dtype=torch.bool)
-            chosen[order[:k]] = True
-            return chosen
-
-        def pruned(taken: int) -> Tensor:
-            mask = torch.zeros_like(self.graph.real)
-            mask.view(-1)[self.index[order[:taken]]] = True
-            return self.of_mask(self.graph.prune(mask))
-
-        low, high = min(k, len(order)), len(order)
-        best = pruned(low)
-        if int(best.sum()) >= k or low == high:
-            return best
-        best = pruned(high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            chosen = pruned(mid)
-            if int(chosen.sum()) >= k:
-                high, best = mid, chosen
-            else:
-                low = mid
-        return best
+        chosen = torch.zeros(self.count, dtype=torch.bool)
+        chosen[order[allowed_units[order]][:k]] = True
+        return chosen
 
     def heads_of(self, chosen: Tensor) -> Tensor:
         """[heads] bool: the heads a circuit of these units touches."""

@@ -19,6 +19,7 @@ ungrouped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -186,18 +187,31 @@ def area(x: list[float], y: list[float]) -> float:
 
 
 def smallest(ev: Evaluator, scores: Tensor, target: float) -> tuple[int, float, Tensor]:
-    """(edges, faithfulness, circuit) of the smallest top-n circuit by absolute score whose
-    faithfulness reaches `target`, by bisection over n (faithfulness taken as rising with n; the whole
-    graph, faithfulness 1, always qualifies)."""
-    low, high = 0, ev.graph.n_edges
-    best = ev.circuit(scores, high, absolute=True)
-    best_value = 1.0
+    """(edges, faithfulness, circuit) of the smallest circuit by absolute score whose faithfulness reaches
+    `target`: `reaching` over circuits of k edges (EdgeGraph.top_pruned; greedy selection: EAP-IG's greedy
+    circuit of k edges), the search study=audit makes too."""
+    if ev.selection == "greedy":
+        of_size = lambda k: ev.graph.greedy(torch.nan_to_num(scores), k, absolute=True)  # noqa: E731
+    else:
+        of_size = lambda k: ev.graph.top_pruned(torch.nan_to_num(scores), k)  # noqa: E731
+    circuit, value = reaching(ev.graph.n_edges, of_size, ev.of, target)
+    return int(circuit.sum()), value, circuit
+
+
+def reaching(
+    size: int, of_size: Callable[[int], Tensor], value_of: Callable[[Tensor], float], target: float
+) -> tuple[Tensor, float]:
+    """(circuit, value) of the smallest k in 1..size whose circuit of_size(k) has value_of >= `target`, by
+    bisection over k (the value taken as rising with k: where it does not, another crossing may be found;
+    the whole, of_size(size), is taken to reach it with value 1 unmeasured)."""
+    low, high = 0, size
+    best, best_value = of_size(high), 1.0
     while high - low > 1:
         mid = (low + high) // 2
-        circuit = ev.circuit(scores, mid, absolute=True)
-        value = ev.of(circuit)
+        circuit = of_size(mid)
+        value = value_of(circuit)
         if value >= target:
             high, best, best_value = mid, circuit, value
         else:
             low = mid
-    return int(best.sum()), best_value, best
+    return best, best_value

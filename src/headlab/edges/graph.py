@@ -218,6 +218,34 @@ class EdgeGraph:
         mask.view(-1)[chosen] = True
         return self.prune(mask) if prune else mask
 
+    def top_pruned(self, scores: Tensor, k: int, allowed: Tensor | None = None) -> Tensor:
+        """The circuit [senders, receivers] of the edges of highest |score| (among `allowed`, a mask like
+        real; None: every edge), pruned of dangling edges, taken down the ranking until at least k survive
+        the pruning (fewer only where every allowed edge is taken): a circuit of k edges, where top_n's
+        prefix of k edges may prune to fewer."""
+        real = self.real if allowed is None else self.real & allowed
+        key = torch.where(real, scores.abs().double(), torch.tensor(float("-inf"), dtype=torch.float64))
+        order = torch.argsort(key.flatten(), descending=True, stable=True)[: int(real.sum())]
+
+        def pruned(taken: int) -> Tensor:
+            mask = torch.zeros_like(self.real)
+            mask.view(-1)[order[:taken]] = True
+            return self.prune(mask)
+
+        low, high = min(k, len(order)), len(order)
+        best = pruned(low)
+        if int(best.sum()) >= k or low == high:
+            return best
+        best = pruned(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            chosen = pruned(mid)
+            if int(chosen.sum()) >= k:
+                high, best = mid, chosen
+            else:
+                low = mid
+        return best
+
     def ranking(self, scores: Tensor, absolute: bool = True) -> Tensor:
         """Flat indices of the edges, best first (ties broken by position, so the order is stable)."""
         key = scores.abs() if absolute else scores

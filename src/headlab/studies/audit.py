@@ -38,7 +38,7 @@ from ..config_rules import COUNT, NATURAL, SHARE, Each, Known, OneOf, Range, set
 from ..edges import hypothesis
 from ..edges.audit import LEVELS, Units, Variant, jaccard, keep_shares, random_units, rivals
 from ..edges.eap import doubled_steps
-from ..edges.faithfulness import Evaluator
+from ..edges.faithfulness import Evaluator, reaching
 from ..edges.graph import KV_EDGES, EdgeGraph
 from ..edges.methods import Budget, method_names
 from ..edges.methods import get as get_method
@@ -218,18 +218,12 @@ def heads_circuit(audit: Audit, given: list[str], label: str) -> Found:
 
 
 def smallest(units: Units, scores: Tensor, measure: Measure, target: float) -> Tensor:
-    """The smallest top-k circuit reaching `target` where `measure` measures, by bisection over k
-    (faithfulness taken as rising with k, as edges/faithfulness.smallest takes it)."""
-    low, high = 0, units.count
-    best = units.top(scores, high)
-    while high - low > 1:
-        mid = (low + high) // 2
-        chosen = units.top(scores, mid)
-        if measure.faithfulness(units.to_mask(chosen)) >= target:
-            high, best = mid, chosen
-        else:
-            low = mid
-    return best
+    """The smallest circuit of the top k units reaching `target` where `measure` measures: the circuit
+    study's search (edges/faithfulness.reaching over circuits of k units)."""
+    chosen, _ = reaching(
+        units.count, lambda k: units.top(scores, k), lambda c: measure.faithfulness(units.to_mask(c)), target
+    )
+    return chosen
 
 
 @dataclass
