@@ -87,7 +87,7 @@ threads-bench: $(STAMP)  # a run beside a busy process: headlab's own thread cou
 	$(BIN)/python benchmarks/threads_busy.py
 
 .PHONY: plan-bench
-plan-bench: $(STAMP)  # headlab plan against what each sweep measured (smollm2-135m, gemma3-270m): docs/benchmarks/plan_accuracy.txt, ~10 min
+plan-bench: $(STAMP)  # headlab plan against what each sweep and EAP-IG circuit measured (smollm2-135m, gemma3-270m): docs/benchmarks/plan_accuracy.txt, ~13 min
 	$(BIN)/python benchmarks/plan_accuracy.py --out docs/benchmarks/plan_accuracy.txt
 
 .PHONY: streamed-bench

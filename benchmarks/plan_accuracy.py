@@ -27,6 +27,8 @@ CASES = {
         "model=gemma3-270m", "task=text", "task.path=data/alice.txt", "task.seq_len=128", "task.n_prompts=4",
         "ablate=heads",
     ],
+    "smollm2_ioi_eap_ig": ["model=smollm2-135m", "task=ioi", "task.n_prompts=16", "circuit=eap_ig"],
+    "gemma3_ioi_eap_ig": ["model=gemma3-270m", "task=ioi", "task.n_prompts=16", "circuit=eap_ig"],
 }  # fmt: skip
 
 
@@ -56,14 +58,17 @@ def main(argv: list[str]) -> int:
                 raise SystemExit(f"{name}: run failed: {ran.stderr.strip().splitlines()[-1]}")
             meta = json.loads((run_dir / "meta.json").read_text())
             plan, measured = meta["plan"], meta["measured"]
-            said = [
-                f"{name}_planned_seconds: {plan['seconds']:.1f}",
-                f"{name}_measured_seconds: {measured['seconds']:.1f}",
-                f"{name}_seconds_ratio: {measured['seconds_ratio']:.2f}",
+            said = [f"{name}_measured_seconds: {measured['seconds']:.1f}"]
+            if plan["seconds"] is not None:  # a time model (study=sweep)
+                said += [
+                    f"{name}_planned_seconds: {plan['seconds']:.1f}",
+                    f"{name}_seconds_ratio: {measured['seconds_ratio']:.2f}",
+                    f"{name}_gflop: {plan['gflop']:.0f}",
+                ]
+            said += [
                 f"{name}_planned_peak_host_mb: {plan['peak_host_mb']:.0f}",
                 f"{name}_measured_peak_host_mb: {measured['peak_host_mb']:.0f}",
                 f"{name}_peak_host_ratio: {measured['peak_host_ratio']:.2f}",
-                f"{name}_gflop: {plan['gflop']:.0f}",
                 f"{name}_threads: {meta['threads']['threads']}",
             ]
             print("\n".join(said), flush=True)

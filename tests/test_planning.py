@@ -55,6 +55,15 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     assert meta["measured"]["peak_host_mb"] > 0 and 0.3 < meta["measured"]["peak_host_ratio"] < 3
     circuit = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=eap")
     assert circuit.seconds is None and "no time model for study=circuit" in circuit.note
+    # a circuit run checks its plan too: EAP's recordings and the senders' outputs, not a sweep's caches
+    args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "circuit=eap")
+    ran = run_headlab("run", *args, "output.n_boot=0", f"hydra.run.dir={tmp_path / 'circuit'}", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    meta = json.loads((tmp_path / "circuit" / "meta.json").read_text())
+    assert meta["plan"]["study"] == "circuit" and 0.3 < meta["measured"]["peak_host_ratio"] < 3
+    shape = shape_of_model(model)
+    senders = 1 + shape.n_layers * (shape.n_heads + 1)
+    assert meta["plan"]["caches_mb"] > senders * 8 * meta["plan"]["tokens"] * shape.d_model * 4 / 2**20
     path = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=none", "patch=path")
     assert path.seconds is None and "path or attribution patching" in path.note
 

@@ -6,7 +6,9 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             model.layers_on_disk, those blocks' weights are read from disk as a pass reaches them (one at a
             time, counted twice: accelerate reads it through a memory map into a tensor)
   caches    what a sweep keeps of the clean run: every block's input, the final residual stream
-            [prompts, tokens, d_model] and each layer's keys and values
+            [prompts, tokens, d_model] and each layer's keys and values; study=circuit: EAP / EAP-IG's
+            recordings and the senders' outputs, or the faithfulness curve's, whichever is larger
+            (circuit_mb)
   working   the engine's chunk: engine.chunk_mb of a block's widest activation, WORKING_COPIES of it alive
             at once, and the readout's logits (chunk_mb of them, one prompt's at least) with their log-softmax
             and its exponent
@@ -18,8 +20,8 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             over this machine's float32 matmul rate at the blocks' shape (measured now, SWEEP_EFFICIENCY of
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
             model (LOAD_FIXED_S and the weights at LOAD_MB_S). Other studies: no time model yet, said so.
-Every sweep run writes its plan beside what it measured (meta.json `plan`, `measured`), so each run checks
-the prediction; benchmarks/plan_accuracy.py prints the ratios.
+Every sweep and circuit run writes its plan beside what it measured (meta.json `plan`, `measured`), so each
+run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine
 LOAD_FIXED_S, LOAD_MB_S = 2.0, 400.0
 TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
 TIMED = ("sweep",)  # the studies with a time model
+PLANNED = ("sweep", "circuit")  # the studies whose runs write their plan beside what they measured
 
 
 @dataclass(frozen=True)
@@ -244,12 +247,16 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
     logits = reads * s.vocab * 4 / MB  # one prompt's, float32
     working = working_mb(cfg.engine.chunk_mb, logits)
+    if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver
+        caches = circuit_mb(s, rows, tokens, int(getattr(cfg.study, "prompts_per_pass", rows) or rows))
+        working = (3 * s.n_heads + 1) * 3 * activation / MB
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
         baseline_mb + tokenizer_mb + weights + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
     if study not in TIMED:
-        plan.note = f"time: no time model for study={study} yet (memory above: the model and a sweep's caches)"
+        held = "EAP / EAP-IG's recordings and the faithfulness curve's" if study == "circuit" else "a sweep's caches"
+        plan.note = f"time: no time model for study={study} yet (memory above: the model and {held})"
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
     if plan.gflop is None:
@@ -258,6 +265,21 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     return plan
+
+
+def circuit_mb(s: Shape, rows: int, tokens: int, per_pass: int) -> float:
+    """What study=circuit holds at once beyond the model, MB, in residual streams ([prompts, tokens,
+    d_model] float32): EAP / EAP-IG, a pass of `per_pass` prompts at a time, keep two recordings (every
+    block's input, z and MLP output, clean and corrupted), the senders' outputs of both runs and their
+    difference, and each block's input again for the gradient run; the faithfulness curve, every prompt at
+    once, the two recordings, the corrupted senders' outputs and the differences it fills in (edges/
+    evaluate.py). The larger of the two."""
+    senders = 1 + s.n_layers * (s.n_heads + 1)  # the input, every head, every MLP
+    recordings = 2 * 3 * s.n_layers
+    stream = tokens * s.d_model * 4 / MB
+    scoring = (recordings + 3 * senders + s.n_layers) * min(per_pass, rows) * stream
+    faithfulness = (recordings + 2 * senders) * rows * stream
+    return max(scoring, faithfulness)
 
 
 def layer_mb(s: Shape) -> float:

@@ -19,7 +19,7 @@ from ..config import Config, option
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..planning import (
-    TIMED,
+    PLANNED,
     fitted,
     measured,
     plan_prompts,
@@ -78,7 +78,7 @@ def execute_run(
         ctx.meta["budget"] = budget
     baseline, started = rss_mb(), time.perf_counter()
     df = study.run(ctx)
-    if study.name in TIMED and ctx.model is not None:  # its plan beside what it measured: each run checks it
+    if study.name in PLANNED and ctx.model is not None:  # its plan beside what it measured: each run checks it
         seconds = time.perf_counter() - started
         data = ctx.get_data()
         shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
