@@ -16,7 +16,7 @@ SHAPED = [
     "headlab.interventions.readout",
     "headlab.sae.source_roles",
 ]
-install_import_hook(SHAPED, "beartype.beartype")
+install_import_hook(SHAPED, "typecheck.checker")
 
 import contextlib  # noqa: E402
 import io

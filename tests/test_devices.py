@@ -4,6 +4,8 @@ use the same hooks that spread layers over GPUs), the clean caches' reported siz
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -69,12 +71,22 @@ def test_a_model_spread_over_devices_sweeps_as_the_whole_model(family, tiny_hf_d
 
 def test_the_engine_reports_its_clean_caches(tiny_hf_dir):
     model = load_hf(str(tiny_hf_dir("gpt2")), need_tokenizer=False)
-    data = prompts(VOCAB)
     report: dict = {}
     ivs = [CLEAN, *(Intervention("ablate_head", "zero", layer, 0) for layer in range(model.n_layers))]
-    execute(model, LastRealToken(), data, ivs, chunk_mb=0.05, report=report)
-    n, length = data.inputs["input_ids"].shape
+    uneven = prompts(VOCAB)
+    n, length = uneven.inputs["input_ids"].shape
     d = model.sites.d_model
+    # prompts of unequal length run in groups, one after another: the largest group's caches at once
+    execute(model, LastRealToken(), uneven, ivs, chunk_mb=0.05, report=report)
+    need = uneven.positions.max(1).values + 1
+    groups = report["length_groups"]
+    sizes = [int(((need <= g) & (need > ([0, *groups][i]))).sum()) * g for i, g in enumerate(groups)]
+    assert len(groups) > 1 and report["cache_mb"] == round(2 * max(sizes) * d * 4 / 2**20, 3)
+    # every prompt read at the last position: one group, the whole batch
+    data = replace(uneven, positions=torch.full_like(uneven.positions, length - 1))
+    report = {}
+    execute(model, LastRealToken(), data, ivs, chunk_mb=0.05, report=report)
+    assert "length_groups" not in report
     # the first block's input and the last block's output, each [n, length, d_model] floats: the walk
     # holds the other blocks' inputs and z one layer at a time
     assert report["cache_mb"] == round(2 * n * length * d * 4 / 2**20, 3)

@@ -159,7 +159,7 @@ def _run_by_length(
         )
     out: list[Tensor | None] = [None] * len(interventions)
     report["length_groups"] = [int(need[rows].max()) for rows in groups]
-    chunks = 0
+    chunks, caches = 0, 0.0  # the groups run one after another: their chunks add up, their caches do not
     for k, rows in enumerate(groups, 1):
         length = int(need[rows].max())
         part = bucket(data, rows, length)
@@ -177,11 +177,12 @@ def _run_by_length(
             label,
         )
         chunks += report.get("chunks", 0)
+        caches = max(caches, report.get("cache_mb", 0.0))
         for i, q in enumerate(results):
             if out[i] is None:
                 out[i] = q.new_empty(data.n, *q.shape[1:])
             out[i][rows.to(q.device)] = q  # type: ignore[index]
-    report["chunks"] = chunks
+    report.update(chunks=chunks, cache_mb=caches)
     return out  # type: ignore[return-value]
 
 
