@@ -2,7 +2,7 @@
 
 A batch of right-padded prompts runs every prompt to the longest one's last read position, yet in a causal
 model a position after the last one a prompt's metric reads (or an edit touches) cannot change its
-quantities. IOI's prompts run 13 to 20 tokens on smollm2 (16 prompts: 19% of the positions are past their
+quantities. IOI's prompts need 14 to 20 tokens on smollm2 (16 prompts: 19% of the positions are past their
 prompt's end), a user's prompt file as unequal as its lines. `buckets` splits the prompts, sorted by the
 length each needs, into contiguous groups where the positions saved outweigh the cost of another pass
 (BUCKET_COST), and the sweep runs each group cut to its own length: the same arithmetic on fewer positions,
