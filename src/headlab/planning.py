@@ -202,7 +202,7 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float | None]:
     length through its own longest (interventions/lengths.py, as the engine runs them), and reads the logits
     at the read positions. None where the sweep patches paths or attributes (their executors run other
     passes: no time model yet)."""
-    from .interventions.lengths import buckets, needed
+    from .interventions.lengths import groups
     from .interventions.plan import plan
     from .vocabulary import Method
 
@@ -211,9 +211,8 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float | None]:
     if any(iv.method in (Method.path, Method.attribution) for iv in interventions):
         return len(interventions), None
     rows, tokens = data.inputs["input_ids"].shape
-    need = needed(data, interventions)
-    groups = None if need is None else buckets(need)
-    sizes = [(rows, tokens)] if need is None or groups is None else [(len(g), int(need[g].max())) for g in groups]
+    grouped = groups(data, interventions)
+    sizes = [(rows, tokens)] if grouped is None else [(len(g), length) for g, length in grouped]
     total = 0.0
     for n, length in sizes:
         blocks = [sum(block_flops(s, n, length, layer)) for layer in range(s.n_layers)]

@@ -190,10 +190,11 @@ def smallest(ev: Evaluator, scores: Tensor, target: float) -> tuple[int, float, 
     """(edges, faithfulness, circuit) of the smallest circuit by absolute score whose faithfulness reaches
     `target`: `reaching` over circuits of k edges (EdgeGraph.top_pruned; greedy selection: EAP-IG's greedy
     circuit of k edges), the search study=audit makes too."""
+    key = torch.nan_to_num(scores)
     if ev.selection == "greedy":
-        of_size = lambda k: ev.graph.greedy(torch.nan_to_num(scores), k, absolute=True)  # noqa: E731
+        of_size = lambda k: ev.graph.greedy(key, k, absolute=True)  # noqa: E731
     else:
-        of_size = lambda k: ev.graph.top_pruned(torch.nan_to_num(scores), k)  # noqa: E731
+        of_size = lambda k: ev.graph.top_pruned(key, k)  # noqa: E731
     circuit, value = reaching(ev.graph.n_edges, of_size, ev.of, target)
     return int(circuit.sum()), value, circuit
 

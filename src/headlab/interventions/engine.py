@@ -41,7 +41,7 @@ from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import ATTENTION_SITES, MLP_SITES, Kind, Method, Site, Source
 from .attribution_patching import estimate
 from .edits import Sources, chunk_size, copy_edit_hooks, edit_hooks, edits_pattern, first_edited
-from .lengths import bucket, buckets, needed, through
+from .lengths import bucket, groups, through
 from .options import MeanOver
 from .path import run_path
 from .plan import Intervention
@@ -151,19 +151,17 @@ def _run_by_length(
 ) -> list[Tensor]:
     """_run_stacked over groups of prompts of like length, each cut to the positions it needs (lengths.py),
     where that saves enough; their quantities put back in the prompts' order."""
-    need = needed(data, interventions)
-    groups = None if need is None else buckets(need)
-    if need is None or groups is None:
+    grouped = groups(data, interventions)
+    if grouped is None:
         return _run_stacked(
             model, task, data, interventions, sources, chunk_mb, gpu_memory_share, show_progress, report
         )
     out: list[Tensor | None] = [None] * len(interventions)
-    report["length_groups"] = [int(need[rows].max()) for rows in groups]
+    report["length_groups"] = [length for _, length in grouped]
     chunks, caches = 0, 0.0  # the groups run one after another: their chunks add up, their caches do not
-    for k, rows in enumerate(groups, 1):
-        length = int(need[rows].max())
+    for k, (rows, length) in enumerate(grouped, 1):
         part = bucket(data, rows, length)
-        label = f"sweep ({k}/{len(groups)}: {len(rows)} prompts, {length} positions)"
+        label = f"sweep ({k}/{len(grouped)}: {len(rows)} prompts, {length} positions)"
         results = _run_stacked(
             model,
             task,

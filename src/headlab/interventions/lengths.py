@@ -63,9 +63,16 @@ def needed(data: TaskData, interventions: Sequence[Intervention]) -> Int[Tensor,
     return need + 1
 
 
-def buckets(need: Int[Tensor, " n"]) -> list[Int[Tensor, " rows"]] | None:
-    """The prompts' rows in contiguous groups by `need` (shortest first), each group run through its
-    longest need; None where one group is best."""
+def groups(data: TaskData, interventions: Sequence[Intervention]) -> list[tuple[Int[Tensor, " rows"], int]] | None:
+    """buckets over what each prompt needs for these interventions (needed); None where one group is best
+    or lengths cannot be told apart."""
+    need = needed(data, interventions)
+    return None if need is None else buckets(need)
+
+
+def buckets(need: Int[Tensor, " n"]) -> list[tuple[Int[Tensor, " rows"], int]] | None:
+    """The prompts' rows in contiguous groups by `need` (shortest first), each with its longest need, the
+    length it runs through; None where one group is best."""
     order = torch.argsort(need, stable=True)
     lengths = need[order].tolist()
     n, longest = len(lengths), lengths[-1]
@@ -83,7 +90,7 @@ def buckets(need: Int[Tensor, " n"]) -> list[Int[Tensor, " rows"]] | None:
     if groups == 1:
         return None
     starts = [0, *cuts[:-1]]
-    return [order[a:b] for a, b in zip(starts, cuts)]
+    return [(order[a:b], lengths[b - 1]) for a, b in zip(starts, cuts)]
 
 
 def bucket(data: TaskData, rows: Int[Tensor, " rows"], length: int) -> TaskData:
@@ -96,7 +103,7 @@ def parts(data: TaskData) -> list[tuple[Int[Tensor, " rows"], TaskData]]:
     every prompt as it is where one group is best: for code that runs whole prompts (the circuit metric)."""
     reads = [data.positions, *(data.counterfactual_positions or {}).values()]
     need = torch.stack([r.reshape(data.n, -1).max(1).values.cpu() for r in reads]).max(0).values + 1
-    groups = buckets(need)
-    if groups is None:
+    grouped = buckets(need)
+    if grouped is None:
         return [(torch.arange(data.n), data)]
-    return [(rows, bucket(data, rows, int(need[rows].max()))) for rows in groups]
+    return [(rows, bucket(data, rows, length)) for rows, length in grouped]

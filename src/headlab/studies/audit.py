@@ -4,9 +4,9 @@ hypothesis tests of Shi et al. 2024 (arXiv 2410.13032) for an edge circuit or a 
 The circuit: `study.circuit`, a circuit.json (ours, EAP-IG's or MIB's layout: its in_graph edges and their
 scores), a run directory holding one, or an ioi_classes run (its classed heads); `study.heads`, heads
 (`[a9.h6,a10.h0]`); unset, the smallest circuit by `study.method`'s scores reaching `study.target` of the
-clean-corrupted gap on the run's prompts, by bisection over its size after pruning (study=circuit bisects
-over the ranking's prefix: where faithfulness does not rise with size the two can differ). Every circuit is
-then measured exactly (edges/evaluate.py) on `study.held_out` prompts drawn apart from those it was found on:
+clean-corrupted gap on the run's prompts, by bisection over its size after pruning (the search
+study=circuit makes: edges/faithfulness.reaching). Every circuit is then measured exactly
+(edges/evaluate.py) on `study.held_out` prompts drawn apart from those it was found on:
 
 1. stability (edges/audit.py): the units scored again over bootstrap resamples of the prompts, other
    prompt draws, each half of the templates (scored on one half, measured on the other's held-out
