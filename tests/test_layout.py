@@ -192,3 +192,25 @@ def test_the_door_names_no_study_and_no_module_is_imported_for_its_side_effect()
     unused = [f"{name}:{n + 1}" for name in MODULES for n, line in enumerate(MODULES[name].read_text().splitlines())
               if "noqa: F401" in line and not _is_package(name)]  # fmt: skip
     assert unused == []
+
+
+def test_parts_are_found_by_what_their_modules_declare():
+    """Tasks, studies, SAE architectures and figure sets: a module of the kind's package declares its part
+    by one module-level name, and the registry holds exactly those (discovery.declared / declaring)."""
+    from headlab.figures import FIGURES
+    from headlab.sae.registry import builtin as saes
+    from headlab.tasks.registry import builtin as tasks
+
+    def declaring(package: str, name: str) -> set[str]:
+        folder = PACKAGE / package
+        return {
+            p.stem
+            for p in folder.glob("*.py")
+            for node in ast.parse(p.read_text()).body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)
+        }
+
+    assert set(FIGURES) == declaring("figures", "FIGURE_SET") and "ioi_diagram" not in FIGURES
+    assert {cls.__module__.rsplit(".", 1)[1] for cls in saes().values()} == declaring("sae", "SAE") != set()
+    assert {cls.__module__.rsplit(".", 1)[1] for cls in tasks().values()} == declaring("tasks", "TASK")
+    assert {s.run.__module__.rsplit(".", 1)[1] for s in registry.builtin()} == declaring("studies", "STUDY")

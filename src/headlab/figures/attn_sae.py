@@ -167,3 +167,6 @@ def head_roles(table: pd.DataFrame) -> dict[str, dict[str, dict[str, int]]]:
         roles = out.setdefault(f"head_roles_{method}_L{int(layer)}", {})
         roles[str(int(head))] = {str(c): int(v) for c, v in zip(group[role_column(group)], group["value"])}
     return out
+
+
+FIGURE_SET = draw

@@ -121,3 +121,6 @@ def _tests(rows: pd.DataFrame, title: str, path: Path) -> None:
     ax.set_xlabel(f"p-value (red: rejected at {ALPHA})")
     ax.set_title(f"{title}: Shi et al.'s circuit hypothesis tests", fontsize=9)
     save(fig, path)
+
+
+FIGURE_SET = draw

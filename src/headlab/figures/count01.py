@@ -258,3 +258,6 @@ def _token_weights_figure(weights: pd.DataFrame, path: Path, note: str) -> None:
     fig.suptitle("Attention from SEP per token occurrence vs single-head performance", fontsize=9)
     footnote(fig, note, 16)
     save(fig, path, dpi=120, tight=False)
+
+
+FIGURE_SET = draw

@@ -67,3 +67,6 @@ def _spread(name: str, values: np.ndarray) -> dict:
     if not len(values):
         return {}
     return {f"{name}_median": round(float(np.median(values)), 4), f"{name}_max": round(float(values.max()), 4)}
+
+
+FIGURE_SET = draw

@@ -86,3 +86,6 @@ def plot(cells: pd.DataFrame, metric: str, path: Path) -> None:
     bar = fig.add_axes((1 - (right - 0.25) / width, box[1], 0.15 / width, box[3] - box[1]))
     fig.colorbar(im, cax=bar).set_label(f"{metric} - clean", fontsize=8)
     save(fig, path, dpi=100, tight=False)
+
+
+FIGURE_SET = draw

@@ -364,3 +364,6 @@ def _headline(numbers: dict) -> dict:
         },
         "paper_gpt2_small": {**PAPER_GPT2_SMALL, "classes": ioi_classes.PAPER},
     }
+
+
+FIGURE_SET = draw

@@ -191,3 +191,6 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     numbers["alignment"] = _plot_alignment(table, out)
     numbers["pruning"] = _plot_pruning(table, out)
     return numbers
+
+
+FIGURE_SET = draw

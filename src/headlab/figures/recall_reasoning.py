@@ -183,3 +183,6 @@ def numbers(table: pd.DataFrame, comps: pd.DataFrame, ko: pd.DataFrame) -> dict:
             for kind in ("recall", "reasoning")
         }
     return out
+
+
+FIGURE_SET = draw

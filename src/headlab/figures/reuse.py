@@ -74,3 +74,6 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     out = Path(out)
     save(fig, out / "reuse.png", dpi=100, tight=False)
     return numbers
+
+
+FIGURE_SET = draw

@@ -146,3 +146,6 @@ def _pair_matrix(mean: pd.Series, metric: str, path: Path) -> None:
     ax.set_title(f"{metric}: writer -> reader", fontsize=9)
     fig.colorbar(im, ax=ax)
     save(fig, path, dpi=100)
+
+
+FIGURE_SET = draw

@@ -22,7 +22,7 @@ from ..errors import HeadlabError
 from ..io import atomic_write_bytes
 from ..vocabulary import Site
 from .base import SparseAutoencoder
-from .registry import ARCHITECTURES
+from .registry import architectures
 
 CFG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
@@ -73,7 +73,7 @@ def load_sae(directory: Path) -> tuple[SparseAutoencoder, dict[str, Any]]:
         weights = load_file(str(directory / WEIGHTS))
     except (OSError, json.JSONDecodeError, SafetensorError) as e:
         raise HeadlabError(f"corrupt or missing SAE in {directory}: {str(e).splitlines()[0]}") from e
-    by_saelens = {cls.saelens_architecture: cls for cls in ARCHITECTURES.values()}
+    by_saelens = {cls.saelens_architecture: cls for cls in architectures().values()}
     cls = by_saelens.get(cfg.get("architecture"))
     if cls is None:
         raise HeadlabError(

@@ -58,3 +58,6 @@ class ReluL1SAE(SparseAutoencoder):
         mse = (recon - x).pow(2).sum(-1).mean()
         l1 = f.abs().sum(-1).mean()
         return mse + self.l1_weight(step) * l1, {"mse": mse, "l1": l1}, (f > 0).sum(0)
+
+
+SAE = ReluL1SAE

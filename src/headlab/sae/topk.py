@@ -249,3 +249,6 @@ class TopKSAE(SparseAutoencoder):
 
     def saelens_fields(self) -> dict:
         return {"k": self.k, "rescale_acts_by_decoder_norm": False}
+
+
+SAE = TopKSAE
