@@ -28,6 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from .readme_prose import PROSE, PROSE_OF_FILES
 from .readme_tables import TABLES, TABLES_OF_FILES
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -55,11 +56,12 @@ def render(name: str, table: str, numbers_dir: Path = NUMBERS) -> str:
             raise FileNotFoundError(
                 f"{numbers_dir / part}.json: no numbers file (python -m headlab.report.numbers keep {part})"
             )
-    known = [*TABLES, *TABLES_OF_FILES]
+    tables, tables_of_files = {**TABLES, **PROSE}, {**TABLES_OF_FILES, **PROSE_OF_FILES}  # prose: readme_prose.py
+    known = [*tables, *tables_of_files]
     if (name, table) not in known:
         raise KeyError(f"no README table {name}/{table}; known: {', '.join(f'{n}/{t}' for n, t in known)}")
     loaded = {part: json.loads((numbers_dir / f"{part}.json").read_text()) for part in parts}
-    text = TABLES_OF_FILES[name, table](loaded) if len(parts) > 1 else TABLES[name, table](loaded[name])
+    text = tables_of_files[name, table](loaded) if len(parts) > 1 else tables[name, table](loaded[name])
     return text.rstrip("\n") + "\n"
 
 
