@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
             meta = json.loads((run_dir / "meta.json").read_text())
             plan, measured = meta["plan"], meta["measured"]
             said = [f"{name}_measured_seconds: {measured['seconds']:.1f}"]
-            if plan["seconds"] is not None:  # a time model (study=sweep)
+            if plan["seconds"] is not None:  # a time model (sweeps, EAP and EAP-IG circuits)
                 said += [
                     f"{name}_planned_seconds: {plan['seconds']:.1f}",
                     f"{name}_seconds_ratio: {measured['seconds_ratio']:.2f}",

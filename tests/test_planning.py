@@ -16,7 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import headlab
 from conftest import error_line, run_headlab
-from headlab.planning import shape_of_model, sweep_gflop
+from headlab import planning
+from headlab.planning import circuit_gflop, shape_of_model, sweep_gflop, working_mb
 from headlab.studies.context import EVAL_SEED_OFFSET
 
 
@@ -54,7 +55,9 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     assert meta["plan"]["gflop"] == pytest.approx(plan.gflop, abs=0.01) and meta["plan"]["params"] == params
     assert meta["measured"]["peak_host_mb"] > 0 and 0.3 < meta["measured"]["peak_host_ratio"] < 3
     circuit = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=eap")
-    assert circuit.seconds is None and "no time model for study=circuit" in circuit.note
+    assert circuit.seconds > 0 and "faithfulness curve" in circuit.lines()[-1]
+    activations = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=eap_ig_activations")
+    assert activations.seconds is None and "no time model for circuit=eap_ig_activations" in activations.note
     # a circuit run checks its plan too: EAP's recordings and the senders' outputs, not a sweep's caches
     args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "circuit=eap")
     ran = run_headlab("run", *args, "output.n_boot=0", f"hydra.run.dir={tmp_path / 'circuit'}", cwd=tmp_path)
@@ -66,6 +69,47 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     assert meta["plan"]["caches_mb"] > senders * 8 * meta["plan"]["tokens"] * shape.d_model * 4 / 2**20
     path = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=none", "patch=path")
     assert path.seconds is None and "path or attribution patching" in path.note
+
+
+@pytest.mark.parametrize("method", ["eap", "eap_ig"])
+def test_the_circuit_flops_are_what_scoring_and_the_curve_execute(llama_dir, method):
+    """Scoring's count is what it executes; the curve's counts every receiver's mixture, the most a circuit
+    keeps, so it bounds what the curve's circuits execute from above."""
+    model = headlab.load_model(str(llama_dir))
+    task = headlab.load_task("ioi", n_prompts=8)
+    executed = {}
+    for faithfulness in (False, True):  # torch's profiler: FlopCounterMode cannot sit under autograd.grad
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+            headlab.study(model, task, "circuit", method=method, faithfulness=faithfulness, n_boot=0)
+        executed[faithfulness] = sum(e.flops for e in prof.key_averages()) / 1e9
+    cfg = headlab.compose("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", f"circuit={method}")
+    scoring, curve = circuit_gflop(cfg, shape_of_model(model), task.build(8, EVAL_SEED_OFFSET, model))
+    ratios = (scoring / executed[False], (executed[True] - executed[False]) / curve)
+    assert 0.85 < ratios[0] < 1.2 and 0.5 < ratios[1] <= 1.0, ratios
+
+
+def test_a_circuit_run_under_a_budget_takes_fewer_prompts_a_pass_and_the_same_scores(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(planning, "rss_mb", lambda: 500.0)  # this process's size, as the run's plan measures it
+    args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "circuit=eap_ig")
+    args = (*args, "study.faithfulness=false", "output.n_boot=0")
+    plan = headlab.plan(*args)
+    assert plan.caches_mb == pytest.approx(8 * plan.per_prompt_mb)  # 16 prompts a pass by default: all 8 at once
+    # room for a few prompts' recordings beside the weights, this process and the engine's least chunk
+    fixed = plan.peak_host_mb - plan.caches_mb - plan.working_mb + working_mb(1.0, plan.logits_mb)
+    budget = int(fixed + 2.5 * plan.per_prompt_mb) + 1
+    kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr
+    meta = json.loads((tmp_path / "in" / "meta.json").read_text())
+    per_pass = meta["budget"]["prompts_per_pass"]  # the most whose recordings fit
+    assert (
+        1 < per_pass < 8
+        and fixed + per_pass * plan.per_prompt_mb <= budget < fixed + (per_pass + 1) * plan.per_prompt_mb
+    )
+    assert meta["budget"]["planned_peak_host_mb"] <= budget
+    free = run_headlab("run", *args, f"hydra.run.dir={tmp_path / 'free'}", cwd=tmp_path)
+    assert free.returncode == 0, free.stderr
+    tables = [pd.read_parquet(tmp_path / d / "results.parquet") for d in ("in", "free")]
+    pd.testing.assert_series_equal(tables[0]["value"], tables[1]["value"], atol=1e-6, rtol=1e-5)
 
 
 def test_a_model_built_here_is_refused_in_one_line(tmp_path):

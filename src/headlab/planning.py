@@ -19,13 +19,16 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             from its layer on, the clean run all of them, each reads the logits at the read positions)
             over this machine's float32 matmul rate at the blocks' shape (measured now, SWEEP_EFFICIENCY of
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
-            model (LOAD_FIXED_S and the weights at LOAD_MB_S). Other studies: no time model yet, said so.
+            model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG): its scoring's
+            and its faithfulness curve's FLOPs (circuit_gflop) at SCORING_EFFICIENCY and CURVE_EFFICIENCY of
+            that rate, plus loading. Other studies and methods: no time model yet, said so.
 Every sweep and circuit run writes its plan beside what it measured (meta.json `plan`, `measured`), so each
 run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -47,7 +50,12 @@ SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine
 # loading: building the model and reading its float32 weights (a GGUF model's copy in the cache)
 LOAD_FIXED_S, LOAD_MB_S = 2.0, 400.0
 TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
-TIMED = ("sweep",)  # the studies with a time model
+# the share of the measured matmul rate EAP / EAP-IG's scoring and the faithfulness curve keep on a CPU in
+# circuit_gflop's count (an upper bound for the curve's small circuits): between smollm2-135m's and
+# gemma3-270m's on 16 IOI prompts at 2 threads (scoring 0.59 and 0.46, the curve 0.58 and 0.33: gemma's
+# curve is its forward passes, on 4 wide heads, smollm2's half the senders' sums)
+SCORING_EFFICIENCY, CURVE_EFFICIENCY = 0.52, 0.43
+TIMED = ("sweep", "circuit")  # the studies with a time model
 PLANNED = ("sweep", "circuit")  # the studies whose runs write their plan beside what they measured
 
 
@@ -90,6 +98,10 @@ class Plan:
     gflop: float | None = None
     matmul_gflops: float | None = None
     seconds: float | None = None
+    efficiency: float = SWEEP_EFFICIENCY  # the share of matmul_gflops the time assumes
+    work: str = ""  # what the time counts
+    per_prompt_mb: float = 0.0  # study=circuit: what a gradient pass holds per prompt
+    curve_mb: float = 0.0  # study=circuit: what the faithfulness curve holds
     note: str = ""
 
     def lines(self) -> list[str]:
@@ -107,8 +119,8 @@ class Plan:
             )
         if self.seconds is not None:
             out.append(
-                f"time: {self.seconds:,.0f} s ({self.interventions} interventions, {self.gflop:,.0f} GFLOP at "
-                f"{self.matmul_gflops:.0f} GFLOP/s measured x {SWEEP_EFFICIENCY})"
+                f"time: {self.seconds:,.0f} s ({self.work}: {self.gflop:,.0f} GFLOP at "
+                f"{self.matmul_gflops:.0f} GFLOP/s measured x {self.efficiency:.2f})"
             )
         if self.note:
             out.append(self.note)
@@ -247,15 +259,31 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     logits = reads * s.vocab * 4 / MB  # one prompt's, float32
     working = working_mb(cfg.engine.chunk_mb, logits)
     if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver
-        caches = circuit_mb(s, rows, tokens, int(getattr(cfg.study, "prompts_per_pass", rows) or rows))
+        per_prompt, curve = circuit_mb(s, rows, tokens)
+        curve = curve if cfg.study.faithfulness else 0.0
+        caches = max(per_prompt * min(int(cfg.study.prompts_per_pass), rows), curve)
         working = (3 * s.n_heads + 1) * 3 * activation / MB
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
         baseline_mb + tokenizer_mb + weights + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
+    if study == "circuit":
+        plan.per_prompt_mb, plan.curve_mb = per_prompt, curve
     if study not in TIMED:
         held = "EAP / EAP-IG's recordings and the faithfulness curve's" if study == "circuit" else "a sweep's caches"
         plan.note = f"time: no time model for study={study} yet (memory above: the model and {held})"
+        return plan
+    if study == "circuit":
+        split = circuit_gflop(cfg, s, data)
+        if split is None:
+            plan.note = f"time: no time model for circuit={option(cfg.study.method)} yet (memory above)"
+            return plan
+        plan.gflop = sum(split)
+        plan.matmul_gflops = matmul_gflops(s, rows * tokens)
+        products = split[0] / SCORING_EFFICIENCY + split[1] / CURVE_EFFICIENCY
+        plan.seconds = products / plan.matmul_gflops + LOAD_FIXED_S + weights / LOAD_MB_S
+        plan.efficiency = plan.gflop / products
+        plan.work = f"scoring {split[0]:,.0f} GFLOP, faithfulness curve {split[1]:,.0f}"
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
     if plan.gflop is None:
@@ -263,22 +291,78 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         return plan
     plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
+    plan.work = f"{plan.interventions} interventions"
     return plan
 
 
-def circuit_mb(s: Shape, rows: int, tokens: int, per_pass: int) -> float:
+def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | None:
+    """(EAP / EAP-IG's scoring, the faithfulness curve's) matrix-product GFLOP of study=circuit over the
+    prompts `data`, each pass over its prompts' groups of like length (lengths.parts, as they run); None for
+    the methods without a time model (EAP-IG over activations, exact patching).
+
+    Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per
+    gradient run (EAP one, EAP-IG `steps`; again at twice the steps with study.convergence), a forward and a
+    backward pass (three) and every sender's difference times every receiver's gradient. The curve: the
+    two recordings, then per circuit measured (two per fraction, and the bisection's) a forward pass with
+    each receiver's input summed from its upstream senders' differences: counted for every receiver, the
+    most a circuit can keep."""
+    from .interventions.lengths import parts
+
+    c = cfg.study
+    method = option(c.method)
+    if method not in ("eap", "eap_ig"):
+        return None
+    runs = [1] if method == "eap" else [c.steps, 2 * c.steps] if c.convergence else [c.steps]
+    ungrouped = option(c.kv_edges) == "ungrouped"
+    attention = s.n_heads * (3 if ungrouped else 1) + (0 if ungrouped else 2 * s.n_kv)  # a layer's q/k/v receivers
+    upstream = [1 + layer * (s.n_heads + 1) for layer in range(s.n_layers)]  # the input, earlier heads and MLPs
+    senders, receivers = upstream[-1] + s.n_heads + 1, s.n_layers * (attention + 1) + 1
+    edges = sum(u * attention + u + s.n_heads for u in upstream) + senders
+    curve_circuits = 2 * len(c.fractions) + math.ceil(math.log2(edges)) if c.faithfulness else 0
+
+    def forward(n: int, tokens: int) -> float:
+        return sum(sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers))
+
+    def per_pass(n: int, tokens: int) -> float:
+        run = 3 * forward(n, tokens) + 2 * senders * receivers * n * tokens * s.d_model
+        return sum(2 * forward(n, tokens) + steps * run for steps in runs)
+
+    def curve(n: int, tokens: int) -> float:
+        mixtures = sum(2 * (attention + 1) * u * n * tokens * s.d_model for u in upstream)
+        return 2 * forward(n, tokens) + curve_circuits * (forward(n, tokens) + mixtures)
+
+    size = lambda part: (part.n, next(iter(part.inputs.values())).shape[1])  # noqa: E731
+    per = int(c.prompts_per_pass)
+    scoring = sum(
+        per_pass(*size(part)) for i in range(0, data.n, per) for _, part in parts(data.take(slice(i, i + per)))
+    )
+    faithfulness = sum(curve(*size(part)) for _, part in parts(data)) if curve_circuits else 0.0
+    return scoring / 1e9, faithfulness / 1e9
+
+
+def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:
     """What study=circuit holds at once beyond the model, MB, in residual streams ([prompts, tokens,
-    d_model] float32): EAP / EAP-IG, a pass of `per_pass` prompts at a time, keep two recordings (every
-    block's input, z and MLP output, clean and corrupted), the senders' outputs of both runs and their
-    difference, and each block's input again for the gradient run; the faithfulness curve, every prompt at
-    once, the two recordings, the corrupted senders' outputs and the differences it fills in (edges/
-    evaluate.py). The larger of the two."""
+    d_model] float32): (EAP / EAP-IG's, per prompt of a pass: two recordings (every block's input, z and MLP
+    output, clean and corrupted), the senders' outputs of both runs and their difference, and each block's
+    input again for the gradient run; the faithfulness curve's, every prompt at once: the two recordings,
+    the corrupted senders' outputs and the differences it fills in (edges/evaluate.py)). A run holds the
+    larger of a pass's and the curve's."""
     senders = 1 + s.n_layers * (s.n_heads + 1)  # the input, every head, every MLP
     recordings = 2 * 3 * s.n_layers
     stream = tokens * s.d_model * 4 / MB
-    scoring = (recordings + 3 * senders + s.n_layers) * min(per_pass, rows) * stream
-    faithfulness = (recordings + 2 * senders) * rows * stream
-    return max(scoring, faithfulness)
+    return (recordings + 3 * senders + s.n_layers) * stream, (recordings + 2 * senders) * rows * stream
+
+
+def fitted_passes(plan: Plan, per_pass: int, size: str) -> tuple[int, Plan]:
+    """study=circuit under the budget `size`: the most prompts per gradient pass (at most `per_pass`) whose
+    predicted peak fits, and the plan with them; one prompt a pass where none does (the budget's refusal
+    then names the least it needs: planning.fitted)."""
+    least = plan.peak_host_mb - plan.caches_mb - plan.working_mb + working_mb(1.0, plan.logits_mb)  # a 1 MB chunk
+    room = budget_mb(size) - least
+    fits = int(room // plan.per_prompt_mb) if plan.per_prompt_mb else per_pass
+    chosen = max(1, min(per_pass, fits, plan.prompts))
+    caches = max(chosen * plan.per_prompt_mb, plan.curve_mb)
+    return chosen, replace(plan, caches_mb=caches, peak_host_mb=plan.peak_host_mb - plan.caches_mb + caches)
 
 
 def layer_mb(s: Shape) -> float:

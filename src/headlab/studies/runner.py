@@ -21,6 +21,7 @@ from ..io import atomic_write_bytes
 from ..planning import (
     PLANNED,
     fitted,
+    fitted_passes,
     measured,
     plan_prompts,
     predict,
@@ -101,13 +102,19 @@ def within_budget(cfg: Config) -> dict:
 
     if option(cfg.model.kind) != "hf":
         raise UsageError(f"engine.max_memory plans a pretrained model's run; {cfg.model.name} is built here")
+    budget = str(cfg.engine.max_memory)
     plan = plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
-    chunk, plan = fitted(plan, cfg.engine.chunk_mb, str(cfg.engine.max_memory))
+    passes = {}
+    if plan.study == "circuit":  # fewer prompts per gradient pass first: the same scores, summed in more parts
+        cfg.study.prompts_per_pass, plan = fitted_passes(plan, int(cfg.study.prompts_per_pass), budget)
+        passes = {"prompts_per_pass": cfg.study.prompts_per_pass}
+    chunk, plan = fitted(plan, cfg.engine.chunk_mb, budget)
     cfg.engine.chunk_mb, cfg.model.layers_on_disk = chunk, plan.layers_on_disk
     peak = plan.peak_host_mb - plan.working_mb + working_mb(chunk, plan.logits_mb)
     return {
-        "max_memory": cfg.engine.max_memory,
+        "max_memory": budget,
         "chunk_mb": round(chunk, 2),
+        **passes,
         "layers_on_disk": plan.layers_on_disk,
         "planned_peak_host_mb": round(peak, 1),
     }
