@@ -273,3 +273,27 @@ def test_the_study_yaml_holds_the_options_defaults():
     from headlab.studies.atlas_probes import AtlasOptions
 
     assert dataclasses.asdict(compose(["study=atlas"]).study) == dataclasses.asdict(AtlasOptions())
+
+
+def test_the_atlas_numbers_hold_each_class_strongest_first_and_render_its_table(tmp_path):
+    from headlab.figures import FIGURES
+    from headlab.report.readme_tables import atlas_classes
+
+    rows = pd.DataFrame(
+        [
+            dict(layer=0, head=0, metric="induction_score", value=0.7, ci_low=0.45, ci_high=0.8),
+            dict(layer=1, head=1, metric="induction_score", value=0.9, ci_low=0.85, ci_high=0.95),
+            dict(layer=1, head=0, metric="induction_score", value=0.9, ci_low=0.3, ci_high=0.95),  # not labelled
+            dict(layer=0, head=1, metric="ioi_logit_diff_change", value=-1.0, ci_low=-2, ci_high=0, clean=3.0),
+            dict(layer=1, head=1, metric="ioi_logit_diff_change", value=-2.0, ci_low=-3, ci_high=-1, clean=3.0),
+        ]
+    )
+    table = labelled(rows, rules()).assign(model="m", intervention="none")
+    numbers = FIGURES["atlas"](table, tmp_path)
+    assert (tmp_path / "atlas_classes.png").is_file()
+    model = numbers["models"]["m"]
+    assert model["n_layers"] == 2 and model["n_heads"] == 4
+    assert model["classes"]["induction"] == {"metric": "induction_score", "heads": [["L1H1", 0.9], ["L0H0", 0.7]]}
+    assert model["classes"]["IOI-supporting"]["heads"] == [["L1H1", -2.0], ["L0H1", -1.0]]  # by magnitude
+    rendered = atlas_classes(numbers)
+    assert "| induction | 2 (50%): L1H1 0.90, L0H0 0.70 |" in rendered and "| copy | none |" in rendered

@@ -194,7 +194,13 @@ def ioi_audit_runs(quick: bool) -> list[list[str]]:
     return [[*audit, activations], classes, [*audit, "study.circuit={previous}"], [*audit, "study.level=heads"]]
 
 
+def atlas_runs(quick: bool) -> list[list[str]]:
+    small = "study.repeat_sequences=4 study.ioi_prompts=4 study.copy_prompts=8 study.text_docs=1 study.needle_prompts=4"
+    return [["study=atlas", f"model={m}", *(small.split() if quick else [])] for m in ("smollm2-135m", "gemma3-270m")]
+
+
 REFERENCE = {
+    "atlas": (atlas_runs, "run"),
     "ioi_audit": (ioi_audit_runs, "run"),
     "retrieval_heads": (retrieval_heads_runs, "run"),
     "retrieval_wu": (retrieval_wu_runs, "run"),
@@ -258,7 +264,7 @@ def test_previous_names_the_run_dir_of_the_run_before_it(tmp_path, monkeypatch):
 
 
 def test_unknown_reproduction_names_the_known_ones():
-    known = "attn_sae, attn_sae_smollm2, count01"
+    known = "atlas, attn_sae, attn_sae_smollm2, count01"
     with pytest.raises(UsageError, match=f"unknown reproduction 'nope'; choose from: {known}"):
         reproduce.get("nope")
 
