@@ -93,9 +93,10 @@ def test_a_circuit_run_under_a_budget_takes_fewer_prompts_a_pass_and_the_same_sc
     args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "circuit=eap_ig")
     args = (*args, "study.faithfulness=false", "output.n_boot=0")
     plan = headlab.plan(*args)
-    assert plan.caches_mb == pytest.approx(8 * plan.per_prompt_mb)  # 16 prompts a pass by default: all 8 at once
+    # 16 prompts a pass by default: all 8 at once (and the attention mask of a pass over them)
+    assert plan.caches_mb == pytest.approx(8 * plan.per_prompt_mb + plan.mask_mb)
     # room for a few prompts' recordings beside the weights, this process and the engine's least chunk
-    fixed = plan.peak_host_mb - plan.caches_mb - plan.working_mb + working_mb(1.0, plan.logits_mb)
+    fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb + working_mb(1.0, plan.logits_mb)
     budget = int(fixed + 2.5 * plan.per_prompt_mb) + 1
     kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
     assert kept.returncode == 0, kept.stderr
@@ -117,7 +118,8 @@ def test_a_model_built_here_is_refused_in_one_line(tmp_path):
     assert refused.returncode == 2 and "plan a pretrained one" in error_line(refused)
 
 
-def test_a_run_keeps_its_memory_budget_or_is_refused_naming_the_least_it_needs(llama_dir, tmp_path):
+def test_a_run_keeps_its_memory_budget_or_is_refused_naming_the_least_it_needs(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(planning, "rss_mb", lambda: 500.0)  # this process's size, the same in every plan below
     args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "ablate=heads", "output.n_boot=0")
     refused = run_headlab("run", *args, "engine.max_memory=100MB", f"hydra.run.dir={tmp_path / 'no'}", cwd=tmp_path)
     line = error_line(refused)

@@ -160,6 +160,30 @@ def test_padding_does_not_change_a_documents_loss(tiny_hf_dir, tmp_path):
     torch.testing.assert_close(in_batch, alone, atol=1e-5, rtol=0)
 
 
+def test_a_document_whose_logits_exceed_the_chunk_is_read_a_slice_of_positions_at_a_time(tiny_hf_dir, corpus):
+    """One prompt's logits (23 positions x GPT-2's 50,257 tokens: 4.4 MB) above a 1 MB chunk: its read positions
+    go through the readout 5 at a time, the loss sums and counts added up, equal to the whole document's."""
+    model = load_hf(str(tiny_hf_dir("llama")), tokenizer=str(GPT2_TOKENIZER))
+    task = headlab.load_task("text", path=str(corpus), seq_len=SEQ_LEN)
+    data = task.build(0, seed=0, model=model)
+    ivs = [CLEAN, Intervention("ablate_head", "zero", 1, 2), Intervention("ablate_layer", "mean", 0)]
+    widths = []
+    made = model.readout
+
+    def counted(h, read):
+        widths.append(read.shape[1])
+        return made(h, read)
+
+    model.readout = counted  # type: ignore[method-assign]
+    sliced = execute(model, task, data, ivs, chunk_mb=1.0)
+    assert max(widths) == 5
+    widths.clear()
+    whole = execute(model, task, data, ivs, chunk_mb=64.0)
+    assert max(widths) == data.positions.shape[1]
+    torch.testing.assert_close(sliced, whole, atol=1e-4, rtol=1e-6)
+    assert torch.equal(sliced[..., 1], whole[..., 1])  # the predicted tokens counted once each
+
+
 def test_a_directory_is_one_document_per_txt_file_in_name_order(tiny_hf_dir, gpt2_tokenizer, tmp_path):
     model = load_hf(str(tiny_hf_dir("gpt2")), tokenizer=str(GPT2_TOKENIZER))
     (tmp_path / "b.txt").write_text("The second document,\nover two lines.\n")

@@ -101,6 +101,7 @@ class Plan:
     efficiency: float = SWEEP_EFFICIENCY  # the share of matmul_gflops the time assumes
     work: str = ""  # what the time counts
     per_prompt_mb: float = 0.0  # study=circuit: what a gradient pass holds per prompt
+    mask_mb: float = 0.0  # the attention mask of a forward pass over every prompt (in caches_mb)
     curve_mb: float = 0.0  # study=circuit: what the faithfulness curve holds
     note: str = ""
 
@@ -257,16 +258,21 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
     logits = reads * s.vocab * 4 / MB  # one prompt's, float32
+    # the attention mask a forward pass makes, [prompts, 1, tokens, tokens] bool, and its additive float copy
+    # where a layer has a sliding window (models/sites.py _fused: a plain causal mask needs none)
+    mask = rows * tokens * tokens * (1 + (4 if any(s.sliding) else 0)) / MB
     working = working_mb(cfg.engine.chunk_mb, logits)
     if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver
         per_prompt, curve = circuit_mb(s, rows, tokens)
         curve = curve if cfg.study.faithfulness else 0.0
         caches = max(per_prompt * min(int(cfg.study.prompts_per_pass), rows), curve)
         working = (3 * s.n_heads + 1) * 3 * activation / MB
+    caches += mask
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
         baseline_mb + tokenizer_mb + weights + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
+    plan.mask_mb = mask
     if study == "circuit":
         plan.per_prompt_mb, plan.curve_mb = per_prompt, curve
     if study not in TIMED:
@@ -340,6 +346,16 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     return scoring / 1e9, faithfulness / 1e9
 
 
+def reads_at_once(task: Any, data: Any, vocab: int, chunk_mb: float) -> int:
+    """How many of a prompt's read positions a readout holds the logits of at once: all of them, or, where the
+    task's quantities are sums over its positions (Task.at_positions: next-token loss), as many as chunk_mb
+    of logits holds (readout.in_position_slices)."""
+    positions = data.positions.shape[1]
+    if task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
+        return positions
+    return min(positions, max(1, int(chunk_mb * MB // (vocab * 4))))
+
+
 def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:
     """What study=circuit holds at once beyond the model, MB, in residual streams ([prompts, tokens,
     d_model] float32): (EAP / EAP-IG's, per prompt of a pass: two recordings (every block's input, z and MLP
@@ -357,11 +373,12 @@ def fitted_passes(plan: Plan, per_pass: int, size: str) -> tuple[int, Plan]:
     """study=circuit under the budget `size`: the most prompts per gradient pass (at most `per_pass`) whose
     predicted peak fits, and the plan with them; one prompt a pass where none does (the budget's refusal
     then names the least it needs: planning.fitted)."""
-    least = plan.peak_host_mb - plan.caches_mb - plan.working_mb + working_mb(1.0, plan.logits_mb)  # a 1 MB chunk
+    held = plan.caches_mb - plan.mask_mb  # a pass's recordings or the curve's
+    least = plan.peak_host_mb - held - plan.working_mb + working_mb(1.0, plan.logits_mb)  # a 1 MB chunk
     room = budget_mb(size) - least
     fits = int(room // plan.per_prompt_mb) if plan.per_prompt_mb else per_pass
     chosen = max(1, min(per_pass, fits, plan.prompts))
-    caches = max(chosen * plan.per_prompt_mb, plan.curve_mb)
+    caches = max(chosen * plan.per_prompt_mb, plan.curve_mb) + plan.mask_mb
     return chosen, replace(plan, caches_mb=caches, peak_host_mb=plan.peak_host_mb - plan.caches_mb + caches)
 
 
@@ -440,7 +457,7 @@ def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:
     loaded = rss_mb() - baseline  # the tokenizer (the model on the meta device holds nothing)
     stand_in = SimpleNamespace(tokenizer=tokenizer, vocab_size=shape.vocab, module=None, name=cfg.model.name)
     data = task.build(cfg.task.n_prompts, seed=seed, model=stand_in)
-    return predict(cfg, shape, data, data.positions.shape[1], baseline, loaded)
+    return predict(cfg, shape, data, reads_at_once(task, data, shape.vocab, cfg.engine.chunk_mb), baseline, loaded)
 
 
 def measured(plan: Plan, seconds: float) -> dict[str, Any]:

@@ -12,7 +12,10 @@ out a slice at a time (`in_slices`), one prompt at least: a task's quantities ar
 quantities are the whole copy's. gemma3-270m's atlas reads its text probe (3 documents of 63 read positions,
 262,144-token vocabulary: 198 MB of float32 logits a copy) one document at a time, 63 MB, and the induction
 probe's repeat loss (25 sequences x 98 reads: 2,450 MB of logits, and as much again for their log-softmax) one
-sequence at a time, 98 MB; a single prompt's read positions are never split.
+sequence at a time, 98 MB. Where one prompt's do not fit either (gemma3-270m's 32K-token document: 34 GB) and
+the task's quantities are sums over its read positions (next-token loss: Task.at_positions), its positions
+are read a slice at a time and their quantities summed (`in_position_slices`); other tasks' prompts are
+never split.
 """
 
 from __future__ import annotations
@@ -68,6 +71,35 @@ def in_slices(
     return torch.cat(parts)
 
 
+def in_position_slices(
+    model: HookedModel,
+    task: Task,
+    h: Float[Tensor, "n pos d_model"],
+    read: Int[Tensor, "n P"],
+    data: TaskData,
+    chunk_mb: float,
+) -> Float[Tensor, "n Q"] | None:
+    """The quantities [n, Q] one prompt at a time, as many of its read positions at a time as have `chunk_mb`
+    of logits, the slices' quantities summed, where one prompt's logits exceed `chunk_mb` and the task's
+    quantities are sums over its read positions (Task.at_positions: a long document's next-token loss);
+    None where they fit, or the task reads a prompt's positions together."""
+    positions = read.shape[1]
+    per = max(1, int(chunk_mb * 2**20 // (model.vocab_size * h.element_size())))
+    if per >= positions or task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
+        return None
+    prompts = []
+    for i in range(data.n):
+        one, total = data.take(slice(i, i + 1)), None
+        for first in range(0, positions, per):
+            cut = slice(first, first + per)
+            part = task.at_positions(one, cut)
+            assert part is not None
+            q = task.per_prompt(model.readout(h[i : i + 1], read[i : i + 1, cut]), part)
+            total = q if total is None else total + q
+        prompts.append(total)
+    return torch.cat(prompts)  # type: ignore[arg-type]
+
+
 def read_quantities(
     model: HookedModel,
     task: Task,
@@ -93,9 +125,11 @@ def read_quantities(
     if prompts_per_readout(model, read.shape[1], h, chunk_mb) < n:  # not even one copy at once: prompt slices
         for first in range(0, copies * n, n):
             copy = slice(first, first + n)
-            quantities = in_slices(
-                model, h[copy], read[copy], chunk_mb, lambda rows, logits: task.per_prompt(logits, data.take(rows))
-            )
+            quantities = in_position_slices(model, task, h[copy], read[copy], data, chunk_mb)
+            if quantities is None:
+                quantities = in_slices(
+                    model, h[copy], read[copy], chunk_mb, lambda rows, logits: task.per_prompt(logits, data.take(rows))
+                )
             parts.append(quantities[None])
         return torch.cat(parts)
     for first in range(0, copies, step):

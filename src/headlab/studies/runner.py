@@ -25,6 +25,7 @@ from ..planning import (
     measured,
     plan_prompts,
     predict,
+    reads_at_once,
     rss_mb,
     shape_of_model,
     tokenizer_mb,
@@ -83,7 +84,8 @@ def execute_run(
         seconds = time.perf_counter() - started
         data = ctx.get_data()
         shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
-        plan = predict(cfg, shape, data, data.positions.shape[1], baseline, tokenizer)
+        reads = reads_at_once(ctx.get_task(), data, shape.vocab, cfg.engine.chunk_mb)
+        plan = predict(cfg, shape, data, reads, baseline, tokenizer)
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(key, ctx.timings, {"study": study.name, **ctx.meta}))
     # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are

@@ -207,6 +207,13 @@ class Task:
         """logits [..., n, P, vocab] at data.positions -> quantities [..., n, Q]."""
         raise NotImplementedError
 
+    def at_positions(self, data: TaskData, read: slice) -> TaskData | None:
+        """The prompts `data` read at their read positions `read` alone (data.positions[:, read]), where
+        each quantity is a sum over the read positions, so that per_prompt of the slices adds up to
+        per_prompt of the whole (next-token loss); None (the default): a quantity reads every one of a
+        prompt's positions at once."""
+        return None
+
     def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor | None:
         """Token ids [n, R] whose logits alone give the quantities `columns` (from_rows computes them), so
         that a readout unembeds R rows, not the vocabulary (HookedModel.readout_rows); None (the default):

@@ -25,7 +25,7 @@ the loss itself is computed LOSS_SLICE_ELEMENTS logits at a time.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -128,6 +128,10 @@ class TextTask(Task):
             answers={"target": target},
             reference={"input_ids": ids[source], "attention_mask": mask[source]},
         )
+
+    def at_positions(self, data: TaskData, read: slice) -> TaskData:
+        """A slice of the predicted tokens: the loss sums and counts of the slices add up to the whole's."""
+        return replace(data, positions=data.positions[:, read], answers={"target": data.answers["target"][:, read]})
 
     def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
         target = data.answers["target"].to(logits.device).expand(logits.shape[:-1])
