@@ -182,6 +182,10 @@ def test_a_document_whose_logits_exceed_the_chunk_is_read_a_slice_of_positions_a
     assert max(widths) == data.positions.shape[1]
     torch.testing.assert_close(sliced, whole, atol=1e-4, rtol=1e-6)
     assert torch.equal(sliced[..., 1], whole[..., 1])  # the predicted tokens counted once each
+    widths.clear()
+    one = data.take(slice(1, 2))  # a single document: its positions sliced as well
+    torch.testing.assert_close(execute(model, task, one, ivs, chunk_mb=1.0), whole[:, 1:2], atol=1e-4, rtol=1e-6)
+    assert max(widths) == 5
 
 
 def test_a_directory_is_one_document_per_txt_file_in_name_order(tiny_hf_dir, gpt2_tokenizer, tmp_path):

@@ -122,7 +122,8 @@ def read_quantities(
         return task.from_rows(at_rows.unflatten(0, (copies, n)), data, columns)
     step = copies_per_readout(model, data, read.shape[1], h, chunk_mb)
     parts: list[Tensor] = []
-    if prompts_per_readout(model, read.shape[1], h, chunk_mb) < n:  # not even one copy at once: prompt slices
+    one_prompt_mb = read.shape[1] * model.vocab_size * h.element_size() / 2**20
+    if prompts_per_readout(model, read.shape[1], h, chunk_mb) < n or one_prompt_mb > chunk_mb:  # slices
         for first in range(0, copies * n, n):
             copy = slice(first, first + n)
             quantities = in_position_slices(model, task, h[copy], read[copy], data, chunk_mb)
