@@ -26,17 +26,32 @@ def llama_dir(tiny_hf_dir_with_tokenizer):
     return tiny_hf_dir_with_tokenizer("llama")
 
 
-@pytest.mark.parametrize("ablate", ["heads", "layers"])
-def test_the_sweeps_flops_are_what_the_engine_executes(llama_dir, ablate):
+# each case: headlab.sweep's arguments and the same sweep as overrides
+SWEEPS = {
+    "heads": ({"ablate": "heads"}, ["ablate=heads"]),
+    "layers": ({"ablate": "layers"}, ["ablate=layers"]),
+    "mean over the reference set": ({"ablate": "heads", "method": "mean"}, ["ablate=heads", "ablate.method=mean"]),
+    "path into the logits": ({"ablate": "none", "patch": "path"}, ["ablate=none", "patch=path"]),
+    "path into q": (
+        {"ablate": "none", "patch": "path", "receivers": ["1.0", "1.2"], "receiver_site": "q"},
+        ["ablate=none", "patch=path", "patch.receivers=[1.0,1.2]", "patch.receiver_site=q"],
+    ),
+}
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_the_sweeps_flops_are_what_the_engine_executes(llama_dir, sweep):
     model = headlab.load_model(str(llama_dir))
     task = headlab.load_task("ioi", n_prompts=8)
+    arguments, overrides = SWEEPS[sweep]
     with FlopCounterMode(display=False) as counter:
-        headlab.sweep(model, task, ablate=ablate, n_boot=0)
-    cfg = headlab.compose("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", f"ablate={ablate}")
+        headlab.sweep(model, task, n_boot=0, **arguments)
+    cfg = headlab.compose("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", *overrides)
     data = task.build(8, EVAL_SEED_OFFSET, model)
     n, gflop = sweep_gflop(cfg, shape_of_model(model), data)
-    assert n == 1 + (model.n_layers * model.n_heads if ablate == "heads" else model.n_layers)
-    assert 0.85 < gflop / (counter.get_total_flops() / 1e9) < 1.2
+    heads = model.n_layers * model.n_heads
+    assert n == 1 + (model.n_layers if sweep == "layers" else heads)
+    assert 0.85 < gflop / (counter.get_total_flops() / 1e9) < 1.2, gflop / (counter.get_total_flops() / 1e9)
 
 
 def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir, tmp_path):
@@ -67,8 +82,8 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     shape = shape_of_model(model)
     senders = 1 + shape.n_layers * (shape.n_heads + 1)
     assert meta["plan"]["caches_mb"] > senders * 8 * meta["plan"]["tokens"] * shape.d_model * 4 / 2**20
-    path = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=none", "patch=path")
-    assert path.seconds is None and "path or attribution patching" in path.note
+    attributed = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=none", "patch=attribution")
+    assert attributed.seconds is None and "attribution patching" in attributed.note
 
 
 @pytest.mark.parametrize("method", ["eap", "eap_ig"])

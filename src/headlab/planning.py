@@ -16,7 +16,8 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
   tokenizer the model's tokenizer, measured as `headlab plan` loads it (a run's own plan: TOKENIZER_KB a
             vocabulary entry; Gemma's 262,144 entries hold about 300 MB)
   time      study=sweep: the matrix-product FLOPs of its stacked passes (each intervention runs the blocks
-            from its layer on, the clean run all of them, each reads the logits at the read positions)
+            from its layer on, the clean run all of them, a path-patching sender its two passes, each reads
+            the logits at the read positions)
             over this machine's float32 matmul rate at the blocks' shape (measured now, SWEEP_EFFICIENCY of
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
             model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG): its scoring's
@@ -213,26 +214,53 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float | None]:
     """(interventions, GFLOP) of study=sweep's stacked passes over the prompts `data` (TaskData): each
     intervention runs the blocks from its layer on (the clean run all of them), each group of prompts of like
     length through its own longest (interventions/lengths.py, as the engine runs them), and reads the logits
-    at the read positions. None where the sweep patches paths or attributes (their executors run other
-    passes: no time model yet)."""
+    at the read positions; path patching (every prompt whole, as interventions/path.py runs a sweep's
+    senders) its two passes (path_flops). None where the sweep attributes (no time model yet)."""
     from .interventions.lengths import groups
     from .interventions.plan import plan
     from .vocabulary import Method
 
     ones = {layer: [1.0] * s.n_heads for layer in range(s.n_layers)}  # the uniform sweep's scales: shapes only
     interventions = plan(cfg, s.n_layers, s.n_heads, ones, {})
-    if any(iv.method in (Method.path, Method.attribution) for iv in interventions):
+    if any(iv.method == Method.attribution for iv in interventions):
         return len(interventions), None
+    paths = [iv for iv in interventions if iv.method == Method.path]
+    others = [iv for iv in interventions if iv.method != Method.path]
     rows, tokens = data.inputs["input_ids"].shape
-    grouped = groups(data, interventions)
+    reads = data.positions.shape[1]
+    grouped = groups(data, others)
     sizes = [(rows, tokens)] if grouped is None else [(len(g), length) for g, length in grouped]
     total = 0.0
     for n, length in sizes:
         blocks = [sum(block_flops(s, n, length, layer)) for layer in range(s.n_layers)]
-        from_layer = [sum(blocks[layer:]) for layer in range(s.n_layers)]
-        logits = n * data.positions.shape[1] * 2 * s.d_model * s.vocab
-        total += sum(from_layer[min(iv.layer or 0, s.n_layers - 1)] + logits for iv in interventions)
+        logits = n * reads * 2 * s.d_model * s.vocab
+        total += sum(sum(blocks[min(iv.layer or 0, s.n_layers - 1) :]) + logits for iv in others)
+    blocks = [sum(block_flops(s, rows, tokens, layer)) for layer in range(s.n_layers)]
+    if paths:  # path_patch's clean run and a trace of the senders' prompts, each read out, then the senders
+        logits = rows * reads * 2 * s.d_model * s.vocab
+        total += 2 * (sum(blocks) + logits) + sum(path_flops(iv, blocks, logits) for iv in paths)
+    methods = {iv.method for iv in interventions}
+    if data.reference is not None and methods & {Method.mean, Method.resample, Method.path}:
+        ref_rows, ref_tokens = data.reference["input_ids"].shape  # the values taken: a run of the reference set
+        total += sum(sum(block_flops(s, ref_rows, ref_tokens, layer)) for layer in range(s.n_layers))
+    if data.counterfactual is not None and Method.activation in methods:
+        total += sum(blocks)  # the counterfactual run
     return len(interventions), total / 1e9
+
+
+def path_flops(iv: Any, blocks: list[float], logits: float) -> float:
+    """FLOPs of path patching from the sender `iv` over every position (interventions/path.py): into the
+    logits, the blocks from its layer on; into receiver heads, pass A from its layer through the last
+    receiver's and pass B from the first receiver's on, where a receiver sits after it (else nothing runs)."""
+    from .interventions.plan import LOGITS, receiver_heads
+
+    layer = iv.layer or 0
+    if iv.receivers == LOGITS:
+        return sum(blocks[layer:]) + logits
+    downstream = [r for r in receiver_heads(iv.receivers) if r > layer]
+    if not downstream:
+        return 0.0
+    return sum(blocks[layer : max(downstream) + 1]) + sum(blocks[min(downstream) :]) + logits
 
 
 def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3) -> float:
@@ -293,7 +321,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
     if plan.gflop is None:
-        plan.note = "time: no time model for path or attribution patching yet (memory above)"
+        plan.note = "time: no time model for attribution patching yet (memory above)"
         return plan
     plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
