@@ -111,7 +111,8 @@ def test_a_circuit_run_under_a_budget_takes_fewer_prompts_a_pass_and_the_same_sc
     # 16 prompts a pass by default: all 8 at once (and the attention mask of a pass over them)
     assert plan.caches_mb == pytest.approx(8 * plan.per_prompt_mb + plan.mask_mb)
     # room for a few prompts' recordings beside the weights, this process and the engine's least chunk
-    fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb + working_mb(1.0, plan.logits_mb)
+    fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
+    fixed += working_mb(1.0, plan.logits_mb, plan.copy_mb)
     budget = int(fixed + 2.5 * plan.per_prompt_mb) + 1
     kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
     assert kept.returncode == 0, kept.stderr

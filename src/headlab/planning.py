@@ -103,6 +103,7 @@ class Plan:
     work: str = ""  # what the time counts
     per_prompt_mb: float = 0.0  # study=circuit: what a gradient pass holds per prompt
     mask_mb: float = 0.0  # the attention mask of a forward pass over every prompt (in caches_mb)
+    copy_mb: float = 0.0  # one copy of the prompts' widest activation: the least a chunk holds
     curve_mb: float = 0.0  # study=circuit: what the faithfulness curve holds
     note: str = ""
 
@@ -289,7 +290,8 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     # the attention mask a forward pass makes, [prompts, 1, tokens, tokens] bool, and its additive float copy
     # where a layer has a sliding window (models/sites.py _fused: a plain causal mask needs none)
     mask = rows * tokens * tokens * (1 + (4 if any(s.sliding) else 0)) / MB
-    working = working_mb(cfg.engine.chunk_mb, logits)
+    copy = rows * tokens * max(s.d_mlp, s.d_model) * 4 / MB  # one copy of the prompts' widest activation
+    working = working_mb(cfg.engine.chunk_mb, logits, copy)
     if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver
         per_prompt, curve = circuit_mb(s, rows, tokens)
         curve = curve if cfg.study.faithfulness else 0.0
@@ -300,7 +302,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
         baseline_mb + tokenizer_mb + weights + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
-    plan.mask_mb = mask
+    plan.mask_mb, plan.copy_mb = mask, copy
     if study == "circuit":
         plan.per_prompt_mb, plan.curve_mb = per_prompt, curve
     if study not in TIMED:
@@ -402,7 +404,8 @@ def fitted_passes(plan: Plan, per_pass: int, size: str) -> tuple[int, Plan]:
     predicted peak fits, and the plan with them; one prompt a pass where none does (the budget's refusal
     then names the least it needs: planning.fitted)."""
     held = plan.caches_mb - plan.mask_mb  # a pass's recordings or the curve's
-    least = plan.peak_host_mb - held - plan.working_mb + working_mb(1.0, plan.logits_mb)  # a 1 MB chunk
+    # the least a run holds beside them: a 1 MB chunk
+    least = plan.peak_host_mb - held - plan.working_mb + working_mb(1.0, plan.logits_mb, plan.copy_mb)
     room = budget_mb(size) - least
     fits = int(room // plan.per_prompt_mb) if plan.per_prompt_mb else per_pass
     chosen = max(1, min(per_pass, fits, plan.prompts))
@@ -430,7 +433,7 @@ def fitted(plan: Plan, chunk_mb: float, size: str) -> tuple[float, Plan]:
     """(the chunk, the plan) that keep the budget `size`: the largest chunk (fitted_chunk) with every block's
     weights in memory, else with as few of the last blocks' weights on disk as let a 1 MB chunk fit;
     refused in one line naming the least budget where even all of them on disk do not."""
-    least = working_mb(1.0, plan.logits_mb)
+    least = working_mb(1.0, plan.logits_mb, plan.copy_mb)
     budget = budget_mb(size)
     layers = plan.layers_on_disk
     while (
@@ -443,10 +446,12 @@ def fitted(plan: Plan, chunk_mb: float, size: str) -> tuple[float, Plan]:
     return fitted_chunk(moved, chunk_mb, size), moved
 
 
-def working_mb(chunk_mb: float, logits_mb: float) -> float:
-    """The engine's working memory at `chunk_mb`: WORKING_COPIES chunks, and the readout's logits (chunk_mb
-    of them, one prompt's `logits_mb` at least) with their log-softmax and its exponent."""
-    return WORKING_COPIES * chunk_mb + 3 * max(chunk_mb, logits_mb)
+def working_mb(chunk_mb: float, logits_mb: float, copy_mb: float = 0.0) -> float:
+    """The engine's working memory at `chunk_mb`: WORKING_COPIES chunks (one copy of the prompts at least,
+    `copy_mb` of a block's widest activation, however small the chunk: a long document's exceeds it), and
+    the readout's logits (chunk_mb of them, one prompt's `logits_mb` at least) with their log-softmax and its
+    exponent."""
+    return WORKING_COPIES * max(chunk_mb, copy_mb) + 3 * max(chunk_mb, logits_mb)
 
 
 def budget_mb(size: str) -> float:
@@ -459,18 +464,18 @@ def fitted_chunk(plan: Plan, chunk_mb: float, size: str) -> float:
     refused in one line, naming the least budget the run needs, where even a 1 MB chunk does not fit."""
     fixed = plan.peak_host_mb - plan.working_mb
     room = budget_mb(size) - fixed
-    if room < working_mb(1.0, plan.logits_mb):
-        need = fixed + working_mb(1.0, plan.logits_mb)
+    if room < working_mb(1.0, plan.logits_mb, plan.copy_mb):
+        need = fixed + working_mb(1.0, plan.logits_mb, plan.copy_mb)
         raise UsageError(
             f"engine.max_memory={size}: this run needs at least {need:,.0f}MB (weights {plan.weights_mb:,.0f}, "
             f"caches {plan.caches_mb:,.0f}, this process {plan.baseline_mb + plan.tokenizer_mb:,.0f}): headlab plan"
         )
     low, high = 1.0, chunk_mb
-    if working_mb(high, plan.logits_mb) <= room:
+    if working_mb(high, plan.logits_mb, plan.copy_mb) <= room:
         return high
     for _ in range(30):  # working_mb grows with the chunk: bisect
         middle = (low + high) / 2
-        low, high = (middle, high) if working_mb(middle, plan.logits_mb) <= room else (low, middle)
+        low, high = (middle, high) if working_mb(middle, plan.logits_mb, plan.copy_mb) <= room else (low, middle)
     return low
 
 

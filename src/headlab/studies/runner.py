@@ -112,7 +112,7 @@ def within_budget(cfg: Config) -> dict:
         passes = {"prompts_per_pass": cfg.study.prompts_per_pass}
     chunk, plan = fitted(plan, cfg.engine.chunk_mb, budget)
     cfg.engine.chunk_mb, cfg.model.layers_on_disk = chunk, plan.layers_on_disk
-    peak = plan.peak_host_mb - plan.working_mb + working_mb(chunk, plan.logits_mb)
+    peak = plan.peak_host_mb - plan.working_mb + working_mb(chunk, plan.logits_mb, plan.copy_mb)
     return {
         "max_memory": budget,
         "chunk_mb": round(chunk, 2),
