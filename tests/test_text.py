@@ -160,9 +160,15 @@ def test_padding_does_not_change_a_documents_loss(tiny_hf_dir, tmp_path):
     torch.testing.assert_close(in_batch, alone, atol=1e-5, rtol=0)
 
 
-def test_a_document_whose_logits_exceed_the_chunk_is_read_a_slice_of_positions_at_a_time(tiny_hf_dir, corpus):
-    """One prompt's logits (23 positions x GPT-2's 50,257 tokens: 4.4 MB) above a 1 MB chunk: its read positions
-    go through the readout 5 at a time, the loss sums and counts added up, equal to the whole document's."""
+def test_a_document_whose_logits_exceed_the_chunk_is_read_a_slice_of_positions_at_a_time(
+    tiny_hf_dir, corpus, monkeypatch
+):
+    """One prompt's logits (23 positions x GPT-2's 50,257 tokens: 4.4 MB) above a 1 MB chunk and slice: its read
+    positions go through the readout 5 at a time, the loss sums and counts added up, equal to the whole
+    document's."""
+    from headlab.interventions import readout
+
+    monkeypatch.setattr(readout, "POSITION_SLICE_MB", 1.0)
     model = load_hf(str(tiny_hf_dir("llama")), tokenizer=str(GPT2_TOKENIZER))
     task = headlab.load_task("text", path=str(corpus), seq_len=SEQ_LEN)
     data = task.build(0, seed=0, model=model)

@@ -379,11 +379,13 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
 def reads_at_once(task: Any, data: Any, vocab: int, chunk_mb: float) -> int:
     """How many of a prompt's read positions a readout holds the logits of at once: all of them, or, where the
     task's quantities are sums over its positions (Task.at_positions: next-token loss), as many as chunk_mb
-    of logits holds (readout.in_position_slices)."""
+    of logits holds, POSITION_SLICE_MB at least (readout.in_position_slices)."""
+    from .interventions.readout import POSITION_SLICE_MB
+
     positions = data.positions.shape[1]
     if task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
         return positions
-    return min(positions, max(1, int(chunk_mb * MB // (vocab * 4))))
+    return min(positions, max(1, int(max(chunk_mb, POSITION_SLICE_MB) * MB // (vocab * 4))))
 
 
 def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:

@@ -12,10 +12,10 @@ out a slice at a time (`in_slices`), one prompt at least: a task's quantities ar
 quantities are the whole copy's. gemma3-270m's atlas reads its text probe (3 documents of 63 read positions,
 262,144-token vocabulary: 198 MB of float32 logits a copy) one document at a time, 63 MB, and the induction
 probe's repeat loss (25 sequences x 98 reads: 2,450 MB of logits, and as much again for their log-softmax) one
-sequence at a time, 98 MB. Where one prompt's do not fit either (gemma3-270m's 32K-token document: 34 GB) and
-the task's quantities are sums over its read positions (next-token loss: Task.at_positions), its positions
-are read a slice at a time and their quantities summed (`in_position_slices`); other tasks' prompts are
-never split.
+sequence at a time, 98 MB. Where one prompt's exceed POSITION_SLICE_MB too (gemma3-270m's 32K-token document:
+34 GB) and the task's quantities are sums over its read positions (next-token loss: Task.at_positions), its
+positions are read a slice at a time and their quantities summed (`in_position_slices`); other tasks'
+prompts are never split.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ from ..tasks import Task, TaskData
 READOUT_ROWS = 64
 # Logits held at once by a readout given no budget of its own (engine.chunk_mb's default)
 CHUNK_MB = 32.0
+# A long prompt's positions are read out in slices of at least this many MB of logits (in_position_slices):
+# each slice reads the whole unembedding (671 MB on gemma3-270m), so smaller slices would read it more often
+# than the logits they save are worth; a prompt whose logits fit in one slice is never split
+POSITION_SLICE_MB = 256.0
 
 
 def copies_per_readout(model: HookedModel, data: TaskData, positions: int, h: Tensor, chunk_mb: float) -> int:
@@ -80,11 +84,11 @@ def in_position_slices(
     chunk_mb: float,
 ) -> Float[Tensor, "n Q"] | None:
     """The quantities [n, Q] one prompt at a time, as many of its read positions at a time as have `chunk_mb`
-    of logits, the slices' quantities summed, where one prompt's logits exceed `chunk_mb` and the task's
-    quantities are sums over its read positions (Task.at_positions: a long document's next-token loss);
-    None where they fit, or the task reads a prompt's positions together."""
+    of logits (POSITION_SLICE_MB at least), the slices' quantities summed, where one prompt's logits exceed
+    that and the task's quantities are sums over its read positions (Task.at_positions: a long document's
+    next-token loss); None where they fit, or the task reads a prompt's positions together."""
     positions = read.shape[1]
-    per = max(1, int(chunk_mb * 2**20 // (model.vocab_size * h.element_size())))
+    per = max(1, int(max(chunk_mb, POSITION_SLICE_MB) * 2**20 // (model.vocab_size * h.element_size())))
     if per >= positions or task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
         return None
     prompts = []
