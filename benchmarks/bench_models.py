@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from headlab.flops import block_flops
 from headlab.models.hf import load_hf
-from headlab.planning import block_flops, shape_of_config
+from headlab.planning import shape_of_config
 from headlab.tasks import Task, TaskData, mean_of
 from tl_configs import tl_gpt2_config, tl_llama_config
 
@@ -233,7 +234,7 @@ def ablation_work_ratio(config: Any, prompts: int, tokens: int) -> float:
 
 def forward_flops(config: Any, prompts: int, tokens: int, read_positions: int = 1) -> dict[str, float]:
     """The matrix-product FLOPs of one forward pass over `prompts` rows of `tokens` tokens, from the model's
-    shapes (a Hugging Face config; headlab's plan counts them, planning.block_flops): every layer at every
+    shapes (a Hugging Face config; headlab's plan counts them, flops.block_flops): every layer at every
     position (q, k, v and output projections, the attention scores and their weighted sum over the causal
     keys a query sees, within the sliding window on sliding layers, the MLP's projections) and the
     unembedding at `read_positions` positions a row (what the metric reads). Norms, rotary tables, softmax

@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import headlab
 from conftest import error_line, run_headlab
 from headlab import planning
-from headlab.planning import circuit_gflop, shape_of_model, sweep_gflop, working_mb
+from headlab.flops import circuit_gflop, sweep_gflop
+from headlab.planning import shape_of_model, working_mb
 from headlab.studies.context import EVAL_SEED_OFFSET
 
 
