@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..compare import class_row
 from .readme_tables import Numbers, fmt, get, ioi_model
 
 # the layers of Wang et al.'s GPT-2 small, whose heads the numbers files list by the paper's names
@@ -29,9 +30,15 @@ def paragraph(text: str, width: int = 110) -> str:
     return "\n".join(lines)
 
 
+def _heads(heads: Any) -> list[tuple[int, int]]:
+    """(layer, head) of heads named "layer.head"."""
+    named = [h.split(".") for h in heads or [] if isinstance(h, str)]
+    return [(int(p[0]), int(p[1])) for p in named if len(p) == 2 and p[0].isdigit() and p[1].isdigit()]
+
+
 def _layers(heads: Any) -> list[int]:
     """The layers of heads named "layer.head"."""
-    return [int(h.split(".")[0]) for h in heads or [] if isinstance(h, str) and h.split(".")[0].isdigit()]
+    return [layer for layer, _ in _heads(heads)]
 
 
 def _span(layers: list[int]) -> str:
@@ -97,7 +104,7 @@ def _depths(n: Numbers) -> dict[str, float]:
     found, n_layers = get(n, "head_classes.found") or {}, n.get("n_layers")
     if not isinstance(n_layers, int) or n_layers < 2:
         return {}
-    return {cls: sum(ls) / len(ls) / (n_layers - 1) for cls in DEPTH_ORDER if (ls := _layers(found.get(cls)))}
+    return {cls: class_row(heads, n_layers)["depth"] for cls in DEPTH_ORDER if (heads := _heads(found.get(cls)))}
 
 
 def _class_share(n: Numbers) -> float:
