@@ -238,15 +238,13 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
 
 
 def reads_at_once(task: Any, data: Any, vocab: int, chunk_mb: float) -> int:
-    """How many of a prompt's read positions a readout holds the logits of at once: all of them, or, where the
-    task's quantities are sums over its positions (Task.at_positions: next-token loss), as many as chunk_mb
-    of logits holds, POSITION_SLICE_MB at least (readout.in_position_slices)."""
-    from .interventions.readout import POSITION_SLICE_MB
+    """How many of a prompt's read positions a readout holds the logits of at once: all of them, or a slice
+    where the readout takes them a slice at a time (readout.position_slice)."""
+    from .interventions.readout import position_slice
 
     positions = data.positions.shape[1]
-    if task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
-        return positions
-    return min(positions, max(1, int(max(chunk_mb, POSITION_SLICE_MB) * MB // (vocab * 4))))
+    per = position_slice(task, data, positions, vocab, 4, chunk_mb)  # float32 logits
+    return positions if per is None else per
 
 
 def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:

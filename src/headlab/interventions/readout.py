@@ -75,6 +75,18 @@ def in_slices(
     return torch.cat(parts)
 
 
+def position_slice(
+    task: Task, data: TaskData, positions: int, vocab: int, itemsize: int, chunk_mb: float
+) -> int | None:
+    """How many of a prompt's `positions` read positions one readout takes where its logits are read a slice
+    at a time: as many as have `chunk_mb` of logits, POSITION_SLICE_MB at least; None where they are read
+    together (they fit in one slice, or the task's quantities are not sums over positions: Task.at_positions)."""
+    per = max(1, int(max(chunk_mb, POSITION_SLICE_MB) * 2**20 // (vocab * itemsize)))
+    if per >= positions or task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
+        return None
+    return per
+
+
 def in_position_slices(
     model: HookedModel,
     task: Task,
@@ -88,8 +100,8 @@ def in_position_slices(
     that and the task's quantities are sums over its read positions (Task.at_positions: a long document's
     next-token loss); None where they fit, or the task reads a prompt's positions together."""
     positions = read.shape[1]
-    per = max(1, int(max(chunk_mb, POSITION_SLICE_MB) * 2**20 // (model.vocab_size * h.element_size())))
-    if per >= positions or task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
+    per = position_slice(task, data, positions, model.vocab_size, h.element_size(), chunk_mb)
+    if per is None:
         return None
     prompts = []
     for i in range(data.n):
