@@ -278,6 +278,7 @@ def test_the_study_yaml_holds_the_options_defaults():
 def test_the_atlas_numbers_hold_each_class_strongest_first_and_render_its_table(tmp_path):
     from headlab.figures import FIGURES
     from headlab.report.readme_tables import atlas_classes
+    from headlab.studies.atlas import ranked
 
     rows = pd.DataFrame(
         [
@@ -288,7 +289,7 @@ def test_the_atlas_numbers_hold_each_class_strongest_first_and_render_its_table(
             dict(layer=1, head=1, metric="ioi_logit_diff_change", value=-2.0, ci_low=-3, ci_high=-1, clean=3.0),
         ]
     )
-    table = labelled(rows, rules()).assign(model="m", intervention="none")
+    table = ranked(labelled(rows, rules())).assign(model="m", intervention="none")  # ranked as the atlas ranks
     numbers = FIGURES["atlas"](table, tmp_path)
     assert (tmp_path / "atlas_classes.png").is_file()
     model = numbers["models"]["m"]

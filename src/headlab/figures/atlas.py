@@ -2,8 +2,8 @@
 
   atlas_classes.png   each class's share of the model's heads, one bar per model
 Numbers: per model its layers and heads, and per class (label) the metric its rule reads and every head it
-labels with that metric's value, strongest first (the ablation effects by magnitude), so the docs table
-is rendered from them.
+labels with that metric's value, strongest first by the atlas's own `rank` (the ablation effects by
+magnitude), so the docs table is rendered from them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import pandas as pd
 from ..tables import head_name
 from .canvas import pyplot, save
 
-BY_MAGNITUDE = ("ioi_logit_diff_change", "text_loss_increase")  # as the atlas ranks them
-
 
 def classes(table: pd.DataFrame) -> dict:
     """{model: {"n_layers", "n_heads", "classes": {label: {"metric", "heads": [[name, value], ...]}}}}."""
@@ -26,8 +24,7 @@ def classes(table: pd.DataFrame) -> dict:
         labelled = rows[rows["label"].notna() & (rows["label"] != "")]
         found: dict = {}
         for label, group in labelled.groupby("label", sort=False):
-            key = group["value"].abs() if group["metric"].iloc[0] in BY_MAGNITUDE else group["value"]
-            group = group.assign(key=key).sort_values(["key", "layer", "head"], ascending=[False, True, True])
+            group = group.sort_values(["rank", "layer", "head"])  # the atlas's rank: 1 the strongest
             found[str(label)] = {
                 "metric": str(group["metric"].iloc[0]),
                 "heads": [[head_name(r.layer, r.head), round(float(r.value), 4)] for r in group.itertuples()],
