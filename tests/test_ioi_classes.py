@@ -202,6 +202,23 @@ def test_path_patching_at_one_position_into_each_query_head_equals_plain_torch(l
     assert (expected - clean[:, 0]).abs().max() > 1e-5
 
 
+@pytest.mark.parametrize("chunk_mb", [32.0, 1e-3])  # every sender in one chunk; one sender a chunk
+@pytest.mark.parametrize(("role", "receivers", "site"), [("S1+1", "2.0 1.1", "k"), ("END", "logits", None)])
+def test_senders_of_every_layer_run_together_equal_each_by_hand(llama, role, receivers, site, chunk_mb):
+    # one call stacks the senders of layers 0..2 (pass A's staircase, pass B grouped by the first receiver
+    # layer each hears: 1 for layer 0, 2 for layer 1, none for layer 2 into these receivers)
+    model, module, task, data = llama
+    senders = [(l, h) for l in range(3) for h in range(model.n_heads)]
+    ivs = [Intervention("path_patch", "path", l, h, token=role, site=site, receivers=receivers) for l, h in senders]
+    clean, got = path_patch(model, task, data, ivs, chunk_mb=chunk_mb)
+    heads = [] if receivers == "logits" else [tuple(map(int, r.split("."))) for r in receivers.split()]
+    with torch.no_grad():
+        for sender, quantities in zip(senders, got):
+            hearing = [r for r in heads if r[0] > sender[0]]
+            expected = _by_hand(module, data, sender, role, hearing, site) if hearing or not site else clean[:, 0]
+            torch.testing.assert_close(quantities[:, 0], expected, atol=1e-7, rtol=0)
+
+
 def test_the_group_of_a_key_value_head_receives_more_than_one_of_its_query_heads(llama):
     model, _, task, data = llama
     ivs = [Intervention("path_patch", "path", 0, 1, token="S2", site="v", receivers=r) for r in ("1.2", "1.2 1.3")]

@@ -34,7 +34,10 @@ Exploited for speed, exactly: with every head of layers l.. frozen, pass A chang
 the sender's position only, so it runs on that position alone (after the clean keys and values of the
 positions before it) on the families whose blocks run on a suffix of positions (HookedModel.runs_suffixes),
 prompts grouped by where the role and their last read position sit; pass B runs from that position on,
-to the last one read.
+to the last one read. Senders of every layer run stacked: in pass A a sender's copy joins the batch at its
+own layer (a staircase: each layer runs once for every sender below it), and pass B runs together the
+senders whose first downstream receiver layer is the same (tests/test_ioi_classes.py holds every sender of
+a stack to Wang et al.'s two passes written out in torch).
 
 `held`: heads whose z is held at a value at one position per prompt in every pass (the clean run, the
 reference run, both passes): a knockout, as the paper's backup name movers need (its name movers
@@ -123,22 +126,16 @@ def run_path(
     work = []
     for (receivers, site, _, _), idx in _groups(senders).items():
         for part in _parts(model, data, sources, senders[idx[0]], receivers != LOGITS):
-            by_layer: dict[int, list[int]] = defaultdict(list)
-            for i in idx:
-                by_layer[senders[i].layer].append(i)  # type: ignore[index]
+            ids = sorted(idx, key=lambda i: senders[i].layer)  # type: ignore[arg-type,return-value]
             per_chunk = chunk_size(model, part.b, chunk_mb, _length(part.b.inputs) - part.start)
-            chunks = [
-                (l, ids[s : s + per_chunk])
-                for l, ids in sorted(by_layer.items())
-                for s in range(0, len(ids), per_chunk)
-            ]
+            chunks = [ids[s : s + per_chunk] for s in range(0, len(ids), per_chunk)]
             work.append((part, receivers, site, chunks))
     with progress_bar("path patching", total=sum(len(w[3]) for w in work), enabled=show_progress) as bar:
         done = 0
         for part, receivers, site, chunks in work:
             run = _Run(model, task, sources, part, receivers, site, held, chunk_mb)
-            for layer, ids in chunks:
-                run.chunk(layer, ids, [senders[i].head for i in ids])  # type: ignore[misc]
+            for ids in chunks:
+                run.chunk(ids, [(senders[i].layer, senders[i].head) for i in ids])  # type: ignore[misc]
                 done += 1
                 bar.update(done)
             for i, quantities in run.results().items():
@@ -247,53 +244,81 @@ class _Run:
         values, _ = self.sources.value(Source.reference, Site.z, layer)
         return values[self.reference_rows][:, self.part.start : _length(self.part.a.inputs)]
 
-    def chunk(self, layer: int, ids: list[int], sender_heads: list[int]) -> None:
-        model, g, start = self.model, len(ids), self.part.start
-        downstream = {l: hs for l, hs in self.heads.items() if l > layer}
-        if self.idle or (self.heads and not downstream):
+    def chunk(self, ids: list[int], sender_heads: list[tuple[int, int]]) -> None:
+        """Senders `ids` (their (layer, head), in layer order) through both passes, stacked across layers.
+
+        Pass A climbs a staircase: a sender's copy joins the batch at its own layer (the clean stream
+        there), so every layer runs once for all the senders below it, not once per sender layer. Pass B
+        runs the senders that share their first downstream receiver layer together from there."""
+        model, start = self.model, self.part.start
+        # the first receiver layer each sender reaches (n_layers: none, it reads the clean quantities)
+        first_heard = [min((r for r in self.heads if r > l), default=model.n_layers) for l, _ in sender_heads]
+        if self.heads:
+            self.fixed.update({i: self.clean for i, f in zip(ids, first_heard) if f == model.n_layers})
+            keep = [j for j, f in enumerate(first_heard) if f < model.n_layers]
+            ids, sender_heads, first_heard = (
+                [ids[j] for j in keep],
+                [sender_heads[j] for j in keep],
+                [first_heard[j] for j in keep],
+            )
+        if self.idle or not ids:
             self.fixed.update({i: self.clean for i in ids})
             return
-        read = (self.part.b.positions.to(self.trace_b.resid_final.device) - start).repeat(g, 1)
-        h = self.trace_a.resid_pre[layer].repeat(g, 1, 1)
-        stop = max(downstream) + 1 if downstream else model.n_layers
+        layers = [l for l, _ in sender_heads]
+        stop = max(l for l in self.heads if l > layers[0]) + 1 if self.heads else model.n_layers
+        read = self.part.b.positions.to(self.trace_b.resid_final.device) - start
         recorded: dict[int, Tensor] = {}
         clean_z = self.trace_a.z
         assert clean_z is not None  # kept by the trace
-        for l in range(layer, stop):
-            fns: dict[str, Hook] = {Site.z: _frozen(clean_z[l], g)}
-            if l == layer:
-                fns[Site.z] = _sent(clean_z[l], g, self.reference(layer), sender_heads, self.pos)
-            if l in downstream:
+        h: Tensor | None = None
+        for l in range(layers[0], stop):
+            joining = [head for layer, head in sender_heads if layer == l]
+            if joining:
+                fresh = self.trace_a.resid_pre[l].repeat(len(joining), 1, 1)
+                h = fresh if h is None else torch.cat([h, fresh])
+            assert h is not None
+            g = h.shape[0] // self.part.a.n
+            reference = self.reference(l) if joining else None
+            fns: dict[str, Hook] = {Site.z: _sent(clean_z[l], g, reference, joining, self.pos)}
+            if l in self.heads:
                 fns[self.site] = _keep(recorded, l, self.pos)  # type: ignore[index]
-            replay = model.sites.replays and l not in downstream
+            replay = model.sites.replays and l not in self.heads
+            last = not self.heads and l == model.n_layers - 1
             with model.hooks(l, **fns):
                 h = model.run_blocks(
                     h,
                     l,
                     self.trace_a,
                     copies=g,
-                    read=None if downstream or l < model.n_layers - 1 else read,
+                    read=read.repeat(g, 1) if last else None,
                     stop=l + 1,
                     from_position=start,
                     replay=replay,
                 )
-        if downstream:
-            first = min(downstream)
+        assert h is not None
+        if not self.heads:
+            self.readouts.add(ids, h, read.repeat(len(ids), 1))
+            return
+        n = self.part.b.n
+        for first in sorted(set(first_heard)):
+            rows = [j for j, f in enumerate(first_heard) if f == first]
+            a, b, g = rows[0], rows[-1] + 1, len(rows)
             with ExitStack() as stack:
-                for l, heads in downstream.items():
-                    stack.enter_context(model.hooks(l, **self.entries(recorded[l], heads)))
+                for l, heads in self.heads.items():
+                    if l >= first:
+                        stack.enter_context(model.hooks(l, **self.entries(recorded[l][a * n : b * n], heads)))
                 stack.enter_context(
                     holding(model, [x for x in self.held if x.layer >= first], self.part.rows, g, start)
                 )
-                h = model.run_blocks(
+                out = model.run_blocks(
                     self.trace_b.resid_pre[first].repeat(g, 1, 1),
                     first,
                     self.trace_b,
                     copies=g,
-                    read=read,
+                    read=read.repeat(g, 1),
                     from_position=start,
                 )
-        self.readouts.add(ids, h, read)
+            self.readouts.add(ids[a:b], out, read.repeat(g, 1))
 
     def entries(self, recorded: Tensor, heads: list[int]) -> dict[str, Hook]:
         """Hooks that hand receivers `heads` their input recorded in pass A (k and v: one copy per query
@@ -318,17 +343,15 @@ class _Run:
         return {**self.readouts.results, **self.fixed}
 
 
-def _frozen(clean: Tensor, copies: int) -> Hook:
-    return lambda z: clean.repeat(copies, *([1] * (clean.dim() - 1)))
-
-
-def _sent(clean: Tensor, copies: int, reference: Tensor, heads: list[int], pos: int | slice) -> Hook:
-    """Copy c: every head's clean z, head heads[c]'s from the reference run at `pos`."""
+def _sent(clean: Tensor, copies: int, reference: Tensor | None, heads: list[int], pos: int | slice) -> Hook:
+    """Every copy's z is the clean z, but the last len(heads) copies': copy c of those has head heads[c]'s
+    from the reference run at `pos`."""
 
     def hook(z: Tensor) -> Tensor:
         out = clean.repeat(copies, 1, 1, 1)
         stacked = out.unflatten(0, (copies, clean.shape[0]))
-        for c, head in enumerate(heads):
+        for c, head in enumerate(heads, start=copies - len(heads)):
+            assert reference is not None
             stacked[c, :, pos, head] = reference[:, pos, head]
         return out
 
