@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import headlab
 from conftest import error_line, run_headlab
 from headlab import planning
+from headlab.flops import block_flops as planning_block
 from headlab.flops import circuit_gflop, sweep_gflop
 from headlab.planning import shape_of_model, working_mb
 from headlab.studies.context import EVAL_SEED_OFFSET
@@ -84,7 +85,20 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     senders = 1 + shape.n_layers * (shape.n_heads + 1)
     assert meta["plan"]["caches_mb"] > senders * 8 * meta["plan"]["tokens"] * shape.d_model * 4 / 2**20
     attributed = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=none", "patch=attribution")
-    assert attributed.seconds is None and "attribution patching" in attributed.note
+    assert attributed.seconds is not None and attributed.seconds > 0
+
+
+def test_attribution_patchings_flops_are_what_it_executes(llama_dir):
+    model = headlab.load_model(str(llama_dir))
+    task = headlab.load_task("ioi", n_prompts=40)  # two passes of PROMPTS_PER_PASS prompts
+    # torch's profiler: FlopCounterMode cannot sit under autograd.grad
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+        headlab.sweep(model, task, ablate="none", patch="attribution", n_boot=0)
+    executed = sum(e.flops for e in prof.key_averages()) / 1e9
+    overrides = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=40", "ablate=none")
+    cfg = headlab.compose(*overrides, "patch=attribution")
+    _, gflop = sweep_gflop(cfg, shape_of_model(model), task.build(40, EVAL_SEED_OFFSET, model))
+    assert 0.85 < gflop / executed < 1.2, gflop / executed
 
 
 @pytest.mark.parametrize("method", ["eap", "eap_ig"])
@@ -211,3 +225,30 @@ def test_a_model_with_blocks_on_disk_sweeps_as_in_memory_and_its_copies_go_with_
     gc.collect()
     assert named.is_dir()  # a folder the caller named stays theirs
     shutil.rmtree(named)
+
+
+@pytest.mark.parametrize(("role", "receivers", "site"), [("S1+1", "2.0 2.3", "k"), ("END", "logits", None)])
+def test_a_path_patching_rounds_flops_are_what_it_executes(llama_dir, role, receivers, site):
+    from headlab.analysis.ioi_classes import with_s1_next
+    from headlab.flops import path_round_flops
+    from headlab.interventions.path import path_patch
+    from headlab.interventions.plan import Intervention
+
+    model = headlab.load_model(str(llama_dir))
+    task = headlab.load_task("ioi")
+    data = with_s1_next(task.build(8, seed=1, model=model))
+    layer = None if receivers == "logits" else 2
+    senders = [
+        Intervention("path_patch", "path", l, h, token=role, site=site, receivers=receivers)
+        for l in range(model.n_layers if layer is None else layer)
+        for h in range(model.n_heads)
+    ]
+    with FlopCounterMode(display=False) as counter:
+        path_patch(model, task, data, senders)
+    # path_patch's own clean run and reference run besides the round: a forward pass each, read out
+    rows, tokens = data.inputs["input_ids"].shape
+    s = shape_of_model(model)
+    runs = 2 * sum(sum(planning_block(s, rows, tokens, l)) for l in range(s.n_layers))
+    last = data.positions.max(1).values
+    counted = path_round_flops(s, data.token_positions[role], last, layer) + runs
+    assert 0.85 < counted / counter.get_total_flops() < 1.2, counted / counter.get_total_flops()

@@ -43,22 +43,23 @@ def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, fl
     return rows * tokens * per_token, rows * 4 * s.n_heads * s.d_head * pairs
 
 
-def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float | None]:
+def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float]:
     """(interventions, GFLOP) of study=sweep's stacked passes over the prompts `data` (TaskData): each
     intervention runs the blocks from its layer on (the clean run all of them), each group of prompts of like
     length through its own longest (interventions/lengths.py, as the engine runs them), and reads the logits
     at the read positions; path patching (every prompt whole, as interventions/path.py runs a sweep's
-    senders) its two passes (path_flops). None where the sweep attributes (no time model yet)."""
+    senders) its two passes (path_flops); attribution patching's passes (attribution_gflop)."""
     from .interventions.lengths import groups
     from .interventions.plan import plan
-    from .vocabulary import Method
+    from .vocabulary import Kind, Method
 
     ones = {layer: [1.0] * s.n_heads for layer in range(s.n_layers)}  # the uniform sweep's scales: shapes only
     interventions = plan(cfg, s.n_layers, s.n_heads, ones, {})
-    if any(iv.method == Method.attribution for iv in interventions):
-        return len(interventions), None
+    attributed = [iv for iv in interventions if iv.method == Method.attribution]
     paths = [iv for iv in interventions if iv.method == Method.path]
-    others = [iv for iv in interventions if iv.method != Method.path]
+    others = [iv for iv in interventions if iv.method not in (Method.path, Method.attribution)]
+    if attributed and all(iv.intervention == Kind.none for iv in others):  # the clean run: the estimate's own
+        others = []
     rows, tokens = data.inputs["input_ids"].shape
     reads = data.positions.shape[1]
     grouped = groups(data, others)
@@ -72,6 +73,8 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float | None]:
     if paths:  # path_patch's clean run and a trace of the senders' prompts, each read out, then the senders
         logits = rows * reads * 2 * s.d_model * s.vocab
         total += 2 * (sum(blocks) + logits) + sum(path_flops(iv, blocks, logits) for iv in paths)
+    if attributed:
+        total += attribution_gflop(s, data, attributed) * 1e9
     methods = {iv.method for iv in interventions}
     if data.reference is not None and methods & {Method.mean, Method.resample, Method.path}:
         ref_rows, ref_tokens = data.reference["input_ids"].shape  # the values taken: a run of the reference set
@@ -79,6 +82,26 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float | None]:
     if data.counterfactual is not None and Method.activation in methods:
         total += sum(blocks)  # the counterfactual run
     return len(interventions), total / 1e9
+
+
+def attribution_gflop(s: Shape, data: Any, interventions: list) -> float:
+    """GFLOP of attribution patching (interventions/attribution_patching.py) over the prompts `data`, a pass
+    of PROMPTS_PER_PASS prompts at a time: a forward pass of the counterfactual prompts per site attributed,
+    the clean trace and its logits, and a block at a time its forward pass again and its backward pass to
+    the block's input (the weights frozen: a forward's products again). Where the task names no vocabulary
+    rows for its quantity (Task.vocab_rows), the gradient also goes back through the whole unembedding: a
+    second readout's products, not counted here."""
+    from .interventions.attribution_patching import PROMPTS_PER_PASS
+    from .vocabulary import Site
+
+    sites = len({iv.site or Site.z for iv in interventions})
+    rows, tokens = data.inputs["input_ids"].shape
+    total = 0.0
+    for first in range(0, rows, PROMPTS_PER_PASS):
+        n = min(PROMPTS_PER_PASS, rows - first)
+        forward = sum(sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers))
+        total += (sites + 3) * forward + n * data.positions.shape[1] * 2 * s.d_model * s.vocab
+    return total / 1e9
 
 
 def path_flops(iv: Any, blocks: list[float], logits: float) -> float:
@@ -151,3 +174,59 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     )
     faithfulness = sum(curve(*size(part)) for _, part in parts(data)) if curve_circuits else 0.0
     return scoring / 1e9, faithfulness / 1e9
+
+
+def positions_flops(s: Shape, rows: int, first: int, last: int, layer: int) -> float:
+    """FLOPs of block `layer` over positions first..last of `rows` prompts, each attending to every key
+    before it (a suffix after clean prefix keys, as path patching runs)."""
+    return sum(block_flops(s, rows, last + 1, layer)) - sum(block_flops(s, rows, first, layer))
+
+
+def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None, to_heads: bool = True) -> float:
+    """FLOPs of one path-patching round as interventions/path.py runs it, every head before the receivers'
+    layer a sender (the logits: every head), prompts grouped by their round position `at` [n] and last read
+    position `last` [n]: per group its two clean traces, and per sender pass A from its layer at the round's
+    position alone (through the receivers' layer; into the logits, to the last and read out) and pass B from
+    the receivers' layer over the positions from the round's to the last read one."""
+    groups: dict[tuple[int, int], int] = {}
+    for a, b in zip(at.tolist(), last.tolist()):
+        groups[(a, b)] = groups.get((a, b), 0) + 1
+    stop = s.n_layers if receiver_layer is None else receiver_layer + 1
+    senders = s.n_layers if receiver_layer is None else receiver_layer
+    total = 0.0
+    for (a, b), rows in groups.items():
+        total += sum(
+            sum(block_flops(s, rows, a + 1, l)) + sum(block_flops(s, rows, b + 1, l)) for l in range(s.n_layers)
+        )
+        one = [positions_flops(s, rows, a, a, l) for l in range(s.n_layers)]
+        suffix = [positions_flops(s, rows, a, b, l) for l in range(s.n_layers)]
+        for layer in range(senders):
+            pass_a = sum(one[layer:stop])
+            pass_b = sum(suffix[receiver_layer:]) if receiver_layer is not None and to_heads else 0.0
+            total += s.n_heads * (pass_a + pass_b + rows * 2 * s.d_model * s.vocab)
+    return total
+
+
+def ioi_classes_gflop(s: Shape, data: Any, n_seq: int = 100, seq_len: int = 20) -> tuple[float, float]:
+    """(GFLOP of study=ioi_classes over the IOI prompts `data`, of which the rounds into receiver heads):
+    the head scores (repeated random sequences, a forward pass of the prompts for the scores and one for the
+    role attention, and every head's copy score: its value at IO read out through the whole vocabulary,
+    twice), and the five path-patching rounds, each with a clean and a reference run of the prompts and
+    every sender's logits (io_prob reads the whole vocabulary). The q, v and k
+    rounds' receivers are the classes the earlier rounds find, unknown before the run: each is counted with
+    its receivers at the one layer that costs most (analysis/ioi_classes.py ROUNDS: q at END, v at S2, k at
+    S1+1); receivers found over several layers cost somewhat more (pass A to the last, pass B from the
+    first)."""
+    roles = data.token_positions
+    rows, tokens = data.inputs["input_ids"].shape
+    last = data.positions.max(1).values
+    forward = lambda n, t: sum(sum(block_flops(s, n, t, l)) for l in range(s.n_layers))  # noqa: E731
+    scores = forward(n_seq, 2 * seq_len + 1) + 2 * forward(rows, tokens)
+    scores += 2 * s.n_layers * s.n_heads * rows * 2 * s.d_model * s.vocab
+    runs = 5 * 2 * forward(rows, tokens)  # each round's clean run and its senders' reference run
+    logits = 2 * path_round_flops(s, roles["END"], last, None)  # into the logits, again with the knockout
+    heads = sum(
+        max(path_round_flops(s, roles[role] + shift, last, layer) for layer in range(1, s.n_layers))
+        for role, shift in (("END", 0), ("S2", 0), ("S1", 1))
+    )
+    return (scores + runs + logits + heads) / 1e9, heads / 1e9

@@ -22,7 +22,10 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
             model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG): its scoring's
             and its faithfulness curve's FLOPs (flops.circuit_gflop) at SCORING_EFFICIENCY and CURVE_EFFICIENCY of
-            that rate, plus loading. Other studies and methods: no time model yet, said so.
+            that rate, plus loading; study=ioi_classes: its head scores' and five path-patching rounds'
+            FLOPs (flops.ioi_classes_gflop: the rounds into receiver heads at their costliest layer, since the
+            classes the earlier rounds find are unknown before the run) at IOI_CLASSES_EFFICIENCY of that
+            rate, plus loading. Other studies and methods: no time model yet, said so.
 Every sweep and circuit run writes its plan beside what it measured (meta.json `plan`, `measured`), so each
 run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
 """
@@ -39,7 +42,7 @@ import torch
 
 from .config import Config, option
 from .errors import HeadlabError, UsageError
-from .flops import Shape, circuit_gflop, matmul_gflops, sweep_gflop
+from .flops import Shape, circuit_gflop, ioi_classes_gflop, matmul_gflops, sweep_gflop
 from .models.families import family_of
 
 MB = 2**20
@@ -55,8 +58,12 @@ TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-
 # gemma3-270m's on 16 IOI prompts at 2 threads (scoring 0.59 and 0.46, the curve 0.58 and 0.33: gemma's
 # curve is its forward passes, on 4 wide heads, smollm2's half the senders' sums)
 SCORING_EFFICIENCY, CURVE_EFFICIENCY = 0.52, 0.43
-TIMED = ("sweep", "circuit")  # the studies with a time model
-PLANNED = ("sweep", "circuit")  # the studies whose runs write their plan beside what they measured
+# the share of the measured matmul rate study=ioi_classes keeps on a CPU in flops.ioi_classes_gflop's count
+# (its receiver rounds counted with their receivers at the costliest single layer: receivers the run finds
+# over several layers cost somewhat more), smollm2-135m's 64 IOI prompts at 2 threads
+IOI_CLASSES_EFFICIENCY = 0.8
+TIMED = ("sweep", "circuit", "ioi_classes")  # the studies with a time model
+PLANNED = TIMED  # the studies whose runs write their plan beside what they measured
 
 
 @dataclass
@@ -215,6 +222,13 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         held = "EAP / EAP-IG's recordings and the faithfulness curve's" if study == "circuit" else "a sweep's caches"
         plan.note = f"time: no time model for study={study} yet (memory above: the model and {held})"
         return plan
+    if study == "ioi_classes":
+        plan.gflop, rounds = ioi_classes_gflop(s, data)
+        plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
+        plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
+        plan.efficiency = IOI_CLASSES_EFFICIENCY
+        plan.work = f"the q, v and k rounds ({rounds:,.0f} GFLOP) with their receivers at the costliest layer"
+        return plan
     if study == "circuit":
         split = circuit_gflop(cfg, s, data)
         if split is None:
@@ -228,9 +242,6 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         plan.work = f"scoring {split[0]:,.0f} GFLOP, faithfulness curve {split[1]:,.0f}"
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
-    if plan.gflop is None:
-        plan.note = "time: no time model for attribution patching yet (memory above)"
-        return plan
     plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     plan.work = f"{plan.interventions} interventions"
