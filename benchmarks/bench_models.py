@@ -35,6 +35,8 @@ TOKEN_A, TOKEN_B = 5335, 1757  # the metric: logit[A] - logit[B] at the last pos
 # Llama 3.2 1B's shape (1.24B parameters, tied embeddings), with a short context: TransformerLens allocates an
 # n_ctx x n_ctx causal mask per layer
 LLAMA_1B = dict(layers=16, heads=32, kv_heads=8, d_model=2048, d_mlp=8192, vocab=128256)
+# Llama-3.1-8B's sizes (its embedding and unembedding apart)
+LLAMA_8B = dict(layers=32, heads=32, kv_heads=8, d_model=4096, d_mlp=14336, vocab=128256, tied=False)
 
 
 class LogitDiff(Task):
@@ -108,7 +110,9 @@ def build_hooked_transformer(hf: GPT2LMHeadModel):
     return _raw_weights(cfg, convert_gpt2_weights(hf, cfg))
 
 
-def llama_config(layers: int, heads: int, kv_heads: int, d_model: int, d_mlp: int, vocab: int) -> LlamaConfig:
+def llama_config(
+    layers: int, heads: int, kv_heads: int, d_model: int, d_mlp: int, vocab: int, tied: bool = True
+) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=d_model,
@@ -118,7 +122,7 @@ def llama_config(layers: int, heads: int, kv_heads: int, d_model: int, d_mlp: in
         num_key_value_heads=kv_heads,
         head_dim=d_model // heads,
         max_position_embeddings=2048,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
 
 

@@ -4,7 +4,9 @@ the predicted and measured seconds and peak host memory and their ratios (goal: 
 the machine's load beside them; a case too long for 2 cores (PLAN_ONLY) is planned only, with whether its
 peak fits a machine of MACHINE_GB.
 
-    python benchmarks/plan_accuracy.py [--out docs/benchmarks/plan_accuracy.txt]
+    python benchmarks/plan_accuracy.py [--out docs/benchmarks/plan_accuracy.txt] [--cases NAME ...] [--update]
+
+--update keeps the --out file's lines of the cases not run, and gives the cases run their own load lines.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ CASES = {
         "model=gemma3-270m", "task=text", "task.path=data/alice.txt", "task.seq_len=128", "task.n_prompts=4",
         "ablate=heads",
     ],
+    "smollm2_ioi_attribution": [
+        "model=smollm2-135m", "task=ioi", "task.n_prompts=64", "ablate=none", "patch=attribution",
+    ],
+    # the q, v and k rounds planned with their receivers at the costliest layer; the run finds its own
+    "smollm2_ioi_classes": ["model=smollm2-135m", "study=ioi_classes", "task.n_prompts=64"],
+    "gemma3_ioi_classes": ["model=gemma3-270m", "study=ioi_classes", "task.n_prompts=16"],
     "smollm2_ioi_eap_ig": ["model=smollm2-135m", "task=ioi", "task.n_prompts=16", "circuit=eap_ig"],
     "gemma3_ioi_eap_ig": ["model=gemma3-270m", "task=ioi", "task.n_prompts=16", "circuit=eap_ig"],
     # long prompts: one document of data/devil.txt's entries joined ({long}); its head sweep takes an hour on 2
@@ -41,9 +49,19 @@ CASES = {
         "model=gemma3-270m", "task=text", "task.path={long}", "task.seq_len=32768", "task.n_prompts=1",
         "ablate=heads",
     ],
+    # Llama-3.1-8B's shape in bfloat16 ({llama8b}: its config alone, GPT-2's tokenizer): no such weights here
+    "llama8b_ioi_heads": [
+        "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
+        "task.n_prompts=64", "ablate=heads",
+    ],
+    "llama8b_ioi_eap_ig": [
+        "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
+        "task.n_prompts=64", "circuit=eap_ig",
+    ],
 }  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
-PLAN_ONLY = ("gemma3_text_32k_heads",)  # hours on 2 cores: planned, and whether it fits MACHINE_GB, not run
+# hours on 2 cores, or weights not to be had: planned, and whether it fits MACHINE_GB, not run
+PLAN_ONLY = ("gemma3_text_32k_heads", "llama8b_ioi_heads", "llama8b_ioi_eap_ig")
 MACHINE_GB = 24
 
 
@@ -57,17 +75,34 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the lines here")
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--update", action="store_true", help="replace only the cases run in the --out file")
     args = parser.parse_args(argv)
     lines = [f"cpus: {os.cpu_count()}", f"load_1min_before: {os.getloadavg()[0]:.2f}"]
+    kept: list[str] = []
+    if args.update and args.out and args.out.exists():
+        updated = tuple(f"{c}_" for c in args.cases)
+        kept = [line for line in args.out.read_text().splitlines() if not line.startswith(updated)]
+        lines = []
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         long = root / "long.txt"
         long.write_text(" ".join((ROOT / "src" / "headlab" / "data" / "devil.txt").read_text().split()) + "\n")
+        llama8b = root / "llama-3.1-8b-shape"
+        if any(name.startswith("llama8b") for name in args.cases):
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from bench_models import LLAMA_8B, llama_config
+
+            llama_config(**LLAMA_8B).save_pretrained(llama8b)  # the config alone: the plan reads no weights
+        places = {
+            "{long}": str(long),
+            "{llama8b}": str(llama8b),
+            "{tokenizer}": str(ROOT / "tests" / "data" / "gpt2-tokenizer"),
+        }
         for name in args.cases:
-            overrides = [
-                o.replace("{long}", str(long)) for o in [*CASES[name], "output.n_boot=0", f"output.root={root}"]
-            ]
+            overrides = [*CASES[name], "output.n_boot=0", f"output.root={root}"]
+            for mark, value in places.items():
+                overrides = [o.replace(mark, value) for o in overrides]
             planned = headlab("plan", *overrides, cwd=root)
             if planned.returncode:
                 raise SystemExit(f"{name}: plan failed: {planned.stderr.strip().splitlines()[-1]}")
@@ -83,6 +118,7 @@ def main(argv: list[str]) -> int:
                 lines += said
                 continue
             run_dir = root / name
+            load = os.getloadavg()[0]
             ran = headlab("run", *overrides, f"hydra.run.dir={run_dir}", cwd=root)
             if ran.returncode:
                 raise SystemExit(f"{name}: run failed: {ran.stderr.strip().splitlines()[-1]}")
@@ -101,12 +137,15 @@ def main(argv: list[str]) -> int:
                 f"{name}_peak_host_ratio: {measured['peak_host_ratio']:.2f}",
                 f"{name}_threads: {meta['threads']['threads']}",
             ]
+            if args.update:
+                said += [f"{name}_load_1min_before: {load:.2f}", f"{name}_load_1min_after: {os.getloadavg()[0]:.2f}"]
             print("\n".join(said), flush=True)
             lines += said
-    lines.append(f"load_1min_after: {os.getloadavg()[0]:.2f}")
-    print(lines[-1])
+    if not args.update:
+        lines.append(f"load_1min_after: {os.getloadavg()[0]:.2f}")
+        print(lines[-1])
     if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+        args.out.write_text("\n".join(kept + lines) + "\n")
     return 0
 
 

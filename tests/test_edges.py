@@ -720,6 +720,24 @@ def test_cpr_on_a_bootstrap_resample_is_cpr_measured_on_those_prompts(gpt2_case)
     assert f.cmd_ci[0] <= f.cmd_ci[1]
 
 
+def test_the_curve_holding_a_few_prompts_recordings_at_a_time_measures_what_it_measures_holding_all(gpt2_case):
+    """Evaluator(held=k): the prompts measured k at a time, each slice recorded once for the curve's circuits
+    and again for each bisection step: the same curve, CPR, CMD and smallest circuit."""
+    from headlab.edges import faithfulness
+
+    case, fractions = gpt2_case, (0.1, 0.3, 1.0)
+    whole = faithfulness.measure(case.model, case.task, case.data, case.graph, case.eap, fractions, n_boot=0)
+    held = 2 if case.data.n > 2 else 1
+    sliced = faithfulness.measure(
+        case.model, case.task, case.data, case.graph, case.eap, fractions, n_boot=0, held=held
+    )
+    for a, b in zip(whole.points, sliced.points):
+        assert a.n_edges == b.n_edges
+        assert b.per_prompt == pytest.approx(a.per_prompt, abs=1e-9)
+    assert (sliced.cpr, sliced.cmd) == pytest.approx((whole.cpr, whole.cmd), abs=1e-9)
+    assert torch.equal(sliced.target_circuit, whole.target_circuit)
+
+
 def test_each_circuit_method_record_names_its_paper_code_and_a_test_that_exists():
     from pathlib import Path
 

@@ -144,6 +144,29 @@ def test_a_circuit_run_under_a_budget_takes_fewer_prompts_a_pass_and_the_same_sc
     pd.testing.assert_series_equal(tables[0]["value"], tables[1]["value"], atol=1e-6, rtol=1e-5)
 
 
+def test_a_budget_the_faithfulness_curve_exceeds_holds_fewer_prompts_recordings_and_the_same_curve(
+    llama_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(planning, "rss_mb", lambda: 500.0)  # this process's size, as the run's plan measures it
+    args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "circuit=eap", "output.n_boot=0")
+    plan = headlab.plan(*args, "study.prompts_per_pass=1")
+    assert plan.curve_mb == pytest.approx(8 * plan.curve_prompt_mb) and plan.curve_mb > plan.per_prompt_mb
+    fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
+    fixed += working_mb(1.0, plan.logits_mb, plan.copy_mb)
+    budget = int(fixed + 3.5 * plan.curve_prompt_mb) + 1  # room for three prompts' curve recordings
+    assert budget > fixed + plan.per_prompt_mb
+    kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr
+    meta = json.loads((tmp_path / "in" / "meta.json").read_text())
+    held = meta["budget"]["curve_prompts"]  # the most prompts whose curve recordings fit
+    assert 1 < held < 8 and fixed + held * plan.curve_prompt_mb <= budget < fixed + (held + 1) * plan.curve_prompt_mb
+    assert meta["budget"]["planned_peak_host_mb"] <= budget
+    free = run_headlab("run", *args, f"hydra.run.dir={tmp_path / 'free'}", cwd=tmp_path)
+    assert free.returncode == 0, free.stderr
+    tables = [pd.read_parquet(tmp_path / d / "results.parquet") for d in ("in", "free")]
+    pd.testing.assert_series_equal(tables[0]["value"], tables[1]["value"], atol=1e-6, rtol=1e-5)
+
+
 def test_a_model_built_here_is_refused_in_one_line(tmp_path):
     refused = run_headlab("plan", "model=toy-attn-1l", cwd=tmp_path)
     assert refused.returncode == 2 and "plan a pretrained one" in error_line(refused)

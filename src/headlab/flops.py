@@ -139,9 +139,10 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per
     gradient run (EAP one, EAP-IG `steps`; again at twice the steps with study.convergence), a forward and a
     backward pass (three) and every sender's difference times every receiver's gradient. The curve: the
-    two recordings, then per circuit measured (two per fraction, and the bisection's) a forward pass with
-    each receiver's input summed from its upstream senders' differences: counted for every receiver, the
-    most a circuit can keep."""
+    two recordings (again for each bisection step where study.curve_prompts holds fewer prompts than the
+    run's), then per circuit measured (two per fraction, and the bisection's) a forward pass with each
+    receiver's input summed from its upstream senders' differences: counted for every receiver, the most a
+    circuit can keep."""
     from .interventions.lengths import parts
 
     c = cfg.study
@@ -163,9 +164,13 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
         run = 3 * forward(n, tokens) + 2 * senders * receivers * n * tokens * s.d_model
         return sum(2 * forward(n, tokens) + steps * run for steps in runs)
 
+    # the curve's recordings held for fewer prompts than the run's: each bisection step records them again
+    held = getattr(c, "curve_prompts", None)
+    again = math.ceil(math.log2(edges)) if c.faithfulness and held is not None and held < data.n else 0
+
     def curve(n: int, tokens: int) -> float:
         mixtures = sum(2 * (attention + 1) * u * n * tokens * s.d_model for u in upstream)
-        return 2 * forward(n, tokens) + curve_circuits * (forward(n, tokens) + mixtures)
+        return 2 * (1 + again) * forward(n, tokens) + curve_circuits * (forward(n, tokens) + mixtures)
 
     size = lambda part: (part.n, next(iter(part.inputs.values())).shape[1])  # noqa: E731
     per = int(c.prompts_per_pass)

@@ -61,7 +61,7 @@ SCORING_EFFICIENCY, CURVE_EFFICIENCY = 0.52, 0.43
 # the share of the measured matmul rate study=ioi_classes keeps on a CPU in flops.ioi_classes_gflop's count
 # (its receiver rounds counted with their receivers at the costliest single layer: receivers the run finds
 # over several layers cost somewhat more), smollm2-135m's 64 IOI prompts at 2 threads
-IOI_CLASSES_EFFICIENCY = 0.8
+IOI_CLASSES_EFFICIENCY = 0.75
 TIMED = ("sweep", "circuit", "ioi_classes")  # the studies with a time model
 PLANNED = TIMED  # the studies whose runs write their plan beside what they measured
 
@@ -93,6 +93,7 @@ class Plan:
     mask_mb: float = 0.0  # the attention mask of a forward pass over every prompt (in caches_mb)
     copy_mb: float = 0.0  # one copy of the prompts' widest activation: the least a chunk holds
     curve_mb: float = 0.0  # study=circuit: what the faithfulness curve holds
+    curve_prompt_mb: float = 0.0  # study=circuit: what the curve holds per prompt whose recordings it keeps
     note: str = ""
 
     def lines(self) -> list[str]:
@@ -207,7 +208,8 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     working = working_mb(cfg.engine.chunk_mb, logits, copy)
     if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver
         per_prompt, curve = circuit_mb(s, rows, tokens)
-        curve = curve if cfg.study.faithfulness else 0.0
+        curve_prompt = curve / rows if cfg.study.faithfulness else 0.0
+        curve = curve_prompt * min(rows, cfg.study.curve_prompts or rows)
         caches = max(per_prompt * min(int(cfg.study.prompts_per_pass), rows), curve)
         working = (3 * s.n_heads + 1) * 3 * activation / MB
     caches += mask
@@ -217,7 +219,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     )  # fmt: skip
     plan.mask_mb, plan.copy_mb = mask, copy
     if study == "circuit":
-        plan.per_prompt_mb, plan.curve_mb = per_prompt, curve
+        plan.per_prompt_mb, plan.curve_mb, plan.curve_prompt_mb = per_prompt, curve, curve_prompt
     if study not in TIMED:
         held = "EAP / EAP-IG's recordings and the faithfulness curve's" if study == "circuit" else "a sweep's caches"
         plan.note = f"time: no time model for study={study} yet (memory above: the model and {held})"
@@ -271,18 +273,24 @@ def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:
     return (recordings + 3 * senders + s.n_layers) * stream, (recordings + 2 * senders) * rows * stream
 
 
-def fitted_passes(plan: Plan, per_pass: int, size: str) -> tuple[int, Plan]:
+def fitted_passes(plan: Plan, per_pass: int, size: str) -> tuple[int, int | None, Plan]:
     """study=circuit under the budget `size`: the most prompts per gradient pass (at most `per_pass`) whose
-    predicted peak fits, and the plan with them; one prompt a pass where none does (the budget's refusal
-    then names the least it needs: planning.fitted)."""
+    predicted peak fits, the most prompts whose recordings the faithfulness curve holds at once (None:
+    every prompt's fit), and the plan with them; one prompt where none does (the budget's refusal then
+    names the least it needs: planning.fitted)."""
     held = plan.caches_mb - plan.mask_mb  # a pass's recordings or the curve's
     # the least a run holds beside them: a 1 MB chunk
     least = plan.peak_host_mb - held - plan.working_mb + working_mb(1.0, plan.logits_mb, plan.copy_mb)
     room = budget_mb(size) - least
     fits = int(room // plan.per_prompt_mb) if plan.per_prompt_mb else per_pass
     chosen = max(1, min(per_pass, fits, plan.prompts))
-    caches = max(chosen * plan.per_prompt_mb, plan.curve_mb) + plan.mask_mb
-    return chosen, replace(plan, caches_mb=caches, peak_host_mb=plan.peak_host_mb - plan.caches_mb + caches)
+    curve_prompts, curve = None, plan.curve_mb
+    if curve > room and plan.curve_prompt_mb:
+        curve_prompts = max(1, min(plan.prompts, int(room // plan.curve_prompt_mb)))
+        curve = curve_prompts * plan.curve_prompt_mb
+    caches = max(chosen * plan.per_prompt_mb, curve) + plan.mask_mb
+    fitted = replace(plan, caches_mb=caches, peak_host_mb=plan.peak_host_mb - plan.caches_mb + caches, curve_mb=curve)
+    return chosen, curve_prompts, fitted
 
 
 def layer_mb(s: Shape) -> float:

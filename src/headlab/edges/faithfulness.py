@@ -30,7 +30,7 @@ from ..interventions.lengths import parts
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
-from .evaluate import circuit_metric, clean_and_corrupted
+from .evaluate import Runs, circuit_metric, clean_and_corrupted
 from .graph import EdgeGraph
 
 FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)  # MIB's circuit sizes
@@ -64,23 +64,53 @@ class Faithfulness:
 
 
 class Evaluator:
-    """The faithfulness of circuits of one model on one task's prompts."""
+    """The faithfulness of circuits of one model on one task's prompts.
 
-    def __init__(self, model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, selection: str = "top_n"):
+    `held`: the most prompts whose clean and corrupted recordings are kept at once (None: every prompt's,
+    recorded once). With fewer, the prompts are measured a slice at a time and each slice's recordings are
+    made again for each measurement (`per_prompt_many` makes them once for all its circuits): the same
+    numbers, the curve's recordings a slice's memory (engine.max_memory sets it: planning.fitted_passes)."""
+
+    def __init__(
+        self,
+        model: HookedModel,
+        task: Task,
+        data: TaskData,
+        graph: EdgeGraph,
+        selection: str = "top_n",
+        held: int | None = None,
+    ):
         self.model, self.task, self.data, self.graph, self.selection = model, task, data, graph, selection
         # prompts of like length together, each group through the positions it reads (lengths.parts)
-        self.parts = [(rows, part, clean_and_corrupted(model, graph, part)) for rows, part in parts(data)]
-        self.clean_per_prompt = self.per_prompt(graph.real.clone())
-        self.corrupted_per_prompt = self.per_prompt(torch.zeros_like(graph.real))
+        grouped = parts(data)
+        if held is not None and held < data.n:
+            grouped = [
+                (rows[i : i + held], part.take(slice(i, i + held)))
+                for rows, part in grouped
+                for i in range(0, len(rows), held)
+            ]
+        self.parts = grouped
+        self.runs: list[Runs | None] = [None] * len(grouped)
+        if held is None or held >= data.n:
+            self.runs = [clean_and_corrupted(model, graph, part) for _, part in grouped]
+        self.clean_per_prompt, self.corrupted_per_prompt = self.per_prompt_many(
+            [graph.real.clone(), torch.zeros_like(graph.real)]
+        )
         self.clean = float(self.clean_per_prompt.mean())
         self.corrupted = float(self.corrupted_per_prompt.mean())
 
     def per_prompt(self, circuit: Tensor) -> np.ndarray:
-        out = np.empty(self.data.n)
-        for rows, part, runs in self.parts:
-            out[rows.numpy()] = (
-                circuit_metric(self.model, self.task, part, self.graph, circuit, runs).double().cpu().numpy()
-            )
+        return self.per_prompt_many([circuit])[0]
+
+    def per_prompt_many(self, circuits: list[Tensor]) -> list[np.ndarray]:
+        """The metric [n] of each circuit; each slice of prompts recorded once for all of them."""
+        out = [np.empty(self.data.n) for _ in circuits]
+        for (rows, part), held in zip(self.parts, self.runs):
+            runs = held or clean_and_corrupted(self.model, self.graph, part)
+            for metric, circuit in zip(out, circuits):
+                value = circuit_metric(self.model, self.task, part, self.graph, circuit, runs)
+                metric[rows.numpy()] = value.double().cpu().numpy()
+            del runs
         return out
 
     def circuit(self, scores: Tensor, n: int, absolute: bool, ungrouped: bool = False) -> Tensor:
@@ -114,22 +144,29 @@ def measure(
     ungrouped: bool = True,
     n_boot: int = 1000,
     seed: int = 0,
+    held: int | None = None,
 ) -> Faithfulness:
-    ev = Evaluator(model, task, data, graph, selection)
-    points: list[Point] = []
+    ev = Evaluator(model, task, data, graph, selection, held)
     total = graph.total(ungrouped)
-    with progress_bar("faithfulness", total=2 * len(fractions), enabled=show_progress) as bar:
-        for ranking in ("signed", "absolute"):
-            for f in fractions:
-                # signed: the edges whose patching lowers the metric most come first (a score is the
-                # metric's change, and the task's metric is higher where the task is done)
-                key = scores if ranking == "absolute" else -scores
-                circuit = ev.circuit(key, int(f * total), absolute=ranking == "absolute", ungrouped=ungrouped)
-                metric = ev.per_prompt(circuit)
-                points.append(
-                    Point(f, graph.size(circuit), ev.share(metric), ranking, graph.size(circuit, True), metric)
-                )
-                bar.update(len(points))
+    # signed: the edges whose patching lowers the metric most come first (a score is the metric's change,
+    # and the task's metric is higher where the task is done)
+    wanted = [(ranking, f) for ranking in ("signed", "absolute") for f in fractions]
+    circuits = [
+        ev.circuit(scores if ranking == "absolute" else -scores, int(f * total), ranking == "absolute", ungrouped)
+        for ranking, f in wanted
+    ]
+    points: list[Point] = []
+    with progress_bar("faithfulness", total=len(circuits), enabled=show_progress) as bar:
+        if held is not None and held < data.n:  # a slice of prompts recorded once for every circuit
+            metrics = ev.per_prompt_many(circuits)
+            bar.update(len(circuits))
+        else:
+            metrics = []
+            for circuit in circuits:
+                metrics.append(ev.per_prompt(circuit))
+                bar.update(len(metrics))
+    for (ranking, f), circuit, metric in zip(wanted, circuits, metrics):
+        points.append(Point(f, graph.size(circuit), ev.share(metric), ranking, graph.size(circuit, True), metric))
     signed = [p for p in points if p.ranking == "signed"]
     absolute = [p for p in points if p.ranking == "absolute"]
     n, value, circuit = smallest(ev, scores, target)

@@ -101,9 +101,9 @@ class Measure(Evaluator):
         self.audit = audit
         super().__init__(audit.model, audit.task, data, audit.graph)
 
-    def per_prompt(self, circuit: Tensor) -> np.ndarray:
-        self.audit.evaluations += 1
-        return super().per_prompt(circuit)
+    def per_prompt_many(self, circuits: list[Tensor]) -> list[np.ndarray]:
+        self.audit.evaluations += len(circuits)
+        return super().per_prompt_many(circuits)
 
     def faithfulness(self, mask: Tensor, rows: np.ndarray | None = None) -> float:
         """The circuit's share of the clean-corrupted gap over the prompts `rows` (None: all)."""

@@ -87,6 +87,10 @@ class CircuitOptions(StudyOptions):
     exact_check: int = setting(0, NATURAL)
     # prompts per gradient pass: bounds the memory of the activation differences
     prompts_per_pass: int = setting(16, COUNT)
+    # the prompts whose recordings the faithfulness curve holds at once (None: all of them, recorded once);
+    # fewer are recorded again for each circuit of the bisection (edges/faithfulness.Evaluator). Where all do
+    # not fit, engine.max_memory sets it
+    curve_prompts: int | None = setting(None, COUNT)
 
 
 def run(ctx: RunContext) -> pd.DataFrame:
@@ -157,6 +161,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
                 ungrouped=c.edge_count == "ungrouped",
                 n_boot=cfg.output.n_boot,
                 seed=cfg.seed,
+                held=c.curve_prompts,
             )
         circuit = f.target_circuit
         if abs(f.clean - f.corrupted) < MIN_GAP:

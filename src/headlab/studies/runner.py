@@ -108,8 +108,11 @@ def within_budget(cfg: Config) -> dict:
     plan = plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
     passes = {}
     if plan.study == "circuit":  # fewer prompts per gradient pass first: the same scores, summed in more parts
-        cfg.study.prompts_per_pass, plan = fitted_passes(plan, int(cfg.study.prompts_per_pass), budget)
+        cfg.study.prompts_per_pass, curve_prompts, plan = fitted_passes(plan, int(cfg.study.prompts_per_pass), budget)
         passes = {"prompts_per_pass": cfg.study.prompts_per_pass}
+        if curve_prompts is not None and cfg.study.faithfulness:
+            cfg.study.curve_prompts = min(curve_prompts, cfg.study.curve_prompts or curve_prompts)
+            passes["curve_prompts"] = cfg.study.curve_prompts
     chunk, plan = fitted(plan, cfg.engine.chunk_mb, budget)
     cfg.engine.chunk_mb, cfg.model.layers_on_disk = chunk, plan.layers_on_disk
     peak = plan.peak_host_mb - plan.working_mb + working_mb(chunk, plan.logits_mb, plan.copy_mb)
