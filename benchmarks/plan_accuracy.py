@@ -58,10 +58,14 @@ CASES = {
         "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
         "task.n_prompts=64", "circuit=eap_ig",
     ],
+    "llama8b_ioi_eap_ig_24gb": [
+        "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
+        "task.n_prompts=64", "circuit=eap_ig", "engine.max_memory=24GB",
+    ],
 }  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
 # hours on 2 cores, or weights not to be had: planned, and whether it fits MACHINE_GB, not run
-PLAN_ONLY = ("gemma3_text_32k_heads", "llama8b_ioi_heads", "llama8b_ioi_eap_ig")
+PLAN_ONLY = ("gemma3_text_32k_heads", "llama8b_ioi_heads", "llama8b_ioi_eap_ig", "llama8b_ioi_eap_ig_24gb")
 MACHINE_GB = 24
 
 
@@ -114,6 +118,9 @@ def main(argv: list[str]) -> int:
                     f"{name}_planned_peak_host_mb: {peak:.0f}",
                     f"{name}_fits_{MACHINE_GB}gb: {peak <= MACHINE_GB * 1024}",
                 ]
+                budget = re.search(r"under engine.max_memory=\S+: (.*)", planned.stdout)
+                if budget:  # what the run sets to keep its budget
+                    said.append(f"{name}_settings: {budget[1]}")
                 print("\n".join(said), flush=True)
                 lines += said
                 continue

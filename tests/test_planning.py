@@ -161,6 +161,10 @@ def test_a_budget_the_faithfulness_curve_exceeds_holds_fewer_prompts_recordings_
     held = meta["budget"]["curve_prompts"]  # the most prompts whose curve recordings fit
     assert 1 < held < 8 and fixed + held * plan.curve_prompt_mb <= budget < fixed + (held + 1) * plan.curve_prompt_mb
     assert meta["budget"]["planned_peak_host_mb"] <= budget
+    # `headlab plan` with the budget: the run's settings and its peak, as the run planned them
+    planned = headlab.plan(*args, f"engine.max_memory={budget}MB")
+    assert planned.peak_host_mb == pytest.approx(meta["budget"]["planned_peak_host_mb"], abs=0.1)
+    assert f"study.curve_prompts={held}" in planned.lines()[-1] and planned.seconds > plan.seconds
     free = run_headlab("run", *args, f"hydra.run.dir={tmp_path / 'free'}", cwd=tmp_path)
     assert free.returncode == 0, free.stderr
     tables = [pd.read_parquet(tmp_path / d / "results.parquet") for d in ("in", "free")]

@@ -37,7 +37,7 @@ from .planning import Plan, plan_prompts
 from .studies.context import EVAL_SEED_OFFSET, RunContext, apply_threads
 from .studies.registry import get as get_study
 from .studies.registry import named_study, resolve
-from .studies.runner import execute_run, run_in_memory
+from .studies.runner import BUDGET_KNOBS, execute_run, run_in_memory, within_budget
 from .task_models import choose_model
 from .tasks import Task, TaskData, build_task
 from .train.obtain import is_trained_here
@@ -583,8 +583,9 @@ def _unused(run_dir: Path) -> Path:
 
 def plan(*overrides: str) -> Plan:
     """What `headlab run <overrides>` will need, said before any weights are read (planning.py): peak host
-    memory (weights, the clean caches, the engine's working chunk, this process) and, for study=sweep, its
-    time on this machine.
+    memory (weights, the clean caches, the engine's working chunk, this process) and its time on this
+    machine where the study has a time model. With engine.max_memory, the plan of the run that keeps it
+    (the chunk, prompts per pass and blocks on disk it will use), or its one-line refusal.
 
     Example:
         ```python
@@ -593,7 +594,18 @@ def plan(*overrides: str) -> Plan:
     """
     cfg = compose_config(overrides)
     apply_threads(cfg)
-    return plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+    if not cfg.engine.max_memory:
+        return plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+    chosen, kept = within_budget(cfg)  # what the run sets to keep it (or the one-line refusal naming the least)
+    # its time with those settings (a sliced faithfulness curve records again); the memory is the budget's plan's
+    timed = plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+    times = ("gflop", "matmul_gflops", "seconds", "efficiency", "work", "note")
+    settings = ", ".join(f"{BUDGET_KNOBS[k]}={v}" for k, v in chosen.items() if k in BUDGET_KNOBS)
+    return dataclasses.replace(
+        kept,
+        **{k: getattr(timed, k) for k in times},
+        budget=f"under engine.max_memory={chosen['max_memory']}: {settings}",
+    )
 
 
 def run(*overrides: str, command: str = "run", show_progress: bool = False) -> RunResult:

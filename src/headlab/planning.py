@@ -95,6 +95,7 @@ class Plan:
     curve_mb: float = 0.0  # study=circuit: what the faithfulness curve holds
     curve_prompt_mb: float = 0.0  # study=circuit: what the curve holds per prompt whose recordings it keeps
     note: str = ""
+    budget: str = ""  # under engine.max_memory: what the run sets to keep it
 
     def lines(self) -> list[str]:
         out = [
@@ -116,6 +117,8 @@ class Plan:
             )
         if self.note:
             out.append(self.note)
+        if self.budget:
+            out.append(self.budget)
         return out
 
     def as_meta(self) -> dict[str, Any]:

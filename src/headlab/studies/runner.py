@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -20,6 +21,7 @@ from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..planning import (
     PLANNED,
+    Plan,
     fitted,
     fitted_passes,
     measured,
@@ -73,7 +75,7 @@ def execute_run(
     check_figures(cfg)
     threads = apply_threads(cfg)
     key = study.hash(cfg)  # the config as asked for: a budget's smaller chunks compute the same table
-    budget = within_budget(cfg) if cfg.engine.max_memory else None  # before anything loads
+    budget = within_budget(cfg)[0] if cfg.engine.max_memory else None  # before anything loads
     ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg), threads=threads)
     ctx.meta["threads"] = threads.as_meta()
     if budget is not None:
@@ -96,10 +98,20 @@ def execute_run(
     return df
 
 
-def within_budget(cfg: Config) -> dict:
+# what within_budget chooses, by the setting it writes
+BUDGET_KNOBS = {
+    "chunk_mb": "engine.chunk_mb",
+    "prompts_per_pass": "study.prompts_per_pass",
+    "curve_prompts": "study.curve_prompts",
+    "layers_on_disk": "model.layers_on_disk",
+}
+
+
+def within_budget(cfg: Config) -> tuple[dict, Plan]:
     """engine.max_memory kept: the run's plan made before loading (a pretrained model), engine.chunk_mb lowered
     until the predicted peak fits, the last blocks' weights left on disk where the weights alone do not
-    (model.layers_on_disk); refused in one line where even that cannot (planning.fitted)."""
+    (model.layers_on_disk); refused in one line where even that cannot (planning.fitted). Returns what it
+    chose (meta.json `budget`) and the plan that keeps it."""
     from ..tasks import build_task
 
     if option(cfg.model.kind) != "hf":
@@ -115,14 +127,16 @@ def within_budget(cfg: Config) -> dict:
             passes["curve_prompts"] = cfg.study.curve_prompts
     chunk, plan = fitted(plan, cfg.engine.chunk_mb, budget)
     cfg.engine.chunk_mb, cfg.model.layers_on_disk = chunk, plan.layers_on_disk
-    peak = plan.peak_host_mb - plan.working_mb + working_mb(chunk, plan.logits_mb, plan.copy_mb)
-    return {
+    working = working_mb(chunk, plan.logits_mb, plan.copy_mb)
+    plan = replace(plan, peak_host_mb=plan.peak_host_mb - plan.working_mb + working, working_mb=working)
+    chosen = {
         "max_memory": budget,
         "chunk_mb": round(chunk, 2),
         **passes,
         "layers_on_disk": plan.layers_on_disk,
-        "planned_peak_host_mb": round(peak, 1),
+        "planned_peak_host_mb": round(plan.peak_host_mb, 1),
     }
+    return chosen, plan
 
 
 def run_in_memory(study: Study, ctx: RunContext) -> pd.DataFrame:
