@@ -39,6 +39,11 @@ CASES = {
     "gemma3_ioi_classes": ["model=gemma3-270m", "study=ioi_classes", "task.n_prompts=16"],
     "smollm2_ioi_eap_ig": ["model=smollm2-135m", "task=ioi", "task.n_prompts=16", "circuit=eap_ig"],
     "gemma3_ioi_eap_ig": ["model=gemma3-270m", "task=ioi", "task.n_prompts=16", "circuit=eap_ig"],
+    # one gradient run per node (61 on smollm2-135m) and step: few prompts and one step keep it to a minute
+    "smollm2_ioi_eap_ig_activations": [
+        "model=smollm2-135m", "task=ioi", "task.n_prompts=4", "circuit=eap_ig_activations", "study.steps=1",
+        "study.faithfulness=false",
+    ],
     # long prompts: one document of data/devil.txt's entries joined ({long}); its head sweep takes an hour on 2
     # cores, so its layers are run: the same caches and readouts, a ninth of the interventions
     "smollm2_text_8k_layers": [

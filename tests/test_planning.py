@@ -73,8 +73,8 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     assert meta["measured"]["peak_host_mb"] > 0 and 0.3 < meta["measured"]["peak_host_ratio"] < 3
     circuit = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=eap")
     assert circuit.seconds > 0 and "faithfulness curve" in circuit.lines()[-1]
-    activations = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=eap_ig_activations")
-    assert activations.seconds is None and "no time model for circuit=eap_ig_activations" in activations.note
+    exact = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "circuit=exact")
+    assert exact.seconds is None and "no time model for circuit=exact" in exact.note
     # a circuit run checks its plan too: EAP's recordings and the senders' outputs, not a sweep's caches
     args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "circuit=eap")
     ran = run_headlab("run", *args, "output.n_boot=0", f"hydra.run.dir={tmp_path / 'circuit'}", cwd=tmp_path)
@@ -101,7 +101,7 @@ def test_attribution_patchings_flops_are_what_it_executes(llama_dir):
     assert 0.85 < gflop / executed < 1.2, gflop / executed
 
 
-@pytest.mark.parametrize("method", ["eap", "eap_ig"])
+@pytest.mark.parametrize("method", ["eap", "eap_ig", "eap_ig_activations"])
 def test_the_circuit_flops_are_what_scoring_and_the_curve_execute(llama_dir, method):
     """Scoring's count is what it executes; the curve's counts every receiver's mixture, the most a circuit
     keeps, so it bounds what the curve's circuits execute from above."""

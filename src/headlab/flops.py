@@ -134,11 +134,13 @@ def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3) -> float:
 def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | None:
     """(EAP / EAP-IG's scoring, the faithfulness curve's) matrix-product GFLOP of study=circuit over the
     prompts `data`, each pass over its prompts' groups of like length (lengths.parts, as they run); None for
-    the methods without a time model (EAP-IG over activations, exact patching).
+    exact patching (no time model yet).
 
     Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per
-    gradient run (EAP one, EAP-IG `steps`; again at twice the steps with study.convergence), a forward and a
-    backward pass (three) and every sender's difference times every receiver's gradient. The curve: the
+    gradient run (EAP one, EAP-IG `steps`, EAP-IG over activations `steps` per node; again at twice the steps
+    with study.convergence), a forward pass (over activations: from the node's layer on), each block run
+    again and its backward pass (two more), and every sender's difference times every receiver's gradient
+    (edges/eap.py). The curve: the
     two recordings (again for each bisection step where study.curve_prompts holds fewer prompts than the
     run's), then per circuit measured (two per fraction, and the bisection's) a forward pass with each
     receiver's input summed from its upstream senders' differences: counted for every receiver, the most a
@@ -147,7 +149,7 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
 
     c = cfg.study
     method = option(c.method)
-    if method not in ("eap", "eap_ig"):
+    if method not in ("eap", "eap_ig", "eap_ig_activations"):
         return None
     runs = [1] if method == "eap" else [c.steps, 2 * c.steps] if c.convergence else [c.steps]
     ungrouped = option(c.kv_edges) == "ungrouped"
@@ -160,9 +162,15 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     def forward(n: int, tokens: int) -> float:
         return sum(sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers))
 
+    # where each gradient run's forward pass starts: the input (EAP, EAP-IG), or each node's layer (over
+    # activations: the input, every layer's attention and MLP; edges/eap.runs_at)
+    starts = [0] + [layer for layer in range(s.n_layers) for _ in range(2)] if method == "eap_ig_activations" else [0]
+
     def per_pass(n: int, tokens: int) -> float:
-        run = 3 * forward(n, tokens) + 2 * senders * receivers * n * tokens * s.d_model
-        return sum(2 * forward(n, tokens) + steps * run for steps in runs)
+        blocks = [sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers)]
+        products = 2 * senders * receivers * n * tokens * s.d_model
+        alpha = sum(2 * sum(blocks) + sum(blocks[start:]) + products for start in starts)  # one alpha's runs
+        return sum(2 * sum(blocks) + steps * alpha for steps in runs)
 
     # the curve's recordings held for fewer prompts than the run's: each bisection step records them again
     held = getattr(c, "curve_prompts", None)
