@@ -23,10 +23,10 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG over inputs and
             activations): its scoring's and its faithfulness curve's FLOPs (flops.circuit_gflop) at
             SCORING_EFFICIENCY and CURVE_EFFICIENCY of that rate, plus loading; patch=attribution: its passes
-            (flops.attribution_gflop) at SWEEP_EFFICIENCY; study=ioi_classes: its head scores' and five path-patching rounds'
-            FLOPs (flops.ioi_classes_gflop: the rounds into receiver heads at their costliest layer, since the
-            classes the earlier rounds find are unknown before the run) at IOI_CLASSES_EFFICIENCY of that
-            rate, plus loading. Other studies and methods: no time model yet, said so.
+            (flops.attribution_gflop) at SWEEP_EFFICIENCY; study=ioi_classes: its head scores' and five
+            path-patching rounds' FLOPs (flops.ioi_classes_gflop: the rounds into receiver heads at their
+            costliest layer, since the classes the earlier rounds find are unknown before the run) at
+            IOI_CLASSES_EFFICIENCY of that rate, plus loading. Other studies and methods: no time model yet, said so.
 Every sweep, circuit and IOI-classes run writes its plan beside what it measured (meta.json `plan`, `measured`), so each
 run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
 """
