@@ -20,6 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+LLAMA8B_IOI = [
+    "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
+    "task.n_prompts=64",
+]  # fmt: skip
 CASES = {
     "smollm2_ioi_heads": ["model=smollm2-135m", "task=ioi", "task.n_prompts=16", "ablate=heads"],
     "smollm2_text_layers": [
@@ -55,18 +59,9 @@ CASES = {
         "ablate=heads",
     ],
     # Llama-3.1-8B's shape in bfloat16 ({llama8b}: its config alone, GPT-2's tokenizer): no such weights here
-    "llama8b_ioi_heads": [
-        "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
-        "task.n_prompts=64", "ablate=heads",
-    ],
-    "llama8b_ioi_eap_ig": [
-        "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
-        "task.n_prompts=64", "circuit=eap_ig",
-    ],
-    "llama8b_ioi_eap_ig_24gb": [
-        "model=hf", "model.path={llama8b}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16", "task=ioi",
-        "task.n_prompts=64", "circuit=eap_ig", "engine.max_memory=24GB",
-    ],
+    "llama8b_ioi_heads": [*LLAMA8B_IOI, "ablate=heads"],
+    "llama8b_ioi_eap_ig": [*LLAMA8B_IOI, "circuit=eap_ig"],
+    "llama8b_ioi_eap_ig_24gb": [*LLAMA8B_IOI, "circuit=eap_ig", "engine.max_memory=24GB"],
 }  # fmt: skip
 ROOT = Path(__file__).resolve().parents[1]
 # hours on 2 cores, or weights not to be had: planned, and whether it fits MACHINE_GB, not run

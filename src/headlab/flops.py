@@ -43,6 +43,11 @@ def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, fl
     return rows * tokens * per_token, rows * 4 * s.n_heads * s.d_head * pairs
 
 
+def forward_flops(s: Shape, rows: int, tokens: int) -> float:
+    """Matrix-product FLOPs of a forward pass through every block over `rows` prompts of `tokens` positions."""
+    return sum(sum(block_flops(s, rows, tokens, layer)) for layer in range(s.n_layers))
+
+
 def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float]:
     """(interventions, GFLOP) of study=sweep's stacked passes over the prompts `data` (TaskData): each
     intervention runs the blocks from its layer on (the clean run all of them), each group of prompts of like
@@ -78,7 +83,7 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float]:
     methods = {iv.method for iv in interventions}
     if data.reference is not None and methods & {Method.mean, Method.resample, Method.path}:
         ref_rows, ref_tokens = data.reference["input_ids"].shape  # the values taken: a run of the reference set
-        total += sum(sum(block_flops(s, ref_rows, ref_tokens, layer)) for layer in range(s.n_layers))
+        total += forward_flops(s, ref_rows, ref_tokens)
     if data.counterfactual is not None and Method.activation in methods:
         total += sum(blocks)  # the counterfactual run
     return len(interventions), total / 1e9
@@ -99,8 +104,7 @@ def attribution_gflop(s: Shape, data: Any, interventions: list) -> float:
     total = 0.0
     for first in range(0, rows, PROMPTS_PER_PASS):
         n = min(PROMPTS_PER_PASS, rows - first)
-        forward = sum(sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers))
-        total += (sites + 3) * forward + n * data.positions.shape[1] * 2 * s.d_model * s.vocab
+        total += (sites + 3) * forward_flops(s, n, tokens) + n * data.positions.shape[1] * 2 * s.d_model * s.vocab
     return total / 1e9
 
 
@@ -159,9 +163,6 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     edges = sum(u * attention + u + s.n_heads for u in upstream) + senders
     curve_circuits = 2 * len(c.fractions) + math.ceil(math.log2(edges)) if c.faithfulness else 0
 
-    def forward(n: int, tokens: int) -> float:
-        return sum(sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers))
-
     # where each gradient run's forward pass starts: the input (EAP, EAP-IG), or each node's layer (over
     # activations: the input, every layer's attention and MLP; edges/eap.runs_at)
     starts = [0] + [layer for layer in range(s.n_layers) for _ in range(2)] if method == "eap_ig_activations" else [0]
@@ -173,12 +174,12 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
         return sum(2 * sum(blocks) + steps * alpha for steps in runs)
 
     # the curve's recordings held for fewer prompts than the run's: each bisection step records them again
-    held = getattr(c, "curve_prompts", None)
-    again = math.ceil(math.log2(edges)) if c.faithfulness and held is not None and held < data.n else 0
+    again = math.ceil(math.log2(edges)) if c.faithfulness and (c.curve_prompts or data.n) < data.n else 0
 
     def curve(n: int, tokens: int) -> float:
         mixtures = sum(2 * (attention + 1) * u * n * tokens * s.d_model for u in upstream)
-        return 2 * (1 + again) * forward(n, tokens) + curve_circuits * (forward(n, tokens) + mixtures)
+        forward = forward_flops(s, n, tokens)
+        return 2 * (1 + again) * forward + curve_circuits * (forward + mixtures)
 
     size = lambda part: (part.n, next(iter(part.inputs.values())).shape[1])  # noqa: E731
     per = int(c.prompts_per_pass)
@@ -195,7 +196,7 @@ def positions_flops(s: Shape, rows: int, first: int, last: int, layer: int) -> f
     return sum(block_flops(s, rows, last + 1, layer)) - sum(block_flops(s, rows, first, layer))
 
 
-def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None, to_heads: bool = True) -> float:
+def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None) -> float:
     """FLOPs of one path-patching round as interventions/path.py runs it, every head before the receivers'
     layer a sender (the logits: every head), prompts grouped by their round position `at` [n] and last read
     position `last` [n]: per group its two clean traces, and per sender pass A from its layer at the round's
@@ -208,14 +209,12 @@ def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None, t
     senders = s.n_layers if receiver_layer is None else receiver_layer
     total = 0.0
     for (a, b), rows in groups.items():
-        total += sum(
-            sum(block_flops(s, rows, a + 1, l)) + sum(block_flops(s, rows, b + 1, l)) for l in range(s.n_layers)
-        )
+        total += forward_flops(s, rows, a + 1) + forward_flops(s, rows, b + 1)
         one = [positions_flops(s, rows, a, a, l) for l in range(s.n_layers)]
         suffix = [positions_flops(s, rows, a, b, l) for l in range(s.n_layers)]
         for layer in range(senders):
             pass_a = sum(one[layer:stop])
-            pass_b = sum(suffix[receiver_layer:]) if receiver_layer is not None and to_heads else 0.0
+            pass_b = sum(suffix[receiver_layer:]) if receiver_layer is not None else 0.0
             total += s.n_heads * (pass_a + pass_b + rows * 2 * s.d_model * s.vocab)
     return total
 
@@ -233,10 +232,9 @@ def ioi_classes_gflop(s: Shape, data: Any, n_seq: int = 100, seq_len: int = 20) 
     roles = data.token_positions
     rows, tokens = data.inputs["input_ids"].shape
     last = data.positions.max(1).values
-    forward = lambda n, t: sum(sum(block_flops(s, n, t, l)) for l in range(s.n_layers))  # noqa: E731
-    scores = forward(n_seq, 2 * seq_len + 1) + 2 * forward(rows, tokens)
+    scores = forward_flops(s, n_seq, 2 * seq_len + 1) + 2 * forward_flops(s, rows, tokens)
     scores += 2 * s.n_layers * s.n_heads * rows * 2 * s.d_model * s.vocab
-    runs = 5 * 2 * forward(rows, tokens)  # each round's clean run and its senders' reference run
+    runs = 5 * 2 * forward_flops(s, rows, tokens)  # each round's clean run and its senders' reference run
     logits = 2 * path_round_flops(s, roles["END"], last, None)  # into the logits, again with the knockout
     heads = sum(
         max(path_round_flops(s, roles[role] + shift, last, layer) for layer in range(1, s.n_layers))

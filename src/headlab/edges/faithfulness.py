@@ -83,7 +83,8 @@ class Evaluator:
         self.model, self.task, self.data, self.graph, self.selection = model, task, data, graph, selection
         # prompts of like length together, each group through the positions it reads (lengths.parts)
         grouped = parts(data)
-        if held is not None and held < data.n:
+        self.sliced = held is not None and held < data.n  # recordings made again for each measurement
+        if held is not None and self.sliced:
             grouped = [
                 (rows[i : i + held], part.take(slice(i, i + held)))
                 for rows, part in grouped
@@ -91,7 +92,7 @@ class Evaluator:
             ]
         self.parts = grouped
         self.runs: list[Runs | None] = [None] * len(grouped)
-        if held is None or held >= data.n:
+        if not self.sliced:
             self.runs = [clean_and_corrupted(model, graph, part) for _, part in grouped]
         self.clean_per_prompt, self.corrupted_per_prompt = self.per_prompt_many(
             [graph.real.clone(), torch.zeros_like(graph.real)]
@@ -105,8 +106,8 @@ class Evaluator:
     def per_prompt_many(self, circuits: list[Tensor]) -> list[np.ndarray]:
         """The metric [n] of each circuit; each slice of prompts recorded once for all of them."""
         out = [np.empty(self.data.n) for _ in circuits]
-        for (rows, part), held in zip(self.parts, self.runs):
-            runs = held or clean_and_corrupted(self.model, self.graph, part)
+        for (rows, part), kept in zip(self.parts, self.runs):
+            runs = kept if kept is not None else clean_and_corrupted(self.model, self.graph, part)
             for metric, circuit in zip(out, circuits):
                 value = circuit_metric(self.model, self.task, part, self.graph, circuit, runs)
                 metric[rows.numpy()] = value.double().cpu().numpy()
@@ -157,7 +158,7 @@ def measure(
     ]
     points: list[Point] = []
     with progress_bar("faithfulness", total=len(circuits), enabled=show_progress) as bar:
-        if held is not None and held < data.n:  # a slice of prompts recorded once for every circuit
+        if ev.sliced:  # a slice of prompts recorded once for every circuit
             metrics = ev.per_prompt_many(circuits)
             bar.update(len(circuits))
         else:
