@@ -1,6 +1,8 @@
 """A metric that reads a few rows of the vocabulary unembeds those rows alone (Task.vocab_rows,
-HookedModel.readout_rows): the same numbers as the whole readout, to float rounding, on tiny random models
-of three families and on the IOI and prompts tasks' quantities (every peer's)."""
+HookedModel.readout_rows), with the softmax's normaliser a slice of the vocabulary at a time where a
+probability needs it (HookedModel.readout_normaliser): the same numbers as the whole readout, to float
+rounding, on tiny random models of several families and on the IOI and prompts tasks' quantities (every
+peer's). The text task's loss: tests/test_text.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import torch
 
 from headlab.api import load_task
 from headlab.config_rules import PEER_CHOICES
-from headlab.interventions.readout import read_quantities
+from headlab.interventions.readout import read_quantities, rows_quantities
+from headlab.models import hooked
 from headlab.models.hf import load_hf
 from headlab.tasks import TaskData
 from headlab.tasks.prompts import PromptsConfig, PromptsTask
@@ -37,29 +40,42 @@ def tasks():
             yield PromptsTask(PromptsConfig(peer=peer), records=[])
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2", "gemma3_text"])
+def test_the_normaliser_a_slice_of_the_vocabulary_at_a_time_is_the_whole_readouts_logsumexp(
+    tiny_hf_dir, family, monkeypatch
+):
+    """gemma2's final softcap included; slices of 1,000 rows (the last one short) and blocks of 5 positions."""
+    model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
+    monkeypatch.setattr(hooked, "VOCAB_SLICE", 1000)
+    h = torch.randn(N, SEQ, model.sites.d_model, generator=torch.Generator().manual_seed(0))
+    read = torch.arange(SEQ).expand(N, -1)
+    whole = torch.logsumexp(model.readout(h, read), dim=-1)
+    torch.testing.assert_close(model.readout_normaliser(h, read, 5), whole, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_rows_give_the_whole_readouts_quantities(tiny_hf_dir, family):
+    """Every quantity, the probabilities with the normaliser; any subset of the columns alone."""
     model = load_hf(str(tiny_hf_dir(family)), need_tokenizer=False)
     data = answers_data(model.vocab_size)
     h = torch.randn(2 * N, SEQ, model.sites.d_model, generator=torch.Generator().manual_seed(0))
     read = data.positions.repeat(2, 1)
     for task in tasks():
         full = task.per_prompt(model.readout(h, read).unflatten(0, (2, N)), data)
-        columns = [c for c in range(full.shape[-1]) if task.quantities[c] not in ("io_prob", "answer_prob")]
-        ids = task.vocab_rows(data, columns)
-        assert ids is not None and task.vocab_rows(data, range(full.shape[-1])) is None
-        rows = task.from_rows(model.readout_rows(h, read, ids.repeat(2, 1)).unflatten(0, (2, N)), data, columns)
-        torch.testing.assert_close(rows, full[..., columns], rtol=1e-5, atol=1e-5)
+        every = range(full.shape[-1])
+        for columns in (every, [c for c in every if task.needs_normaliser([c])], [len(every) - 1, 0]):
+            got = rows_quantities(model, task, h, read, data, columns, chunk_mb=1.0)
+            assert got is not None
+            torch.testing.assert_close(got, full[..., list(columns)], rtol=1e-5, atol=1e-6)
 
 
-def test_a_sweep_readout_of_a_rows_task_reads_rows_alone(tiny_hf_dir, monkeypatch):
+def test_a_sweep_readout_of_a_rows_task_never_unembeds_the_whole_vocabulary(tiny_hf_dir, monkeypatch):
     model = load_hf(str(tiny_hf_dir("llama")), need_tokenizer=False)
     data = answers_data(model.vocab_size)
     task = PromptsTask(PromptsConfig(peer="none"), records=[])
-    task.quantities = ("logit_diff",)  # a task whose every quantity reads rows
     h = torch.randn(3 * N, SEQ, model.sites.d_model, generator=torch.Generator().manual_seed(1))
     read = data.positions.repeat(3, 1)
-    want = task.per_prompt(model.readout(h, read).unflatten(0, (3, N)), data)[..., :1]
+    want = task.per_prompt(model.readout(h, read).unflatten(0, (3, N)), data)
     monkeypatch.setattr(model, "readout", lambda *a: pytest.fail("the whole vocabulary was unembedded"))
     got = read_quantities(model, task, h, read, data, chunk_mb=32.0)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -160,38 +160,28 @@ def test_padding_does_not_change_a_documents_loss(tiny_hf_dir, tmp_path):
     torch.testing.assert_close(in_batch, alone, atol=1e-5, rtol=0)
 
 
-def test_a_document_whose_logits_exceed_the_chunk_is_read_a_slice_of_positions_at_a_time(
+def test_the_loss_is_read_from_the_targets_rows_and_the_normaliser_never_the_whole_vocabulary(
     tiny_hf_dir, corpus, monkeypatch
 ):
-    """One prompt's logits (23 positions x GPT-2's 50,257 tokens: 4.4 MB) above a 1 MB chunk and slice: its read
-    positions go through the readout 5 at a time, the loss sums and counts added up, equal to the whole
-    document's."""
-    from headlab.interventions import readout
-
-    monkeypatch.setattr(readout, "POSITION_SLICE_MB", 1.0)
+    """A sweep's loss sums (from each position's target row and the softmax's normaliser, a slice of the
+    vocabulary at a time, a few positions at a time under a small budget) equal cross_entropy's over the whole
+    readout's logits, padded positions not counted; the whole vocabulary is never unembedded."""
     model = load_hf(str(tiny_hf_dir("llama")), tokenizer=str(GPT2_TOKENIZER))
     task = headlab.load_task("text", path=str(corpus), seq_len=SEQ_LEN)
     data = task.build(0, seed=0, model=model)
+    assert (data.answers["target"] == -100).any()  # documents of several lengths: padding read
     ivs = [CLEAN, Intervention("ablate_head", "zero", 1, 2), Intervention("ablate_layer", "mean", 0)]
-    widths = []
+    trace = model.trace(data.inputs)
+    whole = task.per_prompt(model.readout(trace.resid_final, data.positions), data)
     made = model.readout
-
-    def counted(h, read):
-        widths.append(read.shape[1])
-        return made(h, read)
-
-    model.readout = counted  # type: ignore[method-assign]
-    sliced = execute(model, task, data, ivs, chunk_mb=1.0)
-    assert max(widths) == 5
-    widths.clear()
-    whole = execute(model, task, data, ivs, chunk_mb=64.0)
-    assert max(widths) == data.positions.shape[1]
-    torch.testing.assert_close(sliced, whole, atol=1e-4, rtol=1e-6)
-    assert torch.equal(sliced[..., 1], whole[..., 1])  # the predicted tokens counted once each
-    widths.clear()
-    one = data.take(slice(1, 2))  # a single document: its positions sliced as well
-    torch.testing.assert_close(execute(model, task, one, ivs, chunk_mb=1.0), whole[:, 1:2], atol=1e-4, rtol=1e-6)
-    assert max(widths) == 5
+    monkeypatch.setattr(model, "readout", lambda *a: pytest.fail("the whole vocabulary was unembedded"))
+    swept = execute(model, task, data, ivs, chunk_mb=0.05)
+    torch.testing.assert_close(swept[0], whole, atol=1e-4, rtol=1e-6)
+    assert torch.equal(swept[0, :, 1], (data.answers["target"] != -100).sum(-1).float())
+    monkeypatch.setattr(model, "readout", made)
+    monkeypatch.setattr(task, "vocab_rows", lambda *a: None)  # the interventions' losses from whole logits
+    torch.testing.assert_close(swept, execute(model, task, data, ivs, chunk_mb=64.0), atol=1e-4, rtol=1e-6)
+    assert swept[1:, :, 0].sub(whole[:, 0]).abs().amin(-1).gt(1e-3).all()  # both edits change the loss
 
 
 def test_a_directory_is_one_document_per_txt_file_in_name_order(tiny_hf_dir, gpt2_tokenizer, tmp_path):

@@ -254,14 +254,12 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
     return plan
 
 
-def reads_at_once(task: Any, data: Any, vocab: int, chunk_mb: float) -> int:
-    """How many of a prompt's read positions a readout holds the logits of at once: all of them, or a slice
-    where the readout takes them a slice at a time (readout.position_slice)."""
-    from .interventions.readout import position_slice
-
-    positions = data.positions.shape[1]
-    per = position_slice(task, data, positions, vocab, 4, chunk_mb)  # float32 logits
-    return positions if per is None else per
+def reads_at_once(task: Any, data: Any) -> int:
+    """How many of a prompt's read positions a readout holds the whole logits of at once: none where the task
+    reads vocabulary rows (Task.vocab_rows: the normaliser's slices hold `chunk_mb` of logits), else all."""
+    if task.vocab_rows(data, range(len(task.quantities))) is not None:
+        return 0
+    return data.positions.shape[1]
 
 
 def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:
@@ -374,7 +372,7 @@ def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:
     loaded = rss_mb() - baseline  # the tokenizer (the model on the meta device holds nothing)
     stand_in = SimpleNamespace(tokenizer=tokenizer, vocab_size=shape.vocab, module=None, name=cfg.model.name)
     data = task.build(cfg.task.n_prompts, seed=seed, model=stand_in)
-    return predict(cfg, shape, data, reads_at_once(task, data, shape.vocab, cfg.engine.chunk_mb), baseline, loaded)
+    return predict(cfg, shape, data, reads_at_once(task, data), baseline, loaded)
 
 
 def measured(plan: Plan, seconds: float) -> dict[str, Any]:

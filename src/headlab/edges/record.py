@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
+from ..interventions.readout import CHUNK_MB, rows_quantities
 from ..models.hooked import HookedModel, Trace
 from ..tasks import Inputs, Task, TaskData
 from ..vocabulary import Site
@@ -131,11 +132,10 @@ def metric(model: HookedModel, task: Task, data: TaskData, resid_final: Tensor, 
     vocabulary rows it reads alone where the task names them (Task.vocab_rows)."""
     copies = resid_final.shape[0] // data.n
     positions = data.positions.repeat(copies, 1)
-    ids = task.vocab_rows(data, [column])
-    if ids is None:
+    at_rows = rows_quantities(model, task, resid_final, positions, data, [column], CHUNK_MB)
+    if at_rows is None:
         logits = model.readout(resid_final, positions)
         values = task.per_prompt(logits.unflatten(0, (copies, data.n)), data)[..., column]
     else:
-        rows = model.readout_rows(resid_final, positions, ids.repeat(copies, 1))
-        values = task.from_rows(rows.unflatten(0, (copies, data.n)), data, [column])[..., 0]
+        values = at_rows[..., 0]
     return values if copies > 1 else values[0]

@@ -22,6 +22,7 @@ from ..tasks import Task, TaskData
 from ..vocabulary import Site
 from .edits import Sources, edit_heads, site_index
 from .plan import Intervention
+from .readout import CHUNK_MB, read_quantities, rows_quantities
 
 PROMPTS_PER_PASS = 32  # prompts are independent: passes over slices bound the trace's and a block's graph's memory
 
@@ -81,14 +82,15 @@ def _site_gradients(
     out: dict[tuple[str, int], tuple[Tensor, Tensor | None]] = {}
     with torch.enable_grad(), model.frozen():
         h = trace.resid_final.detach().requires_grad_()
-        ids = task.vocab_rows(data, [col])  # the quantity's rows alone: no backward through the whole vocabulary
-        if ids is None:
+        # the quantity's rows alone where the task names them: no backward through the whole vocabulary
+        at_rows = rows_quantities(model, task, h, data.positions, data, [col], CHUNK_MB)
+        if at_rows is None:
             quantities = task.per_prompt(model.readout(h, data.positions), data)
             value = quantities[:, col]
         else:
             with torch.no_grad():
-                quantities = task.per_prompt(model.readout(h, data.positions), data)
-            value = task.from_rows(model.readout_rows(h, data.positions, ids), data, [col])[:, 0]
+                quantities = read_quantities(model, task, h, data.positions, data, CHUNK_MB)[0]
+            value = at_rows[0, :, 0]
         (grad,) = torch.autograd.grad(value.sum(), h)
         for layer in reversed(range(model.n_layers)):
             x = trace.resid_pre[layer].detach().requires_grad_()

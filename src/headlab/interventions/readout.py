@@ -1,21 +1,19 @@
 """Task quantities of a sweep's stacked batches: logits at the read positions only, a bounded number of
 copies at a time.
 
-A readout multiplies by the whole unembedding (vocabulary x d_model: 154 MB for GPT-2 in float32, 113 MB for
-smollm2), which is read from memory however few rows it has. For a chunk of a few copies of a few prompts
+Where the task reads its quantities from a few rows of the vocabulary (Task.vocab_rows: a logit difference,
+a probability or a loss with the softmax's normaliser), a readout unembeds those rows alone and, where the
+task needs it, the normaliser a slice of the vocabulary at a time (HookedModel.readout_normaliser): no
+position's whole logits are held, and NORMALISED_ROWS positions share each slice's read of the unembedding.
+
+Else a readout multiplies by the whole unembedding (vocabulary x d_model: 154 MB for GPT-2 in float32, 113 MB
+for smollm2), which is read from memory however few rows it has. For a chunk of a few copies of a few prompts
 that read costs more than the arithmetic, so `Readouts` keeps each chunk's last hidden states at the read
 positions (d_model numbers a position, where the logits are vocabulary) and reads them out together,
 READOUT_ROWS rows at a time on a CPU, where `chunk_mb` holds their logits (on a GPU, as many as it holds).
-
 Where one copy's logits (prompts x read positions x vocabulary) do not fit in `chunk_mb`, its prompts are read
 out a slice at a time (`in_slices`), one prompt at least: a task's quantities are per prompt, so the slices'
-quantities are the whole copy's. gemma3-270m's atlas reads its text probe (3 documents of 63 read positions,
-262,144-token vocabulary: 198 MB of float32 logits a copy) one document at a time, 63 MB, and the induction
-probe's repeat loss (25 sequences x 98 reads: 2,450 MB of logits, and as much again for their log-softmax) one
-sequence at a time, 98 MB. Where one prompt's exceed POSITION_SLICE_MB too (gemma3-270m's 32K-token document:
-34 GB) and the task's quantities are sums over its read positions (next-token loss: Task.at_positions), its
-positions are read a slice at a time and their quantities summed (`in_position_slices`); other tasks'
-prompts are never split.
+quantities are the whole copy's.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ..models.hooked import HookedModel
+from ..models.hooked import VOCAB_SLICE, HookedModel
 from ..tasks import Task, TaskData
 
 # Rows (prompts x positions) a readout gathers on a CPU, where the budget allows: reading the unembedding
@@ -36,10 +34,9 @@ from ..tasks import Task, TaskData
 READOUT_ROWS = 64
 # Logits held at once by a readout given no budget of its own (engine.chunk_mb's default)
 CHUNK_MB = 32.0
-# A long prompt's positions are read out in slices of at least this many MB of logits (in_position_slices):
-# each slice reads the whole unembedding (671 MB on gemma3-270m), so smaller slices would read it more often
-# than the logits they save are worth; a prompt whose logits fit in one slice is never split
-POSITION_SLICE_MB = 256.0
+# Positions one readout_normaliser takes at once on a CPU, across copies: each slice of the unembedding is
+# read from memory once for them all (~130 GFLOP/s at 64 positions on smollm2, ~185 at 1024)
+NORMALISED_ROWS = 1024
 
 
 def copies_per_readout(model: HookedModel, data: TaskData, positions: int, h: Tensor, chunk_mb: float) -> int:
@@ -75,45 +72,29 @@ def in_slices(
     return torch.cat(parts)
 
 
-def position_slice(
-    task: Task, data: TaskData, positions: int, vocab: int, itemsize: int, chunk_mb: float
-) -> int | None:
-    """How many of a prompt's `positions` read positions one readout takes where its logits are read a slice
-    at a time: as many as have `chunk_mb` of logits, POSITION_SLICE_MB at least; None where they are read
-    together (they fit in one slice, or the task's quantities are not sums over positions: Task.at_positions)."""
-    per = max(1, int(max(chunk_mb, POSITION_SLICE_MB) * 2**20 // (vocab * itemsize)))
-    if per >= positions or task.at_positions(data.take(slice(0, 1)), slice(0, 1)) is None:
-        return None
-    return per
-
-
-def in_position_slices(
+def rows_quantities(
     model: HookedModel,
     task: Task,
-    h: Float[Tensor, "n pos d_model"],
-    read: Int[Tensor, "n P"],
+    h: Float[Tensor, "rows pos d_model"],
+    read: Int[Tensor, "rows P"],
     data: TaskData,
+    columns: Sequence[int],
     chunk_mb: float,
-) -> Float[Tensor, "n Q"] | None:
-    """The quantities [n, Q] one prompt at a time, as many of its read positions at a time as have `chunk_mb`
-    of logits (POSITION_SLICE_MB at least), the slices' quantities summed, where one prompt's logits exceed
-    that and the task's quantities are sums over its read positions (Task.at_positions: a long document's
-    next-token loss); None where they fit, or the task reads a prompt's positions together."""
-    positions = read.shape[1]
-    per = position_slice(task, data, positions, model.vocab_size, h.element_size(), chunk_mb)
-    if per is None:
+) -> Float[Tensor, "copies n C"] | None:
+    """The quantities `columns` [copies, n, C] of a stacked batch h [copies*n, pos, d] read at `read`
+    [copies*n, P] from the vocabulary rows the task names (Task.vocab_rows) and, where it needs it, the
+    normaliser (its vocabulary slices' logits at most `chunk_mb` at once); None where the task needs whole
+    logits. Differentiable: attribution patching's gradient goes back through it."""
+    ids = task.vocab_rows(data, columns)
+    if ids is None:
         return None
-    prompts = []
-    for i in range(data.n):
-        one, total = data.take(slice(i, i + 1)), None
-        for first in range(0, positions, per):
-            cut = slice(first, first + per)
-            part = task.at_positions(one, cut)
-            assert part is not None
-            q = task.per_prompt(model.readout(h[i : i + 1], read[i : i + 1, cut]), part)
-            total = q if total is None else total + q
-        prompts.append(total)
-    return torch.cat(prompts)  # type: ignore[arg-type]
+    n, copies = data.n, h.shape[0] // data.n
+    rows = model.readout_rows(h, read, ids.repeat(copies, *[1] * (ids.dim() - 1))).unflatten(0, (copies, n))
+    normaliser = None
+    if task.needs_normaliser(columns):
+        at_once = int(chunk_mb * 2**20 // (VOCAB_SLICE * max(4, h.element_size())))
+        normaliser = model.readout_normaliser(h, read, at_once).unflatten(0, (copies, n))
+    return task.from_rows(rows, data, columns, normaliser)
 
 
 def read_quantities(
@@ -125,28 +106,22 @@ def read_quantities(
     chunk_mb: float,
 ) -> Float[Tensor, "copies n Q"]:
     """Task quantities [copies, n, Q] of a stacked batch h [copies*n, pos, d] read at `read` [copies*n, P]:
-    where the task reads its quantities from a few rows of the vocabulary (Task.vocab_rows), those rows'
-    logits of every copy; else the logits of as many copies as fit in `chunk_mb` at a time (copies x
-    prompts x positions x vocabulary would not fit when a task reads every position, as next-token loss
-    does); where one copy's do not fit, that copy's prompts a slice at a time (in_slices), their
-    quantities joined."""
+    where the task reads its quantities from a few rows of the vocabulary, from those (rows_quantities);
+    else the logits of as many copies as fit in `chunk_mb` at a time; where one copy's do not fit, that
+    copy's prompts a slice at a time (in_slices), their quantities joined."""
     n, copies = data.n, h.shape[0] // data.n
-    columns = range(len(task.quantities))
-    ids = task.vocab_rows(data, columns)
-    if ids is not None:  # a few rows of the vocabulary: every copy at once
-        at_rows = model.readout_rows(h, read, ids.repeat(copies, 1))
-        return task.from_rows(at_rows.unflatten(0, (copies, n)), data, columns)
+    from_rows = rows_quantities(model, task, h, read, data, range(len(task.quantities)), chunk_mb)
+    if from_rows is not None:
+        return from_rows
     step = copies_per_readout(model, data, read.shape[1], h, chunk_mb)
     parts: list[Tensor] = []
     one_prompt_mb = read.shape[1] * model.vocab_size * h.element_size() / 2**20
     if prompts_per_readout(model, read.shape[1], h, chunk_mb) < n or one_prompt_mb > chunk_mb:  # slices
         for first in range(0, copies * n, n):
             copy = slice(first, first + n)
-            quantities = in_position_slices(model, task, h[copy], read[copy], data, chunk_mb)
-            if quantities is None:
-                quantities = in_slices(
-                    model, h[copy], read[copy], chunk_mb, lambda rows, logits: task.per_prompt(logits, data.take(rows))
-                )
+            quantities = in_slices(
+                model, h[copy], read[copy], chunk_mb, lambda rows, logits: task.per_prompt(logits, data.take(rows))
+            )
             parts.append(quantities[None])
         return torch.cat(parts)
     for first in range(0, copies, step):
@@ -165,6 +140,8 @@ class Readouts:
     def __init__(self, model: HookedModel, task: Task, data: TaskData, chunk_mb: float):
         self.model, self.task, self.data, self.chunk_mb = model, task, data, chunk_mb
         self.results: dict[int, Tensor] = {}
+        # a task read from vocabulary rows holds no logits: NORMALISED_ROWS positions share a readout
+        self.by_rows = task.vocab_rows(data, range(len(task.quantities))) is not None
         self._indices: list[int] = []
         self._hidden: list[Tensor] = []
 
@@ -185,7 +162,10 @@ class Readouts:
             return
         hidden = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
         n, positions = self.data.n, hidden.shape[1]
-        step = copies_per_readout(self.model, self.data, positions, hidden, self.chunk_mb)
+        if self.by_rows:
+            step = max(1, NORMALISED_ROWS // (n * positions))
+        else:
+            step = copies_per_readout(self.model, self.data, positions, hidden, self.chunk_mb)
         ready = len(self._indices) if everything else len(self._indices) // step * step
         if ready:
             read = torch.arange(positions, device=hidden.device).expand(ready * n, -1)

@@ -86,7 +86,7 @@ def execute_run(
         seconds = time.perf_counter() - started
         data = ctx.get_data()
         shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
-        reads = reads_at_once(ctx.get_task(), data, shape.vocab, cfg.engine.chunk_mb)
+        reads = reads_at_once(ctx.get_task(), data)
         plan = predict(cfg, shape, data, reads, baseline, tokenizer)
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(key, ctx.timings, {"study": study.name, **ctx.meta}))

@@ -207,22 +207,24 @@ class Task:
         """logits [..., n, P, vocab] at data.positions -> quantities [..., n, Q]."""
         raise NotImplementedError
 
-    def at_positions(self, data: TaskData, read: slice) -> TaskData | None:
-        """The prompts `data` read at their read positions `read` alone (data.positions[:, read]), where
-        each quantity is a sum over the read positions, so that per_prompt of the slices adds up to
-        per_prompt of the whole (next-token loss); None (the default): a quantity reads every one of a
-        prompt's positions at once."""
-        return None
-
     def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor | None:
-        """Token ids [n, R] whose logits alone give the quantities `columns` (from_rows computes them), so
-        that a readout unembeds R rows, not the vocabulary (HookedModel.readout_rows); None (the default):
-        one of them needs the whole vocabulary (a probability, a loss)."""
+        """Token ids [n, R] (the same at every read position) or [n, P, R] (a read position's own) whose
+        logits alone, with the softmax's normaliser where `needs_normaliser`, give the quantities `columns`
+        (from_rows computes them), so that a readout unembeds R rows, not the vocabulary
+        (HookedModel.readout_rows), and never holds a position's whole logits; None (the default): one of
+        them needs the whole vocabulary's logits."""
         return None
 
-    def from_rows(self, rows: Tensor, data: TaskData, columns: Sequence[int]) -> Tensor:
-        """rows [..., n, P, R], the logits at data.positions and vocab_rows' ids -> quantities [..., n,
-        len(columns)], equal to per_prompt's columns."""
+    def needs_normaliser(self, columns: Sequence[int]) -> bool:
+        """Whether from_rows needs, for `columns`, the log of the softmax's normaliser at each read position
+        (a probability, a loss: HookedModel.readout_normaliser); False (the default): the rows alone."""
+        return False
+
+    def from_rows(
+        self, rows: Tensor, data: TaskData, columns: Sequence[int], normaliser: Tensor | None = None
+    ) -> Tensor:
+        """rows [..., n, P, R], the logits at data.positions and vocab_rows' ids, and where needs_normaliser
+        the normaliser [..., n, P] -> quantities [..., n, len(columns)], equal to per_prompt's columns."""
         raise NotImplementedError(f"task {self.name} reads its quantities from the whole vocabulary")
 
     def prompt_start(self) -> str | None:

@@ -252,16 +252,26 @@ class IOITask(Task):
         return torch.stack([diff, io_prob, (diff > 0).float()], dim=-1)
 
     def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor | None:
-        """[n, 2]: IO's and S's ids, from which logit_diff and accuracy follow (io_prob needs every row)."""
-        if PROB in columns:
-            return None
+        """[n, 2]: IO's and S's ids, from which every quantity follows (io_prob with the normaliser)."""
         return torch.stack([data.answers["io"], data.answers["s"]], dim=-1)
 
-    def from_rows(self, rows: Tensor, data: TaskData, columns: Sequence[int]) -> Tensor:
+    def needs_normaliser(self, columns: Sequence[int]) -> bool:
+        return PROB in columns
+
+    def from_rows(
+        self, rows: Tensor, data: TaskData, columns: Sequence[int], normaliser: Tensor | None = None
+    ) -> Tensor:
         at_end = rows[..., 0, :]
         at_end = at_end.float() if at_end.element_size() < 4 else at_end
         diff = at_end[..., 0] - at_end[..., 1]
-        return torch.stack([diff if c == 0 else (diff > 0).float() for c in columns], dim=-1)
+
+        def column(c: int) -> Tensor:
+            if c == PROB:
+                assert normaliser is not None, "io_prob needs the normaliser (needs_normaliser)"
+                return torch.exp(at_end[..., 0] - normaliser[..., 0])
+            return diff if c == 0 else (diff > 0).float()
+
+        return torch.stack([column(c) for c in columns], dim=-1)
 
     def train_batch(self, generator: torch.Generator, batch: int, step: int = 0) -> tuple[Tensor, Tensor]:
         """IOI prompts over the training names; the loss is taken at END only (target: IO)."""

@@ -94,12 +94,18 @@ PROB = 1  # answer_prob's column: a softmax over the whole vocabulary
 
 
 def quantities_at(
-    logits: Tensor, answer: Tensor, wrong: Tensor, peer: str | None = None, with_prob: bool = True
+    logits: Tensor,
+    answer: Tensor,
+    wrong: Tensor,
+    peer: str | None = None,
+    rows_only: bool = False,
+    normaliser: Tensor | None = None,
 ) -> Tensor:
     """logits [..., n, vocab] at the read positions, answer [n, A] and wrong [n, W] token ids (-1 pads
     the lists) -> [..., n, 3]: logit_diff, answer_prob, correct; [..., n, 4] with the peer's logit
-    difference after them where a peer is named. Without `with_prob`, answer_prob is NaN: `logits` may
-    then hold some rows of the vocabulary alone."""
+    difference after them where a peer is named. `rows_only`: `logits` holds some rows of the vocabulary
+    alone, and answer_prob comes from `normaliser` [..., n], the log of the softmax's normaliser (NaN
+    without it)."""
     logits = logits.float() if logits.element_size() < 4 else logits  # half precision: sum in float32
 
     def gathered(ids: Tensor) -> Tensor:
@@ -110,8 +116,10 @@ def quantities_at(
     right_ok, wrong_ok = (answer >= 0).to(logits.device), (wrong >= 0).to(logits.device)
     right_best = right.masked_fill(~right_ok, float("-inf"))
     diff = right_best.amax(-1) - wrong_.masked_fill(~wrong_ok, float("-inf")).amax(-1)
-    if with_prob:
+    if not rows_only:
         prob = torch.exp(right_best - torch.logsumexp(logits, -1, keepdim=True)).sum(-1)
+    elif normaliser is not None:
+        prob = torch.exp(right_best - normaliser.to(logits.device, logits.dtype).unsqueeze(-1)).sum(-1)
     else:
         prob = torch.full_like(diff, float("nan"))
     columns = [diff, prob, (diff > 0).float()]
@@ -197,20 +205,24 @@ class PromptsTask(Task):
         return quantities_at(logits[..., 0, :], data.answers["answer"], data.answers["wrong_answer"], self.peer)
 
     def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor | None:
-        """[n, A + W]: the answer and wrong-answer ids (-1 pads), from which every quantity but
-        answer_prob follows."""
-        if PROB in columns:
-            return None
+        """[n, A + W]: the answer and wrong-answer ids (-1 pads), from which every quantity follows
+        (answer_prob with the normaliser)."""
         return torch.cat([data.answers["answer"], data.answers["wrong_answer"]], dim=-1)
 
-    def from_rows(self, rows: Tensor, data: TaskData, columns: Sequence[int]) -> Tensor:
-        """quantities_at on the rows alone, the answers laid out as vocab_rows lays them (no softmax)."""
+    def needs_normaliser(self, columns: Sequence[int]) -> bool:
+        return PROB in columns
+
+    def from_rows(
+        self, rows: Tensor, data: TaskData, columns: Sequence[int], normaliser: Tensor | None = None
+    ) -> Tensor:
+        """quantities_at on the rows alone, the answers laid out as vocab_rows lays them."""
         width = data.answers["answer"].shape[-1]
         right, wrong = data.answers["answer"], data.answers["wrong_answer"]
         at = torch.arange(rows.shape[-1], device=right.device)
         local_right = torch.where(right >= 0, at[:width], -1)
         local_wrong = torch.where(wrong >= 0, at[width:], -1)
-        every = quantities_at(rows[..., 0, :], local_right, local_wrong, self.peer, with_prob=False)
+        at_end = None if normaliser is None else normaliser[..., 0]
+        every = quantities_at(rows[..., 0, :], local_right, local_wrong, self.peer, True, at_end)
         return every[..., list(columns)]
 
     def _scores(self, model: Any, inputs: Inputs, positions: Tensor, answer: Tensor, wrong: Tensor) -> Tensor:

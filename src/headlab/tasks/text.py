@@ -13,19 +13,18 @@ of the corpus), so the bootstrap resamples documents. The reference set of mean 
 is the corpus itself, in a shuffled cyclic order (document i's resample source is another document).
 Mean ablation for text wants `ablate.mean_over=tokens` (one mean per head over every real token).
 
-Memory: the metric reads logits at every position, seq_len - 1 per document. The engine reads out as many
-interventions' copies of the corpus at once as fit in `engine.chunk_mb` of logits, and where one copy's do not,
-a slice of its documents at a time (interventions/readout.py), one document at least: a sweep holds at most
-max(engine.chunk_mb, (seq_len - 1) x vocabulary x 4 bytes) of logits at once (64-token documents of
-gemma3-270m, 262,144 tokens: one document's 63 MB, where the atlas's 3 documents together were 198 MB and
-64 documents of 128 tokens would be 8,128 MB), besides the stacked activations that `engine.chunk_mb` bounds;
-the loss itself is computed LOSS_SLICE_ELEMENTS logits at a time.
+Memory: the loss reads every position, seq_len - 1 per document, but never a position's whole logits: a
+sweep reads each position's target row and the softmax's normaliser, a slice of the vocabulary at a time
+(Task.vocab_rows, interventions/readout.py), at most `engine.chunk_mb` of logits at once however long the
+document (gemma3-270m's 262,144-token vocabulary would be 1 MB of float32 logits a position). per_prompt,
+from whole logits, computes the loss LOSS_SLICE_ELEMENTS logits at a time.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -129,10 +128,6 @@ class TextTask(Task):
             reference={"input_ids": ids[source], "attention_mask": mask[source]},
         )
 
-    def at_positions(self, data: TaskData, read: slice) -> TaskData:
-        """A slice of the predicted tokens: the loss sums and counts of the slices add up to the whole's."""
-        return replace(data, positions=data.positions[:, read], answers={"target": data.answers["target"][:, read]})
-
     def per_prompt(self, logits: Tensor, data: TaskData) -> Tensor:
         target = data.answers["target"].to(logits.device).expand(logits.shape[:-1])
         flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
@@ -146,8 +141,30 @@ class TextTask(Task):
                 for s in range(0, flat_target.shape[0], step)
             ]
         ).view(target.shape)
-        counted = (target != IGNORE).to(losses.dtype)
-        return torch.stack([losses.sum(-1), counted.sum(-1)], dim=-1)
+        return _sums(losses, target)
+
+    def vocab_rows(self, data: TaskData, columns: Sequence[int]) -> Tensor:
+        """[n, P, 1]: each read position's next token (a padded one reads row 0, its loss not counted)."""
+        return data.answers["target"].unsqueeze(-1)
+
+    def needs_normaliser(self, columns: Sequence[int]) -> bool:
+        return True
+
+    def from_rows(
+        self, rows: Tensor, data: TaskData, columns: Sequence[int], normaliser: Tensor | None = None
+    ) -> Tensor:
+        """A token's loss is the normaliser less its logit: cross_entropy's, without the vocabulary's logits."""
+        assert normaliser is not None, "the loss needs the normaliser (needs_normaliser)"
+        target = data.answers["target"].to(rows.device).expand(rows.shape[:-1])
+        logit = rows[..., 0].float() if rows.element_size() < 4 else rows[..., 0]
+        losses = (normaliser.to(logit.dtype) - logit).masked_fill(target == IGNORE, 0.0)
+        return _sums(losses, target)[..., list(columns)]
+
+
+def _sums(losses: Tensor, target: Tensor) -> Tensor:
+    """[..., n, P] token losses -> [..., n, 2]: each document's loss sum and its count of predicted tokens."""
+    counted = (target != IGNORE).to(losses.dtype)
+    return torch.stack([losses.sum(-1), counted.sum(-1)], dim=-1)
 
 
 TASK = TextTask  # found by tasks/registry.py
