@@ -6,6 +6,7 @@ pre-hook on o_proj."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,14 @@ def test_induction_score_equals_eager_attention_by_hand(llama):
     scores = table[table["metric"] == "induction_score"]
     assert (scores["n"] == N).all() and (scores["ci_low"] <= scores["value"]).all()
     assert (scores["value"] <= scores["ci_high"]).all()
+
+
+def test_top_k_zero_gives_the_scores_alone(llama):
+    model, _, table = llama
+    task = headlab.load_task("counting", n_prompts=4)
+    alone = headlab.scores(model, task, kind="induction", seed=SEED, repeat_len=T, n_sequences=N, top_k=0, n_boot=50)
+    assert set(alone["method"]) == {"score"}
+    pd.testing.assert_frame_equal(alone, table[table["method"] == "score"][alone.columns].reset_index(drop=True))
 
 
 def test_repeat_loss_equals_plain_cross_entropy(llama):

@@ -156,6 +156,10 @@ def test_the_study_and_the_cli_on_the_saved_copy_model(tmp_path):
     assert drops["top1"] > 0.5 and all(drops[f"random1_{d}"] == 0 for d in range(3)), drops
     # the planted copy head is an induction head too: the top retrieval head is the top induction head
     assert table.loc[table["metric"] == "top_k_induction_overlap", "value"].tolist() == [1.0]
+    alone = headlab.scores(model, task, kind="retrieval", n_prompts=24, n_boot=20, top_k=0)  # no masking
+    assert set(alone["metric"]) == {"retrieval_score"}
+    scored = table[table["metric"] == "retrieval_score"][alone.columns]
+    pd.testing.assert_frame_equal(alone, scored.reset_index(drop=True))
 
     overrides = [f"task.{k}={v}" for k, v in NEEDLE_CFG.items()]
     done = run_headlab(

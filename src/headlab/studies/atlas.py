@@ -74,13 +74,10 @@ def ranked(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def fitted(options: AtlasOptions, cfg: Config) -> AtlasOptions:
-    """The options a toy model allows: BOS and two copies of the repeat within n_ctx; at most half its heads
-    ablated together, so that random draws of as many others exist."""
+    """The options a toy model allows: BOS and two copies of the repeat within n_ctx."""
     if option(cfg.model.kind) != "toy":
         return options
-    repeat_len = min(options.repeat_len, (cfg.model.n_ctx - 1) // 2)
-    top_k = min(options.top_k, max(1, cfg.model.n_layers * cfg.model.n_heads // 2))
-    return dataclasses.replace(options, repeat_len=repeat_len, top_k=top_k)
+    return dataclasses.replace(options, repeat_len=min(options.repeat_len, (cfg.model.n_ctx - 1) // 2))
 
 
 def run(ctx: RunContext) -> pd.DataFrame:

@@ -53,8 +53,6 @@ class AtlasOptions(StudyOptions):
     text_docs: int = setting(3, COUNT)  # next-token loss ablation of every head: documents of data/alice.txt
     text_len: int = setting(64, at_least(2))  # tokens per document (ablation, sinks and attention statistics)
     needle_prompts: int = setting(20, COUNT)  # retrieval: needle prompts over a data/alice.txt haystack
-    # induction and retrieval: their best heads ablated (masked) together, against one random draw
-    top_k: int = setting(5, COUNT)
     partners: int = setting(3, NATURAL)  # composition partners per head, mode and direction on its card
 
 
@@ -211,8 +209,7 @@ PROBES: list[Probe] = [
             "study.icl_text=''",  # the ICL score's ablations on 512-token text: no atlas score reads them
             f"study.n_sequences={o.repeat_sequences}",
             f"study.repeat_len={o.repeat_len}",
-            f"study.top_k={o.top_k}",
-            "study.n_random=1",
+            "study.top_k=0",  # the scores alone: the best heads' joint ablation is no atlas score
         ],
         False,
         score_rows({n: n for n in ("prev_token_score", "duplicate_token_score", "induction_score")}),
@@ -308,8 +305,7 @@ PROBES: list[Probe] = [
             f"task.haystack={CORPUS}",
             f"task.n_prompts={o.needle_prompts}",
             "study=retrieval",
-            f"study.top_k={o.top_k}",
-            "study.n_random=1",
+            "study.top_k=0",  # the scores alone: no masking, no overlap with the induction heads
             # 0.2's short cue prompt (an induction head can copy the needle on), needle-length greedy answers
             # scored on tokens, masking teacher-forced, no induction overlap
             "task.prompt=cue",

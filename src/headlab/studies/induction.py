@@ -16,7 +16,8 @@ Rows:
                 repeat_loss_drop (analysis/induction.py) and second_copy_loss_increase (ablated minus
                 clean, paired over sequences); and on the text sequences, the same runs' loss_50th_token,
                 loss_500th_token and icl_score (analysis/induction.py; left out, with a note, for a model
-                without tokenizer or of fewer positions)
+                without tokenizer or of fewer positions); `study.top_k=0` leaves this part out, the
+                scores alone
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
     model = ctx.get_model(runs_task=False)  # its own random-token sequences: any model, whatever the task
     text = _icl_sequences(ctx, model, icl_file, sc.icl_len)
     n_total = model.n_layers * model.n_heads
-    if not 1 <= sc.top_k <= n_total:
-        raise UsageError(f"study.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
+    if not 0 <= sc.top_k <= n_total:
+        raise UsageError(f"study.top_k must lie in 0..{n_total} (the heads of {model.name}), not {sc.top_k}")
     # a toy model's own small vocabulary holds fewer distinct tokens than repeat_len (as score_table does)
     seq_len = max(2, min(sc.repeat_len, len(ordinary_ids(model))))
     if seq_len < sc.repeat_len:
@@ -92,6 +93,21 @@ def run(ctx: RunContext) -> pd.DataFrame:
         scores = induction_scores(model, sc.n_sequences, seq_len, seed=cfg.seed)  # [layer, head, n, 4]
     per_head = scores.flatten(0, 1).numpy().astype(np.float64)  # [layer * head, n, 4], layer-major
     induction = per_head[..., SEQ_SCORES.index("induction_score")].mean(1)
+    parts = [_score_rows(per_head, model.n_heads, info, cfg.output.n_boot)]
+    ctx.meta.update(
+        {
+            "top_induction_heads": [
+                f"{head_name(*divmod(int(i), model.n_heads))} {induction[i]:.3f}"
+                for i in np.argsort(-induction, kind="stable")[:TOP_HEADS]
+            ],
+            "top_k": sc.top_k,
+            "repeat_len": seq_len,
+            "n_sequences": sc.n_sequences,
+            "model_family": model.family,
+        }
+    )
+    if sc.top_k == 0:  # the scores alone (the atlas's probe)
+        return results.conform(pd.concat(parts, ignore_index=True))
     top = top_heads(torch.from_numpy(induction), model.n_heads, sc.top_k)
     avoid = avoided_heads(torch.from_numpy(induction), model.n_heads, sc.top_k, sc.random_outside)
     draws, apart = random_heads(model.n_layers, model.n_heads, avoid, sc.top_k, sc.n_random, cfg.seed)
@@ -102,7 +118,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     with ctx.timed("ablation"):
         losses = ablated_repeat_loss(model, data, [top, *draws], seed=cfg.seed).cpu().numpy().astype(np.float64)
     groups = [f"top{sc.top_k}", *(f"random{sc.top_k}_{d}" for d in range(len(draws)))]
-    parts = [_score_rows(per_head, model.n_heads, info, cfg.output.n_boot), _ablation_rows(losses, groups, info, cfg)]
+    parts.append(_ablation_rows(losses, groups, info, cfg))
     if text is not None:
         with ctx.timed("icl"):
             sequences = icl_data(text).to(str(model.input_device))
@@ -123,10 +139,6 @@ def run(ctx: RunContext) -> pd.DataFrame:
     second = losses[..., REPEAT_QUANTITIES.index("second_copy_loss")].mean(1)  # [1 + groups]
     ctx.meta.update(
         {
-            "top_induction_heads": [
-                f"{head_name(*divmod(int(i), model.n_heads))} {induction[i]:.3f}"
-                for i in np.argsort(-induction, kind="stable")[:TOP_HEADS]
-            ],
             "ablated_top_heads": [head_name(*h) for h in top],
             "ablated_random_heads": [[head_name(*h) for h in heads] for heads in draws],
             "first_copy_loss": float(losses[0, :, 0].mean()),
@@ -134,12 +146,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
             "second_copy_loss_top_k_ablated": float(second[1]),
             "second_copy_loss_random_k_ablated": [float(s) for s in second[2:]],
             "second_copy_loss_random_k_ablated_mean": float(second[2:].mean()) if len(draws) else None,
-            "top_k": sc.top_k,
             "n_random": sc.n_random,
-            "repeat_len": seq_len,
-            "n_sequences": sc.n_sequences,
             "ablation": "each head's output (z, before W_O) zeroed at every position, the group together",
-            "model_family": model.family,
         }
     )
     return results.conform(table)

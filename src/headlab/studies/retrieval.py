@@ -21,7 +21,7 @@ Rows:
                 "random{k}_{draw}" (`study.n_random` draws of k heads from outside the top
                 max(top_k, `study.random_outside`)): metrics needle_recall (greedy masking: the response's
                 recall; teacher-forced: the copy steps', and needle_logprob) and needle_recall_drop (clean
-                minus masked, paired over prompts)
+                minus masked, paired over prompts); `study.top_k=0` leaves masking and overlap out
   overlap       intervention "none", method "overlap", metric top_k_induction_overlap: how many of the
                 top_k retrieval heads are among the top_k heads by induction score (analysis/scores.py's
                 induction_scores on `study.overlap_sequences` repeated random sequences; 0 leaves it out)
@@ -74,7 +74,7 @@ INDUCTION_REPEAT = 50  # the induction study's repeated random tokens (study=ind
 class HeadSetOptions(StudyOptions):
     """The top heads knocked out together, against random draws of as many others (retrieval, induction)."""
 
-    top_k: int = setting(5, COUNT)  # heads masked (retrieval) or zero-ablated (induction) together
+    top_k: int = setting(5, NATURAL)  # heads masked (retrieval) or zero-ablated (induction) together; 0: none
     n_random: int = setting(5, NATURAL)  # draws of as many random other heads, for the baseline
     # random draws stay out of the top `random_outside` heads by score: Wu et al.'s code draws outside its
     # top 100 (of 1024 heads); on a model with fewer heads, as many as leave top_k to draw from
@@ -117,8 +117,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
     model, task = ctx.get_model(), ctx.get_task()
     assert isinstance(task, NeedleTask)
     n_total = model.n_layers * model.n_heads
-    if not 1 <= sc.top_k <= n_total:
-        raise UsageError(f"study.top_k must lie in 1..{n_total} (the heads of {model.name}), not {sc.top_k}")
+    if not 0 <= sc.top_k <= n_total:
+        raise UsageError(f"study.top_k must lie in 0..{n_total} (the heads of {model.name}), not {sc.top_k}")
     sets = _prompt_sets(ctx, model, task)
     found, seconds = [], {}
     for length, _, data in sets:
@@ -139,24 +139,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         )
     info = run_info(cfg)
     scores = pooled.mean(sc.min_recall)
-    top = top_heads(scores, model.n_heads, sc.top_k)
-    avoid = avoided_heads(scores, model.n_heads, sc.top_k, sc.random_outside)
-    draws, apart = random_heads(model.n_layers, model.n_heads, avoid, sc.top_k, sc.n_random, cfg.seed)
-    if not apart:
-        ctx.note(f"fewer than {sc.top_k} heads besides the top {len(avoid)}: random draws may include top heads")
-    with ctx.timed("masking"):
-        quantities, names = _masked(ctx, model, sets, found, [top, *draws])
-    groups = [f"top{sc.top_k}", *(f"random{sc.top_k}_{d}" for d in range(len(draws)))]
-    parts = [
-        _score_rows(pooled.scores.numpy(), counted.numpy(), model.n_heads, info, cfg.output.n_boot),
-        _mask_rows(quantities, names, groups, info, cfg.output.n_boot),
-    ]
-    shared = None
-    if sc.overlap_sequences:
-        with ctx.timed("induction_scores"):
-            shared = _induction_overlap(model, top, sc.overlap_sequences, cfg.seed)
-        parts.append(_overlap_rows(len(shared), sc.top_k, info))
-    recall = quantities[..., names.index("needle_recall")].mean(1)  # [1 + groups]
+    parts = [_score_rows(pooled.scores.numpy(), counted.numpy(), model.n_heads, info, cfg.output.n_boot)]
     ctx.meta.update(
         {
             "top_retrieval_heads": [
@@ -182,6 +165,33 @@ def run(ctx: RunContext) -> pd.DataFrame:
                 for (length, _, data), got in zip(sets, found)
             },
             "answers": _answers(model, pooled.answers),
+            "top_k": sc.top_k,
+            "min_recall": sc.min_recall,
+            "n_prompts": int(sum(data.n for _, _, data in sets)),
+            "n_scored_prompts": int(counted.sum()),
+            "needle_len": needle_length(sets[0][2]),
+            "model_family": model.family,
+        }
+    )
+    if sc.top_k == 0:  # the scores alone (the atlas's probe)
+        return results.conform(pd.concat(parts, ignore_index=True))
+    top = top_heads(scores, model.n_heads, sc.top_k)
+    avoid = avoided_heads(scores, model.n_heads, sc.top_k, sc.random_outside)
+    draws, apart = random_heads(model.n_layers, model.n_heads, avoid, sc.top_k, sc.n_random, cfg.seed)
+    if not apart:
+        ctx.note(f"fewer than {sc.top_k} heads besides the top {len(avoid)}: random draws may include top heads")
+    with ctx.timed("masking"):
+        quantities, names = _masked(ctx, model, sets, found, [top, *draws])
+    groups = [f"top{sc.top_k}", *(f"random{sc.top_k}_{d}" for d in range(len(draws)))]
+    parts.append(_mask_rows(quantities, names, groups, info, cfg.output.n_boot))
+    shared = None
+    if sc.overlap_sequences:
+        with ctx.timed("induction_scores"):
+            shared = _induction_overlap(model, top, sc.overlap_sequences, cfg.seed)
+        parts.append(_overlap_rows(len(shared), sc.top_k, info))
+    recall = quantities[..., names.index("needle_recall")].mean(1)  # [1 + groups]
+    ctx.meta.update(
+        {
             "masked_top_heads": [head_name(*h) for h in top],
             "masked_random_heads": [[head_name(*h) for h in heads] for heads in draws],
             "masking": sc.masking,
@@ -191,14 +201,8 @@ def run(ctx: RunContext) -> pd.DataFrame:
             "recall_random_k_masked_mean": float(recall[2:].mean()) if len(draws) else None,
             "top_k_induction_overlap": None if shared is None else len(shared),
             "top_k_also_induction": None if shared is None else [head_name(*h) for h in shared],
-            "top_k": sc.top_k,
             "n_random": sc.n_random,
             "random_outside": len(avoid),
-            "min_recall": sc.min_recall,
-            "n_prompts": int(sum(data.n for _, _, data in sets)),
-            "n_scored_prompts": int(counted.sum()),
-            "needle_len": needle_length(sets[0][2]),
-            "model_family": model.family,
         }
     )
     return results.conform(pd.concat(parts, ignore_index=True))
