@@ -56,7 +56,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     for key, value in run_info(ctx.cfg).items():
         table[key] = value
     ctx.meta.update({"model_family": model.family, "n_pairs": int(found.scores["q"].isfinite().sum())})
-    ctx.meta["weights"] = _processing(model, fold)
+    ctx.meta["weight_processing"] = _processing(model, fold)  # "weights" is the model's provenance
     # no hook: the scores are read off the weights, not off an activation TransformerLens hooks
     return results.conform(table.assign(intervention="none", method="score", n=1))
 
