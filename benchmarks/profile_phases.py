@@ -16,7 +16,8 @@ products of the model's MLP width), ops_share (the operators' time over the phas
 what is left is Python, hooks and the timers' own cost between operators), and the five operators with
 the most time. A phase below half the peak says why on its line: `python` where
 ops_share is under 0.5, `memory` where copies and elementwise operators take more time than the
-products, else `small products`.
+products, `float64` where most of its products are in float64 (half the float32 rate: the composition
+scores, compared with TransformerLens's to 1e-9), else `small products`.
 
 Run from the repo root: .venv/bin/python benchmarks/profile_phases.py ioi [model=gemma3-270m]
                         .venv/bin/python benchmarks/profile_phases.py atlas [model=smollm2-135m]
@@ -71,17 +72,21 @@ class OpTimes(TorchDispatchMode):
         super().__init__()
         self.seconds: dict[str, float] = defaultdict(float)
         self.flops = 0
+        self.flops64 = 0  # of those, in float64: half the float32 peak's rate at best
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         start = time.perf_counter()
         out = func(*args, **kwargs)
         self.seconds[str(func.overloadpacket.__name__)] += time.perf_counter() - start
-        packet = func.overloadpacket
+        packet, flops = func.overloadpacket, 0
         if packet in flop_registry:
-            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
         elif packet.__name__ in COMPOSITES:
-            self.flops += COMPOSITES[packet.__name__](args, out)
+            flops = COMPOSITES[packet.__name__](args, out)
+        self.flops += flops
+        if flops and isinstance(out, torch.Tensor) and out.dtype == torch.float64:
+            self.flops64 += flops
         return out
 
 
@@ -114,6 +119,7 @@ class Phases:
 
     def __init__(self) -> None:
         self.flops: dict[str, float] = defaultdict(float)
+        self.flops64: dict[str, float] = defaultdict(float)
         self.wall: dict[str, float] = defaultdict(float)
         self.ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.depth = 0
@@ -133,6 +139,7 @@ class Phases:
             self.depth -= 1
             self.wall[stage] += time.perf_counter() - start
             self.flops[stage] += ops.flops
+            self.flops64[stage] += ops.flops64
             for name, seconds in ops.seconds.items():
                 self.ops[stage][name] += seconds
 
@@ -163,11 +170,13 @@ def profiled_pass(runs: list[list[str]], root: str) -> Phases:
     return phases
 
 
-def why_below(ops: dict[str, float], ops_share: float) -> str:
+def why_below(ops: dict[str, float], ops_share: float, float64_share: float) -> str:
     products = sum(v for k, v in ops.items() if k in PRODUCTS)
     rest = sum(ops.values()) - products
     if ops_share < 0.5:
         return "python"
+    if float64_share > 0.5:
+        return "float64"
     return "memory" if rest > products else "small products"
 
 
@@ -211,8 +220,11 @@ def main() -> None:
             share = gflop / max(wall, 1e-9) / peak
             line += f"  gflop {gflop:.1f}  gflops {gflop / max(wall, 1e-9):.1f}  peak_share {share:.2f}"
             line += f"  ops_share {min(ops_share, 1.0):.2f}"
+            float64_share = phases.flops64[stage] / max(phases.flops[stage], 1)
+            if float64_share:
+                line += f"  float64_share {float64_share:.2f}"
             if share < 0.5 and wall > 1:
-                line += f"  below_half: {why_below(ops, ops_share)}"
+                line += f"  below_half: {why_below(ops, ops_share, float64_share)}"
             top = sorted(ops.items(), key=lambda kv: -kv[1])[:5]
             line += "\n    top ops: " + ", ".join(f"{k} {v:.1f}s" for k, v in top)
         lines.append(line)
