@@ -87,7 +87,7 @@ threads-bench: $(STAMP)  # a run beside a busy process: headlab's own thread cou
 	$(BIN)/python benchmarks/threads_busy.py
 
 .PHONY: plan-bench
-plan-bench: $(STAMP)  # headlab plan against what each sweep, attribution, IOI-classes and EAP-IG run measured (smollm2-135m, gemma3-270m; IOI, text, an 8K-token document; Llama-3.1-8B planned only): docs/benchmarks/plan_accuracy.txt, ~30 min
+plan-bench: $(STAMP)  # headlab plan against what each sweep, attribution, IOI-classes, EAP-IG and atlas run measured (smollm2-135m, gemma3-270m; IOI, text, an 8K-token document; Llama-3.1-8B planned only): docs/benchmarks/plan_accuracy.txt, ~30 min
 	$(BIN)/python benchmarks/plan_accuracy.py --out docs/benchmarks/plan_accuracy.txt
 
 .PHONY: streamed-bench

@@ -48,6 +48,9 @@ CASES = {
         "model=smollm2-135m", "task=ioi", "task.n_prompts=4", "circuit=eap_ig_activations", "study.steps=1",
         "study.faithfulness=false",
     ],
+    # every probe planned as the atlas composes it, the sweeps as `headlab plan` plans them (studies/atlas_plan.py)
+    "smollm2_atlas": ["model=smollm2-135m", "study=atlas"],
+    "gemma3_atlas": ["model=gemma3-270m", "study=atlas"],
     # long prompts: one document of data/devil.txt's entries joined ({long}); its head sweep takes an hour on 2
     # cores, so its layers are run: the same caches and readouts, a ninth of the interventions
     "smollm2_text_8k_layers": [

@@ -226,7 +226,7 @@ def test_the_study_writes_one_row_per_pair_mode_and_channel(tiny_hf_dir, tmp_pat
     assert row[row["head"] == 1]["value"].item() == pytest.approx(explicit(model, "k", 0, 2, 2, 1)[0], rel=1e-9)
     assert (result.run_dir / "figures" / "composition_k_composition.png").is_file()
     meta = json.loads((result.run_dir / "meta.json").read_text())
-    assert meta["weight_processing"].startswith("raw")  # study.fold_norms=false: the processing is named with the numbers
+    assert meta["weight_processing"].startswith("raw")  # study.fold_norms=false: named beside the numbers
     done = run_headlab(  # the command line prints the model's provenance beside it
         "run", "model=hf", f"model.path={path}", "model.name=neox", "scores=composition", "scores.channels=0",
         f"output.root={tmp_path}", f"hydra.run.dir={tmp_path / 'cli'}", cwd=tmp_path,

@@ -17,9 +17,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import headlab
 from conftest import error_line, run_headlab
 from headlab import planning
+from headlab.analysis.head_composition import composition
 from headlab.flops import block_flops as planning_block
 from headlab.flops import circuit_gflop, sweep_gflop
 from headlab.planning import shape_of_model, working_mb
+from headlab.studies.atlas_plan import composition_gflop
+from headlab.studies.atlas_probes import AtlasOptions, text_overrides
 from headlab.studies.context import EVAL_SEED_OFFSET
 
 
@@ -279,3 +282,36 @@ def test_a_path_patching_rounds_flops_are_what_it_executes(llama_dir, role, rece
     last = data.positions.max(1).values
     counted = path_round_flops(s, data.token_positions[role], last, layer) + runs
     assert 0.85 < counted / counter.get_total_flops() < 1.2, counted / counter.get_total_flops()
+
+
+def test_the_atlas_is_planned_probe_by_probe_and_its_run_checks_it(llama_dir, tmp_path):
+    """Composition's count is what torch counts of its products; the atlas's plan sums its probes' (each
+    ablation probe's the plan of its own sweep's command) and the atlas run writes it beside what it measured."""
+    model = headlab.load_model(str(llama_dir))
+    with FlopCounterMode(display=False) as counted:
+        composition(model, channels=0)
+    assert composition_gflop(shape_of_model(model)) == pytest.approx(counted.get_total_flops() / 1e9, rel=0.02)
+    small = ["study.ioi_prompts=4", "study.copy_prompts=6", "study.text_docs=2", "study.text_len=24"]
+    args = ("model=hf", f"model.path={llama_dir}", "study=atlas", *small, "study.needle_prompts=4")
+    plan = headlab.plan(*args)
+    probes = dict(re.findall(r"(\w+) ([\d.]+) s", plan.work))
+    assert set(probes) == {
+        "attention",
+        "induction",
+        "copy",
+        "sinks",
+        "needle_copy",
+        "composition",
+        "ioi_ablation",
+        "text_ablation",
+    }
+    text = headlab.plan(
+        "model=hf", f"model.path={llama_dir}", *text_overrides(AtlasOptions(text_len=24), 2), "ablate=heads"
+    )
+    ioi = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=4", "ablate=heads")
+    assert plan.gflop > text.gflop + ioi.gflop and plan.seconds > text.seconds + ioi.seconds - 2 * planning.LOAD_FIXED_S
+    ran = run_headlab("run", *args, "output.n_boot=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["plan"]["study"] == "atlas" and meta["plan"]["gflop"] == pytest.approx(plan.gflop, abs=0.06)
+    assert 0.3 < meta["measured"]["peak_host_ratio"] < 3

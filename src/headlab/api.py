@@ -34,6 +34,7 @@ from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .models.loading import ModelConfig, ModelKind
 from .planning import Plan, plan_prompts
+from .studies.atlas_plan import atlas_plan
 from .studies.context import EVAL_SEED_OFFSET, RunContext, apply_threads
 from .studies.registry import get as get_study
 from .studies.registry import named_study, resolve
@@ -594,6 +595,8 @@ def plan(*overrides: str) -> Plan:
     """
     cfg = compose_config(overrides)
     apply_threads(cfg)
+    if cfg.study.name == "atlas":  # its probes' plans, summed (studies/atlas_plan.py)
+        return atlas_plan(cfg)
     if not cfg.engine.max_memory:
         return plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
     chosen, kept = within_budget(cfg)  # what the run sets to keep it (or the one-line refusal naming the least)

@@ -259,7 +259,8 @@ def check(ctx: typer.Context) -> None:
 
 @app.command(context_settings=PASS_THROUGH)
 def plan(ctx: typer.Context) -> None:
-    """What a run will need, before any weights are read: `headlab plan model=smollm2-135m task=ioi`."""
+    """What a run will need, before any weights are read: `headlab plan model=smollm2-135m task=ioi` (an atlas:
+    `headlab plan study=atlas model=...`)."""
     from . import api
 
     for line in api.plan(*ctx.args).lines():

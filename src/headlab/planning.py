@@ -63,8 +63,9 @@ SCORING_EFFICIENCY, CURVE_EFFICIENCY = 0.52, 0.43
 # (its receiver rounds counted with their receivers at the costliest single layer: receivers the run finds
 # over several layers cost somewhat more), smollm2-135m's 64 IOI prompts at 2 threads
 IOI_CLASSES_EFFICIENCY = 0.75
-TIMED = ("sweep", "circuit", "ioi_classes")  # the studies with a time model
-PLANNED = TIMED  # the studies whose runs write their plan beside what they measured
+TIMED = ("sweep", "circuit", "ioi_classes")  # the studies with a time model here
+# the studies whose runs write their plan beside what they measured (the atlas's: studies/atlas_plan.py)
+PLANNED = (*TIMED, "atlas")
 
 
 @dataclass

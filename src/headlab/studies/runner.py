@@ -33,6 +33,7 @@ from ..planning import (
     tokenizer_mb,
     working_mb,
 )
+from .atlas_plan import atlas_plan
 from .context import EVAL_SEED_OFFSET, RunContext, apply_threads
 from .registry import study_for
 from .study import Study
@@ -84,10 +85,12 @@ def execute_run(
     df = study.run(ctx)
     if study.name in PLANNED and ctx.model is not None:  # its plan beside what it measured: each run checks it
         seconds = time.perf_counter() - started
-        data = ctx.get_data()
-        shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
-        reads = reads_at_once(ctx.get_task(), data)
-        plan = predict(cfg, shape, data, reads, baseline, tokenizer)
+        if study.name == "atlas":
+            plan = atlas_plan(cfg, ctx.model, baseline)
+        else:
+            data = ctx.get_data()
+            shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
+            plan = predict(cfg, shape, data, reads_at_once(ctx.get_task(), data), baseline, tokenizer)
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(key, ctx.timings, {"study": study.name, **ctx.meta}))
     # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
