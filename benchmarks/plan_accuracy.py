@@ -48,6 +48,10 @@ CASES = {
         "model=smollm2-135m", "task=ioi", "task.n_prompts=4", "circuit=eap_ig_activations", "study.steps=1",
         "study.faithfulness=false",
     ],
+    # exact patching: a pass of blocks per edge from its receiver's layer on; two prompts keep it to minutes
+    "gemma3_ioi_exact": [
+        "model=gemma3-270m", "task=ioi", "task.n_prompts=2", "circuit=exact", "study.faithfulness=false",
+    ],
     # every probe planned as the atlas composes it, the sweeps as `headlab plan` plans them (studies/atlas_plan.py)
     "smollm2_atlas": ["model=smollm2-135m", "study=atlas"],
     "gemma3_atlas": ["model=gemma3-270m", "study=atlas"],

@@ -43,6 +43,13 @@ def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, fl
     return rows * tokens * per_token, rows * 4 * s.n_heads * s.d_head * pairs
 
 
+def read_block_flops(s: Shape, rows: int, tokens: int, reads: int) -> float:
+    """Matrix-product FLOPs of the last block where only `reads` positions a prompt are read (run_blocks'
+    `read`): its attention at every position, its MLP at the read ones."""
+    mlp = 2 * s.d_model * s.d_mlp * (3 if s.gated else 2)
+    return sum(block_flops(s, rows, tokens, s.n_layers - 1)) - rows * (tokens - reads) * mlp
+
+
 def forward_flops(s: Shape, rows: int, tokens: int) -> float:
     """Matrix-product FLOPs of a forward pass through every block over `rows` prompts of `tokens` positions."""
     return sum(sum(block_flops(s, rows, tokens, layer)) for layer in range(s.n_layers))
@@ -137,14 +144,14 @@ def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3) -> float:
 
 def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | None:
     """(EAP / EAP-IG's scoring, the faithfulness curve's) matrix-product GFLOP of study=circuit over the
-    prompts `data`, each pass over its prompts' groups of like length (lengths.parts, as they run); None for
-    exact patching (no time model yet).
+    prompts `data`, each pass over its prompts' groups of like length (lengths.parts, as they run).
 
     Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per
     gradient run (EAP one, EAP-IG `steps`, EAP-IG over activations `steps` per node; again at twice the steps
     with study.convergence), a forward pass (over activations: from the node's layer on), each block run
     again and its backward pass (two more), and every sender's difference times every receiver's gradient
-    (edges/eap.py). The curve: the
+    (edges/eap.py). Exact patching (edges/exact.py): the two recordings, then per edge into a layer's
+    receivers the blocks from that layer on over its prompts (edges into the logits read out alone). The curve: the
     two recordings (again for each bisection step where study.curve_prompts holds fewer prompts than the
     run's), then per circuit measured (two per fraction, and the bisection's) a forward pass with each
     receiver's input summed from its upstream senders' differences: counted for every receiver, the most a
@@ -153,7 +160,7 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
 
     c = cfg.study
     method = option(c.method)
-    if method not in ("eap", "eap_ig", "eap_ig_activations"):
+    if method not in ("eap", "eap_ig", "eap_ig_activations", "exact"):
         return None
     runs = [1] if method == "eap" else [c.steps, 2 * c.steps] if c.convergence else [c.steps]
     ungrouped = option(c.kv_edges) == "ungrouped"
@@ -181,11 +188,20 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
         forward = forward_flops(s, n, tokens)
         return 2 * (1 + again) * forward + curve_circuits * (forward + mixtures)
 
+    def exact(n: int, tokens: int) -> float:
+        blocks = [sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers)]
+        into = [u * attention + u + s.n_heads for u in upstream]  # a layer's q/k/v receivers' edges, its MLP's
+        last = read_block_flops(s, n, tokens, data.positions.shape[1])  # an edge's copies read the metric alone
+        return 2 * sum(blocks) + sum(e * (sum(blocks[layer:-1]) + last) for layer, e in enumerate(into))
+
     size = lambda part: (part.n, next(iter(part.inputs.values())).shape[1])  # noqa: E731
     per = int(c.prompts_per_pass)
-    scoring = sum(
-        per_pass(*size(part)) for i in range(0, data.n, per) for _, part in parts(data.take(slice(i, i + per)))
-    )
+    if method == "exact":
+        scoring = exact(*size(data))  # all prompts at once, padded to the longest (edges/exact.py)
+    else:
+        scoring = sum(
+            per_pass(*size(part)) for i in range(0, data.n, per) for _, part in parts(data.take(slice(i, i + per)))
+        )
     faithfulness = sum(curve(*size(part)) for _, part in parts(data)) if curve_circuits else 0.0
     return scoring / 1e9, faithfulness / 1e9
 

@@ -22,13 +22,15 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
             model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG over inputs and
             activations): its scoring's and its faithfulness curve's FLOPs (flops.circuit_gflop) at
-            SCORING_EFFICIENCY and CURVE_EFFICIENCY of that rate, plus loading; patch=attribution: its passes
+            SCORING_EFFICIENCY and CURVE_EFFICIENCY of that rate (exact patching's scoring, stacked copies of
+            the blocks as a sweep's, at SWEEP_EFFICIENCY), plus loading; patch=attribution: its passes
             (flops.attribution_gflop) at SWEEP_EFFICIENCY; study=ioi_classes: its head scores' and five
             path-patching rounds' FLOPs (flops.ioi_classes_gflop: the rounds into receiver heads at their
             costliest layer, since the classes the earlier rounds find are unknown before the run) at
-            IOI_CLASSES_EFFICIENCY of that rate, plus loading. Other studies and methods: no time model yet, said so.
-Every sweep, circuit and IOI-classes run writes its plan beside what it measured (meta.json `plan`, `measured`), so each
-run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
+            IOI_CLASSES_EFFICIENCY of that rate, plus loading; study=atlas: studies/atlas_plan.py. Other
+            studies: no time model yet, said so.
+Every sweep, circuit, IOI-classes and atlas run writes its plan beside what it measured (meta.json `plan`,
+`measured`), so each run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
 """
 
 from __future__ import annotations
@@ -242,8 +244,10 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
             plan.note = f"time: no time model for circuit={option(cfg.study.method)} yet (memory above)"
             return plan
         plan.gflop = sum(split)
-        plan.matmul_gflops = matmul_gflops(s, rows * tokens)
-        products = split[0] / SCORING_EFFICIENCY + split[1] / CURVE_EFFICIENCY
+        exact = option(cfg.study.method) == "exact"  # stacked copies of the prompts, a chunk at a time, as sweeps
+        plan.matmul_gflops = matmul_gflops(s, (chunk_rows if exact else rows) * tokens)
+        scoring = SWEEP_EFFICIENCY if exact else SCORING_EFFICIENCY
+        products = split[0] / scoring + split[1] / CURVE_EFFICIENCY
         plan.seconds = products / plan.matmul_gflops + LOAD_FIXED_S + weights / LOAD_MB_S
         plan.efficiency = plan.gflop / products
         plan.work = f"scoring {split[0]:,.0f} GFLOP, faithfulness curve {split[1]:,.0f}"
