@@ -284,9 +284,11 @@ def test_a_path_patching_rounds_flops_are_what_it_executes(llama_dir, role, rece
     assert 0.85 < counted / counter.get_total_flops() < 1.2, counted / counter.get_total_flops()
 
 
-def test_the_atlas_is_planned_probe_by_probe_and_its_run_checks_it(llama_dir, tmp_path):
+def test_the_atlas_is_planned_probe_by_probe_and_its_run_checks_it(llama_dir, tmp_path, monkeypatch):
     """Composition's count is what torch counts of its products; the atlas's plan sums its probes' (each
-    ablation probe's the plan of its own sweep's command) and the atlas run writes it beside what it measured."""
+    ablation probe's the plan of its own sweep's command), a budget is held to its largest probe's peak, and
+    the atlas run writes its plan beside what it measured."""
+    monkeypatch.setattr(planning, "rss_mb", lambda: 500.0)  # this process's size, the same in every plan below
     model = headlab.load_model(str(llama_dir))
     with FlopCounterMode(display=False) as counted:
         composition(model, channels=0)
@@ -310,6 +312,11 @@ def test_the_atlas_is_planned_probe_by_probe_and_its_run_checks_it(llama_dir, tm
     )
     ioi = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=4", "ablate=heads")
     assert plan.gflop > text.gflop + ioi.gflop and plan.seconds > text.seconds + ioi.seconds - 2 * planning.LOAD_FIXED_S
+    assert plan.peak_host_mb >= max(text.peak_host_mb, ioi.peak_host_mb) - 1  # the atlas's pieces: their largest
+    with pytest.raises(headlab.UsageError, match="engine.max_memory=100MB: this run needs at least"):
+        headlab.plan(*args, "engine.max_memory=100MB")
+    kept = headlab.plan(*args, f"engine.max_memory={int(plan.peak_host_mb) - 2}MB")
+    assert "engine.chunk_mb=" in kept.budget and kept.peak_host_mb <= plan.peak_host_mb - 2
     ran = run_headlab("run", *args, "output.n_boot=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())

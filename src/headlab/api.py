@@ -33,12 +33,11 @@ from .io import atomic_write_bytes
 from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .models.loading import ModelConfig, ModelKind
-from .planning import Plan, plan_prompts
-from .studies.atlas_plan import atlas_plan
-from .studies.context import EVAL_SEED_OFFSET, RunContext, apply_threads
+from .planning import Plan
+from .studies.context import RunContext, apply_threads
 from .studies.registry import get as get_study
 from .studies.registry import named_study, resolve
-from .studies.runner import BUDGET_KNOBS, execute_run, run_in_memory, within_budget
+from .studies.runner import BUDGET_KNOBS, execute_run, plan_of, run_in_memory, within_budget
 from .task_models import choose_model
 from .tasks import Task, TaskData, build_task
 from .train.obtain import is_trained_here
@@ -595,13 +594,11 @@ def plan(*overrides: str) -> Plan:
     """
     cfg = compose_config(overrides)
     apply_threads(cfg)
-    if cfg.study.name == "atlas":  # its probes' plans, summed (studies/atlas_plan.py)
-        return atlas_plan(cfg)
     if not cfg.engine.max_memory:
-        return plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+        return plan_of(cfg)
     chosen, kept = within_budget(cfg)  # what the run sets to keep it (or the one-line refusal naming the least)
     # its time with those settings (a sliced faithfulness curve records again); the memory is the budget's plan's
-    timed = plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+    timed = plan_of(cfg)
     times = ("gflop", "matmul_gflops", "seconds", "efficiency", "work", "note")
     settings = ", ".join(f"{BUDGET_KNOBS[k]}={v}" for k, v in chosen.items() if k in BUDGET_KNOBS)
     return dataclasses.replace(

@@ -110,17 +110,25 @@ BUDGET_KNOBS = {
 }
 
 
+def plan_of(cfg: Config) -> Plan:
+    """The plan of the run `cfg` asks for, before loading (a pretrained model): an atlas's its probes'
+    (atlas_plan.py), else the run's prompts'."""
+    from ..tasks import build_task
+
+    if cfg.study.name == "atlas":
+        return atlas_plan(cfg)
+    return plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+
+
 def within_budget(cfg: Config) -> tuple[dict, Plan]:
     """engine.max_memory kept: the run's plan made before loading (a pretrained model), engine.chunk_mb lowered
     until the predicted peak fits, the last blocks' weights left on disk where the weights alone do not
     (model.layers_on_disk); refused in one line where even that cannot (planning.fitted). Returns what it
     chose (meta.json `budget`) and the plan that keeps it."""
-    from ..tasks import build_task
-
     if option(cfg.model.kind) != "hf":
         raise UsageError(f"engine.max_memory plans a pretrained model's run; {cfg.model.name} is built here")
     budget = str(cfg.engine.max_memory)
-    plan = plan_prompts(cfg, build_task(cfg.task), cfg.seed + EVAL_SEED_OFFSET)
+    plan = plan_of(cfg)
     passes = {}
     if plan.study == "circuit":  # fewer prompts per gradient pass first: the same scores, summed in more parts
         cfg.study.prompts_per_pass, curve_prompts, plan = fitted_passes(plan, int(cfg.study.prompts_per_pass), budget)
