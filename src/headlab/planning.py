@@ -197,8 +197,11 @@ def hf_shape(cfg: Config) -> tuple[Shape, Any]:
     return shape_of_config(config, params, itemsize), tokenizer
 
 
-def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, tokenizer_mb: float) -> Plan:
-    """The plan of `cfg` on a model of shape `s` and these prompts (TaskData)."""
+def predict(
+    cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, tokenizer_mb: float, rate: float | None = None
+) -> Plan:
+    """The plan of `cfg` on a model of shape `s` and these prompts (TaskData); `rate`: this machine's matmul
+    rate measured already (GFLOP/s), else measured here at the run's shape."""
     rows, tokens = data.inputs["input_ids"].shape
     study = cfg.study.name
     block = layer_mb(s)
@@ -233,7 +236,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         return plan
     if study == "ioi_classes":
         plan.gflop, rounds = ioi_classes_gflop(s, data)
-        plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
+        plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens)
         plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
         plan.efficiency = IOI_CLASSES_EFFICIENCY
         plan.work = f"the q, v and k rounds ({rounds:,.0f} GFLOP) with their receivers at the costliest layer"
@@ -245,7 +248,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
             return plan
         plan.gflop = sum(split)
         exact = option(cfg.study.method) == "exact"  # stacked copies of the prompts, a chunk at a time, as sweeps
-        plan.matmul_gflops = matmul_gflops(s, (chunk_rows if exact else rows) * tokens)
+        plan.matmul_gflops = rate or matmul_gflops(s, (chunk_rows if exact else rows) * tokens)
         scoring = SWEEP_EFFICIENCY if exact else SCORING_EFFICIENCY
         products = split[0] / scoring + split[1] / CURVE_EFFICIENCY
         plan.seconds = products / plan.matmul_gflops + LOAD_FIXED_S + weights / LOAD_MB_S
@@ -253,7 +256,7 @@ def predict(cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, to
         plan.work = f"scoring {split[0]:,.0f} GFLOP, faithfulness curve {split[1]:,.0f}"
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
-    plan.matmul_gflops = matmul_gflops(s, chunk_rows * tokens)
+    plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     plan.work = f"{plan.interventions} interventions"
     return plan

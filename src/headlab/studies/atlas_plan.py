@@ -107,7 +107,8 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
             forward(probe.name, options.repeat_sequences, 1 + 2 * options.repeat_len)
             continue
         probe_cfg, data = prompts(probe.overrides(options))
-        plan = predict(probe_cfg, shape, data, reads_at_once(build_task(probe_cfg.task), data), baseline, loaded)
+        reads = reads_at_once(build_task(probe_cfg.task), data)
+        plan = predict(probe_cfg, shape, data, reads, baseline, loaded, rate)  # one measurement for every probe
         plans.append(plan)
         if probe.study.name != "sweep":  # sinks, needle-copy: their prompts' forward pass
             forward(probe.name, *data.inputs["input_ids"].shape)
