@@ -44,7 +44,7 @@ SCORE_SITES = {name: Site.pattern for name in SEQ_SCORES + IOI_SCORES[:3]} | {
 }
 TOP_K = 5  # the paper's copy score: is the name among the top-5 logits
 _UNEMBED_ROWS = 2048  # vectors read out at once,
-_VOCAB_COLUMNS = 4096  # against this many tokens at once: [2048, 4096] floats, 32 MB whatever the vocabulary
+VOCAB_COLUMNS = 4096  # against this many tokens at once: [2048, 4096] floats, 32 MB whatever the vocabulary
 
 
 def ordinary_ids(model: HookedModel, low: int | None = None, high: int | None = None) -> Tensor:
@@ -198,7 +198,7 @@ def ioi_scores(model: HookedModel, data: TaskData, batch_size: int = 16) -> Tens
     return torch.cat(chunks, dim=1).transpose(1, 2).cpu()
 
 
-def in_top_k(model: HookedModel, resid: Tensor, token: Tensor, vocab_chunk: int = _VOCAB_COLUMNS) -> Tensor:
+def in_top_k(model: HookedModel, resid: Tensor, token: Tensor, vocab_chunk: int = VOCAB_COLUMNS) -> Tensor:
     """resid [m, d_model], token [m] -> [m] bool: token among the TOP_K logits of resid read out alone
     (final norm, then the unembedding), i.e. fewer than TOP_K other tokens have a logit >= its own. A tie
     counts against the token (topk would break it by index), so an output the norm maps to zero, all

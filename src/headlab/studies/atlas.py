@@ -30,7 +30,7 @@ from ..tables import head_name
 from ..tasks import build_task
 from .atlas_attribution import atlas_probe as attribution_probe
 from .atlas_cards import attention_probe
-from .atlas_probes import AtlasOptions, Probe, cache_dir, partners, probe_config, probes, rules, scores
+from .atlas_probes import AtlasOptions, Probe, cache_dir, left_out, partners, probe_config, probes, rules, scores
 from .atlas_rules import labelled, rule_texts
 from .context import RunContext
 from .study import Study
@@ -94,19 +94,16 @@ def run(ctx: RunContext) -> pd.DataFrame:
         mine = [s for s in probe.scores if s.name in wanted]
         if not mine:
             continue
-        named = ", ".join(s.name for s in probe.scores)
-        if probe.needs_tokenizer and model.tokenizer is None:
-            ctx.note(f"atlas: {model.name} has no tokenizer: {named} left out (its prompts are text)")
-            continue
-        if probe.name == "composition" and model.n_layers < 2:
-            ctx.note(f"atlas: {model.name} has one layer: composition left out")
+        why = left_out(probe, model.name, model.tokenizer is not None, model.n_layers)
+        if why:
+            ctx.note(why)
             continue
         try:
             table, task = run_probe(ctx, model, probe, options)
         except UsageError:
             raise
         except HeadlabError as e:  # the study ran and found nothing to score (needle_copy: no needle recalled)
-            ctx.note(f"atlas: {named} left out: {e}")
+            ctx.note(f"atlas: {', '.join(s.name for s in probe.scores)} left out: {e}")
             continue
         rows = probe.rows(table)
         keep = [m for s in mine for m in s.metrics]

@@ -5,7 +5,7 @@ Each probe's config is composed as the atlas composes it (atlas_probes.probe_con
 with the model's tokenizer. The sweeps (the IOI and text ablations, the copy probe's clean run) are planned
 as `headlab plan` plans them (planning.predict, the engine's count at SWEEP_EFFICIENCY); the copy probe's
 read-out of every head's value through the vocabulary is counted at its least, one slice of
-scores._VOCAB_COLUMNS tokens a head, prompt and sign (a head whose name ranks high reads more slices). The
+scores.VOCAB_COLUMNS tokens a head, prompt and sign (a head whose name ranks high reads more slices). The
 score probes (induction, sinks, needle-copy, and the cards' attention) run one forward pass of their
 prompts each, counted by flops.forward_flops at SCORES_EFFICIENCY; composition multiplies every pair of
 heads' d_head x d_model factors in float64, at FLOAT64_RATE of the float32 rate. Not counted: the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+from ..analysis.scores import VOCAB_COLUMNS
 from ..config import Config, option
 from ..errors import UsageError
 from ..flops import forward_flops, matmul_gflops
@@ -35,9 +36,9 @@ from ..planning import (
     shape_of_model,
     tokenizer_mb,
 )
-from ..tasks import TaskData, build_task
-from .atlas import fitted
-from .atlas_probes import probe_config, probes, text_overrides
+from ..tasks import Task, TaskData, build_task
+from .atlas import chosen_scores, fitted
+from .atlas_probes import left_out, probe_config, probes, text_overrides
 from .context import EVAL_SEED_OFFSET
 
 # the share of the matmul rate the score probes' forward passes keep: 0.47-0.72 per probe in smollm2-135m's
@@ -46,7 +47,6 @@ SCORES_EFFICIENCY = 0.6
 # float64 products against float32's on a CPU's vector units: half the lanes (composition, 0.39 of the
 # float32 peak in the same profile, is 0.78 of this)
 FLOAT64_RATE = 0.5
-VOCAB_SLICE = 4096  # analysis/scores.py's slice of the vocabulary a copy-score row reads at least
 
 
 def composition_gflop(s: Shape) -> float:
@@ -74,16 +74,16 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
     else:
         shape, baseline, loaded, stand_in = shape_of_model(model), baseline_mb, tokenizer_mb(model), model
     options = fitted(cfg.study, cfg)  # composed with study=atlas: its AtlasOptions
-    wanted = set(options.scores)
+    wanted = chosen_scores(options)  # every score where none is named, as the atlas runs
     has_tokenizer = getattr(stand_in, "tokenizer", None) is not None  # as the atlas runs: its probes' prompts
     rate = matmul_gflops(shape, 512)
     seconds: dict[str, float] = {}
     gflop, plans = 0.0, []
 
-    def prompts(overrides: list[str]) -> tuple[Config, TaskData]:
+    def prompts(overrides: list[str]) -> tuple[Config, Task, TaskData]:
         probe = probe_config(cfg, overrides)
         task = build_task(probe.task)
-        return probe, task.build(probe.task.n_prompts, seed=probe.seed + EVAL_SEED_OFFSET, model=stand_in)
+        return probe, task, task.build(probe.task.n_prompts, seed=probe.seed + EVAL_SEED_OFFSET, model=stand_in)
 
     def forward(name: str, rows: int, tokens: int, efficiency: float = SCORES_EFFICIENCY) -> None:
         nonlocal gflop
@@ -91,13 +91,12 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
         gflop += work
         seconds[name] = work / (rate * efficiency)
 
-    _, text = prompts(text_overrides(options, 0) if has_tokenizer else [])  # the cards' prompts
+    _, _, text = prompts(text_overrides(options, 0) if has_tokenizer else [])  # the cards' prompts
     forward("attention", *text.inputs["input_ids"].shape)
     for probe in probes():
-        if wanted and not any(s.name in wanted for s in probe.scores):
-            continue
-        if (probe.needs_tokenizer and not has_tokenizer) or (probe.study.name == "composition" and shape.n_layers < 2):
-            continue  # left out of the run too
+        runs = any(s.name in wanted for s in probe.scores)
+        if not runs or left_out(probe, cfg.model.name, has_tokenizer, shape.n_layers):
+            continue  # as the run leaves it out
         if probe.study.name == "composition":
             work = composition_gflop(shape)
             gflop += work
@@ -106,9 +105,9 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
         if probe.study.name == "induction":
             forward(probe.name, options.repeat_sequences, 1 + 2 * options.repeat_len)
             continue
-        probe_cfg, data = prompts(probe.overrides(options))
-        reads = reads_at_once(build_task(probe_cfg.task), data)
-        plan = predict(probe_cfg, shape, data, reads, baseline, loaded, rate)  # one measurement for every probe
+        probe_cfg, task, data = prompts(probe.overrides(options))
+        # the rate measured once above serves every probe
+        plan = predict(probe_cfg, shape, data, reads_at_once(task, data), baseline, loaded, rate)
         plans.append(plan)
         if probe.study.name != "sweep":  # sinks, needle-copy: their prompts' forward pass
             forward(probe.name, *data.inputs["input_ids"].shape)
@@ -118,7 +117,7 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
         seconds[probe.name] = plan.seconds - LOAD_FIXED_S - plan.weights_mb / LOAD_MB_S
         if probe_cfg.study.head_scores:  # the copy scores: a slice of the vocabulary a head, prompt and sign
             rows = 2 * shape.n_layers * shape.n_heads * data.n
-            work = 2 * rows * shape.d_model * min(VOCAB_SLICE, shape.vocab) / 1e9
+            work = 2 * rows * shape.d_model * min(VOCAB_COLUMNS, shape.vocab) / 1e9
             gflop += work
             seconds[probe.name] += work / (rate * SWEEP_EFFICIENCY)
     largest = max(plans, key=lambda p: p.peak_host_mb) if plans else predict(cfg, shape, text, 0, baseline, loaded)
@@ -134,5 +133,5 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
         seconds=total,
         efficiency=gflop / max(sum(seconds.values()) * rate, 1e-9),
         work=", ".join(f"{name} {s:,.0f} s" for name, s in top),
-        note="" if not wanted else f"the probes of {', '.join(sorted(wanted))}",
+        note="" if not options.scores else f"the probes of {', '.join(sorted(options.scores))}",
     )

@@ -388,6 +388,16 @@ PROBES: list[Probe] = [
 ATTENTION = (Score("entropy", ("attention_entropy",)), Score("distance", ("attention_distance",)))
 
 
+def left_out(probe: Probe, model_name: str, has_tokenizer: bool, n_layers: int) -> str | None:
+    """Why the atlas leaves `probe` out on this model (its note), or None where it runs."""
+    if probe.needs_tokenizer and not has_tokenizer:
+        named = ", ".join(s.name for s in probe.scores)
+        return f"atlas: {model_name} has no tokenizer: {named} left out (its prompts are text)"
+    if probe.name == "composition" and n_layers < 2:
+        return f"atlas: {model_name} has one layer: composition left out"
+    return None
+
+
 def register(probe: Probe) -> Probe:
     """Add a probe (a study run with its overrides, the scores it yields, each with its rules and codes):
     `headlab atlas` then runs it, and `study.scores=[<its score>]` picks it."""
