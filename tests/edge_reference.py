@@ -124,11 +124,13 @@ def split_forward(
     receiver_inputs: dict[str, Callable] | None = None,
     embed: Tensor | None = None,
     sender_outputs: dict[str, Tensor] | None = None,
+    cut: dict[str, dict[str, Tensor]] | None = None,
 ) -> tuple[Tensor, dict]:
     """Logits [batch, pos, vocab] of the hand-built forward pass in which each receiver reads its own copy of the
     residual stream; receiver_inputs maps a receiver name to a callable(resid) -> new resid applied to that copy only;
     embed, where given, is the input sender's output in place of input_ids' embedding (EAP-IG's interpolation);
     sender_outputs, where given, replaces those senders' outputs (every later receiver reads the replacement).
+    cut, where given, maps a receiver to {sender: the value it reads for that sender's output} (edges cut).
     Returns (logits, outputs) with outputs[sender] = that sender's output [batch, pos, d_model] in this run."""
     fixed = sender_outputs or {}
     gpt2, n_layers, n_heads, n_kv = _shape(model)
@@ -148,7 +150,8 @@ def split_forward(
     group, ungrouped = n_heads // n_kv, _ungrouped(model)  # query head h reads kv head h // group
 
     def read(receiver: str) -> Tensor:
-        resid = const + sum(outputs[s] for s in _upstream(model, receiver))
+        instead = (cut or {}).get(receiver, {})
+        resid = const + sum(instead.get(s, outputs[s]) for s in _upstream(model, receiver))
         fn = receiver_inputs.get(receiver)
         return fn(resid) if fn is not None else resid
 
@@ -245,6 +248,40 @@ def eap_ig_scores(
     for edge in edges(model):
         sender, receiver = edge.split("->")
         out[edge] = float((diffs[sender] * grad[receiver]).sum())
+    return out
+
+
+def forbidden_eap_ig_scores(
+    model, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, steps: int, steps_from: int, forbidden: set[str]
+) -> dict[str, float]:
+    """eap_ig_scores in the model whose `forbidden` edges carry the corrupted run's sender outputs in every run
+    (steps 1, steps_from 1: EAP there): the senders' differences from that model's clean run, the gradients at
+    the receivers' private inputs of that model's runs on interpolated input embeddings."""
+    with torch.no_grad():
+        _, corrupt = split_forward(model, corrupt_ids)
+    cut: dict[str, dict[str, Tensor]] = {}
+    for edge in forbidden:
+        sender, receiver = _split_edge(model, edge)
+        cut.setdefault(receiver, {})[sender] = corrupt[sender]
+    with torch.no_grad():
+        _, clean = split_forward(model, clean_ids, cut=cut)
+    diffs = {s: corrupt[s] - clean[s] for s in clean}
+    grad = {r: torch.zeros_like(diffs["input"]) for r in receivers(model)}
+    for k in range(steps_from, steps_from + steps):
+        embed = corrupt["input"] + k / steps * (clean["input"] - corrupt["input"])
+        taps = {r: torch.zeros_like(embed, requires_grad=True) for r in receivers(model)}
+        with torch.enable_grad():
+            fns = {r: (lambda x, t=t: x + t) for r, t in taps.items()}
+            logits, _ = split_forward(model, clean_ids, fns, embed=embed, cut=cut)
+            found = torch.autograd.grad(metric(logits).mean(), list(taps.values()), allow_unused=True)
+            for r, g in zip(taps, found):
+                if g is not None:
+                    grad[r] += g / steps
+    out = {}
+    for edge in edges(model):
+        if edge not in forbidden:
+            sender, receiver = edge.split("->")
+            out[edge] = float((diffs[sender] * grad[receiver]).sum())
     return out
 
 

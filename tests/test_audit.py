@@ -24,7 +24,10 @@ from scipy.stats import binomtest
 import headlab
 from conftest import error_line, run_headlab
 from headlab.edges import hypothesis
-from headlab.edges.audit import Units, jaccard
+from headlab.edges.audit import Units, jaccard, rivals
+from headlab.edges.eap import scores as eap_scores
+from headlab.edges.faithfulness import Evaluator
+from headlab.edges.rescore import scores as rescore_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.models.families import FAMILIES
 from headlab.models.hf import hook_hf, register_attention
@@ -214,6 +217,30 @@ def test_a_planted_twin_is_found_as_an_equally_faithful_disjoint_rival(twins):
     assert _value(df, "equivalence_p").rejected  # half the effect is not the model
 
 
+def test_each_rival_round_is_scored_with_the_found_circuit_and_every_earlier_rival_forbidden(twins):
+    task = headlab.load_task("ioi")
+    data = task.build(8, 0, twins)
+    graph = EdgeGraph.of(twins)
+    units = Units(graph, "edges")
+    found = torch.tensor([n in PLANTED for n in units.names])
+    seen: list[torch.Tensor] = []
+
+    def rescore(forbidden: torch.Tensor) -> torch.Tensor:
+        seen.append(forbidden.clone())
+        return units.scores(rescore_scores(twins, task, data, graph, units.edges_of(forbidden), "eap"))
+
+    cut_scores = units.scores(eap_scores(twins, task, data, graph, "eap"))
+    out = rivals(units, cut_scores, found, Evaluator(twins, task, data, graph), 2, rescore)
+    assert torch.equal(seen[0], found) and torch.equal(seen[1], found | out[0].chosen)
+    # with the planted head's path forbidden its twin's carries the effect alone, and is the first rival
+    assert {units.names[i] for i in out[0].chosen.nonzero().flatten().tolist()} == TWIN
+    assert out[0].faithfulness == pytest.approx(0.5, abs=0.05) and out[1].faithfulness == pytest.approx(0, abs=0.05)
+    # the two paths add (through the final norm alone): forbidding one moves the other's scores by a few percent
+    twin = torch.tensor([n in TWIN for n in units.names])
+    again = rescore(found)
+    assert torch.allclose(again[twin], cut_scores[twin], rtol=0.05) and not torch.equal(again[twin], cut_scores[twin])
+
+
 def test_cli_audits_a_circuit_run_on_its_model_and_task(tiny_hf_dir_with_tokenizer, tmp_path):
     model_dir = tiny_hf_dir_with_tokenizer("gpt2")
     circuit_run = tmp_path / "circuit"
@@ -239,8 +266,9 @@ def test_cli_audits_a_circuit_run_on_its_model_and_task(tiny_hf_dir_with_tokeniz
         "independence",
         "minimality",
     }
-    # the circuit run's method is the audit's
+    # the circuit run's method is the audit's, and its rivals were scored again with the circuit forbidden
     assert (table[table.intervention == "audit"].method == "eap").all()
+    assert meta["rival_scores"] == "rescored"
     for name in ("audit_overlap", "audit_faithfulness", "audit_tests"):
         assert (audit_run / "figures" / f"{name}.png").stat().st_size > 5_000
     refused = run_headlab("audit", str(tmp_path), cwd=tmp_path)

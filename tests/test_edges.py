@@ -25,6 +25,7 @@ from torch import Tensor
 
 import edge_reference as ref
 from headlab.door import compose
+from headlab.edges import rescore
 from headlab.edges.eap import doubled_steps, scores
 from headlab.edges.evaluate import circuit_metric
 from headlab.edges.exact import exact_scores
@@ -464,6 +465,39 @@ def test_eap_ig_tracks_exact_patching_better_than_eap(case):
     exact = case.exact[real]
     r_ig, r_eap = _pearson(ig, exact), _pearson(case.eap[real], exact)
     assert r_ig > 0.995 and r_ig > r_eap, (r_ig, r_eap)
+
+
+# --- 5b. scores with edges forbidden (the audit's rival search: edges/rescore.py) -----------------
+
+
+def test_scores_with_nothing_forbidden_are_eap_and_eap_igs(case):
+    real, nothing = case.graph.real, torch.zeros_like(case.graph.real)
+    for method, steps in (("eap", 1), ("eap_ig", 3)):
+        want = scores(case.model, case.task, case.data, case.graph, method, steps)
+        got = rescore.scores(case.model, case.task, case.data, case.graph, nothing, method, steps, prompts_per_pass=3)
+        assert torch.isnan(got[~real]).all()
+        err = float((got[real] - want[real]).abs().max())
+        assert err <= case.tol(float(want[real].abs().max())), (method, err)
+
+
+@WITH_LLAMA64
+def test_scores_with_edges_forbidden_equal_the_reference_with_those_edges_cut(case):
+    g = case.graph
+    forbidden = g.top_n(case.eap, 12, prune=False)
+    allowed = g.real & ~forbidden
+    got = rescore.scores(case.model, case.task, case.data, g, forbidden, "eap_ig", 3, prompts_per_pass=5)
+    with case.reference():
+        by_hand = ref.forbidden_eap_ig_scores(
+            case.hf, case.clean_ids, case.corrupt_ids, case.metric, 3, 0, set(g.edge_names(forbidden))
+        )
+    want = torch.tensor([by_hand[e] for e in g.edge_names(allowed)], dtype=torch.float64)
+    assert torch.isnan(got[forbidden]).all()
+    scale = float(want.abs().max())
+    err = float((got[allowed] - want).abs().max())
+    assert err <= min(1e-5, case.tol(scale)), (err, scale)
+    # forbidding moves the other edges' scores: the test can fail
+    plain = scores(case.model, case.task, case.data, g, "eap_ig", 3)[allowed]
+    assert float((plain - want).abs().max()) > 1e-2 * scale
 
 
 # --- 6. circuits: selection, pruning, files --------------------------------------------------------

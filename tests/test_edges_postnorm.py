@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from headlab.door import compose
+from headlab.edges import rescore
 from headlab.edges.eap import scores
 from headlab.edges.evaluate import circuit_metric
 from headlab.edges.exact import exact_node_scores, exact_scores
@@ -298,6 +299,22 @@ def test_eap_is_the_gradient_along_each_edges_difference(case, rule):
     if rule == "mib":  # a head's linear difference is not its patch: the two differ by the norm
         head_edge = SAMPLED[1].split("->")[0]
         assert not torch.allclose(case.delta(head_edge, "mib"), case.delta(head_edge, "mib", linear=True), atol=1e-3)
+
+
+@RULES
+def test_scores_with_nothing_forbidden_are_eaps_and_with_edges_forbidden_move(case, rule):
+    """edges/rescore.py runs the circuit pass under autograd, the cut heads of a layer through its norm together
+    under mib: with nothing forbidden it is EAP."""
+    graph = case.graph(rule)
+    real, want = graph.real, scores(case.model, case.task, case.data, graph, "eap")
+    got = rescore.scores(case.model, case.task, case.data, graph, torch.zeros_like(real), "eap", prompts_per_pass=4)
+    scale = float(want[real].abs().max())
+    assert float((got[real] - want[real]).abs().max()) <= TOL * scale
+    forbidden = graph.top_n(want, 8, prune=False)
+    moved = rescore.scores(case.model, case.task, case.data, graph, forbidden, "eap", prompts_per_pass=4)
+    allowed = real & ~forbidden
+    assert torch.isnan(moved[forbidden]).all() and torch.isfinite(moved[allowed]).all()
+    assert float((moved[allowed] - want[allowed]).abs().max()) > 1e-3 * scale
 
 
 # --- circuits ------------------------------------------------------------------------------------------

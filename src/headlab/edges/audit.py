@@ -7,8 +7,10 @@ by evaluate.py's circuit metric, exactly, on held-out prompts.
 - Stability: a variant (another prompt draw, a bootstrap resample of the prompts, half of the templates,
   another method or twice the steps) scores the units again; its circuit is its top units at the found
   circuit's size; the overlap with the found circuit is the Jaccard index of their units.
-- Rivals (`rivals`): the found circuit's units forbidden, the best circuit of the same size from the rest
-  (by the same scores), measured; then its units forbidden too, and so on. The margin is the found
+- Rivals (`rivals`): the found circuit's units forbidden, the units scored again in the model whose
+  forbidden units carry the corrupted run's values (edges/rescore.py; or, where the method cannot, the same
+  scores cut), the best circuit of the same size from the rest measured; then its units forbidden too, and
+  so on. The margin is the found
   circuit's faithfulness less the best rival's, with a paired bootstrap interval over prompts: the found
   circuit is unique at its size where that interval lies above zero.
 
@@ -18,6 +20,7 @@ is: edges/methods.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -92,6 +95,10 @@ class Units:
         chosen[order[allowed_units[order]][:k]] = True
         return chosen
 
+    def edges_of(self, chosen: Tensor) -> Tensor:
+        """[senders, receivers] bool: the edges the units `chosen` hold (heads: every edge out of them)."""
+        return self.graph.real & ~self.to_mask(~chosen)
+
     def heads_of(self, chosen: Tensor) -> Tensor:
         """[heads] bool: the heads a circuit of these units touches."""
         return Units(self.graph, "heads").of_mask(self.to_mask(chosen))
@@ -127,15 +134,23 @@ class Rival:
     per_prompt: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
 
 
-def rivals(units: Units, scores: Tensor, found: Tensor, ev: Evaluator, rounds: int) -> list[Rival]:
-    """Disjoint circuits of the found one's size (in units before pruning), each the best by `scores`
-    of the units no earlier circuit holds."""
+def rivals(
+    units: Units,
+    scores: Tensor,
+    found: Tensor,
+    ev: Evaluator,
+    rounds: int,
+    rescore: Callable[[Tensor], Tensor] | None = None,
+) -> list[Rival]:
+    """Disjoint circuits of the found one's size (in units before pruning), each the best of the units no
+    earlier circuit holds: by `rescore(forbidden)` ([units] scores with the units `forbidden` [units] bool
+    held at their corrupted values) where given, else by `scores`."""
     size, forbidden, out = int(found.sum()), found.clone(), []
     found_heads = units.heads_of(found)
     for r in range(1, rounds + 1):
         if int((~forbidden).sum()) == 0:
             break
-        chosen = units.top(scores, size, forbidden)
+        chosen = units.top(scores if rescore is None else rescore(forbidden), size, forbidden)
         if not chosen.any():
             break
         metric = ev.per_prompt(units.to_mask(chosen))

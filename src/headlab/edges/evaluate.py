@@ -46,9 +46,10 @@ class Runs:
     scratch: Tensor | None = None  # the senders' differences of the circuit measured now (Patches.diff)
 
 
-def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData) -> Runs:
+def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData, for_grad: bool = False) -> Runs:
+    """`for_grad`: recorded under no_grad, not inference_mode, so that a pass under autograd may save them."""
     check_pairs(data)
-    with torch.inference_mode():
+    with torch.no_grad() if for_grad else torch.inference_mode():
         clean = record(model, graph, data.inputs)
         corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
         resid = [*corrupt.trace.resid_pre, corrupt.trace.resid_final]
@@ -59,9 +60,11 @@ class Patches:
     """What receivers read beyond this run's residual stream: for receiver r, the sum over the senders s
     cut from it of diff[s] = out_s(corrupt) - out_s(this run), as the run fills in its senders' outputs."""
 
-    def __init__(self, model: HookedModel, graph: EdgeGraph, runs: Runs, kept: Tensor, first: int):
+    def __init__(
+        self, model: HookedModel, graph: EdgeGraph, runs: Runs, kept: Tensor, first: int, given: Tensor | None = None
+    ):
         """`kept` [senders, receivers] bool: the circuit's edges; the run starts at layer `first`, every
-        sender before it at its corrupted output (the input node: the clean one)."""
+        sender before it at its corrupted output (the input node: the clean one, or `given`)."""
         self.model, self.graph, self.runs = model, graph, runs
         corrupt = runs.corrupt_out
         self.kept = kept.to(corrupt.device)
@@ -72,7 +75,7 @@ class Patches:
         self.diff = runs.scratch
         below = graph.head_rows(first).start if first < graph.n_layers else len(graph.senders)
         self.diff[1:below] = 0
-        self.diff[0] = corrupt[0] - runs.clean.trace.resid_pre[0]
+        self.diff[0] = corrupt[0] - (runs.clean.trace.resid_pre[0] if given is None else given)
         self.total = self.diff[0].clone()  # the sum of diff over rows < self.summed
         self.summed = 1
         self.reads = graph.real.sum(0)  # each receiver reads a prefix of the senders: this many
@@ -138,16 +141,42 @@ def circuit_metric(
             return metric(model, task, data, runs.clean.trace.resid_final, column)
         into = kept.any(0).nonzero().flatten().tolist()
         first = min((graph.receivers[r].layer for r in into), default=graph.n_layers)
-        patches = Patches(model, graph, runs, kept, first)
         h = runs.corrupt_resid[first] + (runs.clean.trace.resid_pre[0] - runs.corrupt_resid[0])
-        for layer in range(first, graph.n_layers):
-            h = _circuit_layer(model, graph, runs.clean.trace, layer, h, patches)
-        final = h + patches.into([len(graph.receivers) - 1])[0]  # the logits
+        final, _ = circuit_forward(model, graph, runs, kept, first, h)
         return metric(model, task, data, final, column)
 
 
+Read = Callable[[list[int], Tensor], None]
+
+
+def circuit_forward(
+    model: HookedModel,
+    graph: EdgeGraph,
+    runs: Runs,
+    kept: Tensor,
+    first: int,
+    h: Tensor,
+    given: Tensor | None = None,
+    read: Read | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(the stream the logits read [n, pos, d], the senders' differences out_U(corrupt) - out_U(this run)
+    [senders, n, pos, d]) of the run with every edge outside `kept` patched, from block `first`'s input h.
+    `given`: the input node's output in this run where it is not the clean one (EAP-IG's interpolation).
+    `read(cols, x)` sees each receiver's own input as it is made: x [len(cols) * n, pos, d], receiver
+    cols[i] in rows i * n .. (i + 1) * n (no column of a head whose every edge out is cut). Differentiable:
+    under autograd the pass is held for a backward pass (edges/rescore.py)."""
+    patches = Patches(model, graph, runs, kept, first, given)
+    for layer in range(first, graph.n_layers):
+        h = _circuit_layer(model, graph, runs.clean.trace, layer, h, patches, read)
+    logits = len(graph.receivers) - 1
+    final = h + patches.into([logits])[0]
+    if read is not None:
+        read([logits], final)
+    return final, patches.diff
+
+
 def _circuit_layer(
-    model: HookedModel, graph: EdgeGraph, trace: Trace, layer: int, h: Tensor, patches: Patches
+    model: HookedModel, graph: EdgeGraph, trace: Trace, layer: int, h: Tensor, patches: Patches, read: Read | None
 ) -> Tensor:
     """Block `layer` with each receiver reading its own input; fills in the patches' senders of the layer.
 
@@ -162,7 +191,8 @@ def _circuit_layer(
     heads = graph.head_rows(layer)
     live = (graph.real[heads] & ~patches.cut[heads].cpu()).any(1)  # heads with an edge out in the circuit
     owned = graph.owners()[heads]
-    kept = [c for c in attn_cols if (owned[:, c] & live).any()] or attn_cols[:1]
+    live_cols = [c for c in attn_cols if (owned[:, c] & live).any()]
+    kept = live_cols or attn_cols[:1]
     copy_of = {c: i for i, c in enumerate(kept)}
     copies, n = len(kept), h.shape[0]
     deltas = patches.into(kept)  # [copies, n, pos, d]
@@ -173,7 +203,7 @@ def _circuit_layer(
             layer,
             trace,
             copies,
-            attn_in=lambda t: t + deltas.flatten(0, 1),
+            attn_in=lambda t: _seen(read if live_cols else None, kept, t + deltas.flatten(0, 1)),
             wanted=[(graph.receivers[c].kind, graph.site_head(graph.receivers[c])) for c in kept],
         )
     ]
@@ -201,7 +231,8 @@ def _circuit_layer(
 
     def mlp_input(t: Tensor) -> Tensor:
         patches.set(heads, heads_now())
-        return t + patches.into([next(c for c in cols if graph.receivers[c].kind == "mlp")])[0]
+        mlp = next(c for c in cols if graph.receivers[c].kind == "mlp")
+        return _seen(read, [mlp], t + patches.into([mlp])[0])
 
     def keep_mlp(t: Tensor) -> Tensor:
         patches.set(heads.stop, t)  # the MLP follows its layer's heads
@@ -224,3 +255,9 @@ def _circuit_layer(
     if not has_mlp:  # else the MLP's input hook set them
         patches.set(heads, heads_now())
     return out
+
+
+def _seen(read: Read | None, cols: list[int], x: Tensor) -> Tensor:
+    if read is not None:
+        read(cols, x)
+    return x

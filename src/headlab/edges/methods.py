@@ -17,6 +17,11 @@ from ..tasks import Task, TaskData
 from .eap import scores as attribution_scores
 from .exact import exact_node_scores, exact_scores
 from .graph import EdgeGraph
+from .rescore import RESCORED
+from .rescore import scores as forbidding_scores
+
+# prompts a pass where scoring with edges forbidden: its pass is held whole for autograd's backward
+FORBIDDING_PROMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class Budget:
 
 
 Scorer = Callable[[HookedModel, Task, TaskData, EdgeGraph, Budget], Tensor]
+# the edge scores in the model whose forbidden edges ([senders, receivers] bool) carry their corrupted values
+Forbidding = Callable[[HookedModel, Task, TaskData, EdgeGraph, Budget, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -43,12 +50,23 @@ class Method:
     edges: Scorer  # [senders, receivers] float64: each edge's score, NaN where there is no edge
     nodes: Scorer  # [senders]: each node's score
     integrates: bool = False  # a sum over interpolation steps: study.convergence doubles them
+    forbidding: Forbidding | None = None  # where the method can score with edges forbidden (the rival search)
 
 
 def _attribution(method: str) -> Scorer:
     def edges(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, b: Budget) -> Tensor:
         return attribution_scores(
             model, task, data, graph, method, b.steps, b.prompts_per_pass, b.show_progress, b.ig_steps_from
+        )
+
+    return edges
+
+
+def _forbidding(method: str) -> Forbidding:
+    def edges(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, b: Budget, forbidden: Tensor) -> Tensor:
+        ppp = min(b.prompts_per_pass, FORBIDDING_PROMPTS)
+        return forbidding_scores(
+            model, task, data, graph, forbidden, method, b.steps, ppp, b.show_progress, b.ig_steps_from
         )
 
     return edges
@@ -62,7 +80,8 @@ def _attribution_method(name: str, description: str, paper: str, code: str, proo
     def nodes(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, b: Budget) -> Tensor:
         return torch.nan_to_num(edges(model, task, data, graph, b)).sum(1)
 
-    return Method(name, description, paper, code, proof, edges, nodes, integrates)
+    forbidding = _forbidding(name) if name in RESCORED else None
+    return Method(name, description, paper, code, proof, edges, nodes, integrates, forbidding)
 
 
 def _exact_edges(model: HookedModel, task: Task, data: TaskData, graph: EdgeGraph, b: Budget) -> Tensor:

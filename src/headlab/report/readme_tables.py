@@ -598,7 +598,9 @@ def ioi_audits(files: dict[str, Numbers]) -> str:
                     f"{interval_cell(n.get(f'jaccard_{k}'))}; {fmt((n.get(f'jaccard_at_target_{k}') or [None])[0])}"
                     for k, _ in AUDIT_KINDS
                 ]
-                rival = f"{fmt(n.get('best_rival_faithfulness'))}; {interval_cell(n.get('margin'))}"
+                # numbers files from before the rival search scored again say nothing: their rivals were cut
+                how = n.get("rival_scores", "cut")
+                rival = f"{fmt(n.get('best_rival_faithfulness'))} ({how}); {interval_cell(n.get('margin'))}"
                 rival += " (unique)" if n.get("unique") else " (not unique)"
                 lines.append(
                     row(

@@ -24,6 +24,7 @@ tests/test_audit.py runs it on hand-set transformers with a planted circuit and 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from .audit_sources import circuit_file, classed_heads, head_unit, is_classes_ru
 from .context import EVAL_SEED_OFFSET, RunContext
 from .study import Study, StudyOptions
 
+RIVAL_SCORES = ("rescored", "cut")
 HELD_OUT_OFFSET = 7_919  # the held-out prompts' seed, apart from the run's prompts and the other draws
 DRAW_OFFSET = 104_729  # the s-th other draw of the prompts: seed + EVAL_SEED_OFFSET + s * DRAW_OFFSET
 
@@ -83,6 +85,9 @@ class AuditOptions(StudyOptions):
     # each variant's own smallest circuit reaching study.target on its own prompts, measured and compared too
     at_target: bool = True
     rivals: int = setting(3, NATURAL)  # rounds of the disjoint rival search
+    # rescored: each round's units scored again with every earlier circuit's units forbidden (eap, eap_ig);
+    # cut: the found circuit's scores, cut
+    rival_scores: str = setting("rescored", OneOf(RIVAL_SCORES))
     epsilon: float = setting(hypothesis.EPSILON, SHARE)  # equivalence's margin
     permutations: int = setting(1000, COUNT)  # independence's permutation test
     n_random: int = setting(100, COUNT)  # minimality: random units outside the circuit
@@ -164,9 +169,11 @@ def run(ctx: RunContext) -> pd.DataFrame:
     with ctx.timed("stability"):
         variants = stability(audit, found)
     rows += variant_rows(info, variants)
+    rescore = rescorer(audit, units)
+    rival_scores = "cut" if rescore is None else "rescored"
     with ctx.timed("rivals"):
-        found_rivals = rivals(units, found.scores, found.chosen, held, c.rivals)
-    rows += rival_rows(info, found_rivals, found_metric, held, c.n_boot, seed)
+        found_rivals = rivals(units, found.scores, found.chosen, held, c.rivals, rescore)
+    rows += rival_rows({**info, "rival_scores": rival_scores}, found_rivals, found_metric, held, c.n_boot, seed)
     with ctx.timed("tests"):
         tests, mini, tested = hypothesis_tests(audit, found, found_metric)
     if np.array_equal(found_metric, held.clean_per_prompt):
@@ -184,6 +191,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
         evaluations=audit.evaluations,
         tests={t.test: {"p_value": t.p_value, "rejected": t.rejected, "meaning": t.meaning} for t in tests},
         unique=unique(rows),
+        rival_scores=rival_scores,
     )
     return results.conform(pd.DataFrame(rows))
 
@@ -224,6 +232,24 @@ def smallest(units: Units, scores: Tensor, measure: Measure, target: float) -> T
         units.count, lambda k: units.top(scores, k), lambda c: measure.faithfulness(units.to_mask(c)), target
     )
     return chosen
+
+
+def rescorer(audit: Audit, units: Units) -> Callable[[Tensor], Tensor] | None:
+    """The rival search's scores with units forbidden (study.rival_scores=rescored), where the method has
+    them (edges/rescore.py); None: the found circuit's scores, cut."""
+    c, method = audit.c, get_method(audit.c.method)
+    if c.rival_scores == "cut":
+        return None
+    forbidding = method.forbidding
+    if forbidding is None:
+        audit.ctx.note(f"rivals cut from the found circuit's scores: {c.method} cannot score with units forbidden")
+        return None
+
+    def rescore(forbidden: Tensor) -> Tensor:
+        edges = units.edges_of(forbidden)
+        return units.scores(forbidding(audit.model, audit.task, audit.data, audit.graph, audit.budget, edges))
+
+    return rescore
 
 
 @dataclass
