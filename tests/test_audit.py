@@ -27,8 +27,8 @@ from headlab.edges import hypothesis
 from headlab.edges.audit import Units, jaccard, rivals
 from headlab.edges.eap import scores as eap_scores
 from headlab.edges.faithfulness import Evaluator
-from headlab.edges.rescore import scores as rescore_scores
 from headlab.edges.graph import EdgeGraph
+from headlab.edges.rescore import scores as rescore_scores
 from headlab.models.families import FAMILIES
 from headlab.models.hf import hook_hf, register_attention
 
