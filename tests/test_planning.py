@@ -21,6 +21,7 @@ from headlab.analysis.head_composition import composition
 from headlab.flops import block_flops as planning_block
 from headlab.flops import circuit_gflop, sweep_gflop
 from headlab.planning import shape_of_model, working_mb
+from headlab.runtime import LIVE_ACTIVATIONS, chunk_budget_mb
 from headlab.studies.atlas_plan import composition_gflop
 from headlab.studies.atlas_probes import AtlasOptions, text_overrides
 from headlab.studies.context import EVAL_SEED_OFFSET
@@ -89,6 +90,31 @@ def test_plan_says_memory_and_time_before_loading_and_a_run_checks_it(llama_dir,
     assert meta["plan"]["caches_mb"] > senders * 8 * meta["plan"]["tokens"] * shape.d_model * 4 / 2**20
     attributed = headlab.plan("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=none", "patch=attribution")
     assert attributed.seconds is not None and attributed.seconds > 0
+
+
+def test_a_gpu_runs_plan_holds_the_model_and_the_engines_own_chunks_on_the_device(llama_dir, monkeypatch):
+    args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "ablate=heads")
+    cpu = headlab.plan(*args)
+    assert cpu.peak_device_mb == 0 and "peak device memory: none (device=cpu)" in cpu.lines()
+    whole = cpu.interventions * cpu.copy_mb  # every intervention's copy of the prompts: the largest chunk
+    # no GPU seen here: chunks of engine.chunk_mb (at most the whole sweep), no time
+    unseen = headlab.plan(*args, "device=cuda")
+    device_fixed = cpu.weights_mb + cpu.caches_mb + 3 * cpu.logits_mb
+    assert unseen.peak_device_mb == pytest.approx(device_fixed + LIVE_ACTIVATIONS * min(32.0, whole))
+    assert unseen.peak_host_mb == pytest.approx(unseen.baseline_mb + unseen.tokenizer_mb + unseen.weights_mb)
+    assert unseen.seconds is None and "no GPU visible" in unseen.note
+    assert "peak device memory" in unseen.lines()[2] and "on cuda" in unseen.lines()[2]
+    # a device whose free memory after the weights and caches makes the engine's chunk half the whole sweep:
+    # the plan's chunk is runtime.chunk_budget_mb's, as the engine will compute it there
+    room = 4 * whole  # gpu_memory_share 0.5 of it over LIVE_ACTIVATIONS (4): whole / 2
+    monkeypatch.setattr(planning, "device_free_mb", lambda device: cpu.weights_mb + cpu.caches_mb + room)
+    monkeypatch.setattr(planning, "matmul_gflops", lambda *a, **k: 1000.0)
+    seen = headlab.plan(*args, "device=cuda", "engine.chunk_mb=0.001")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(room * 2**20), int(8 * room * 2**20)))
+    chunk = chunk_budget_mb(torch.device("cuda"), 0.001, 0.5)
+    assert chunk == pytest.approx(whole / 2)
+    assert seen.device_working_mb == pytest.approx(LIVE_ACTIVATIONS * chunk + 3 * cpu.logits_mb)
+    assert seen.seconds is not None and seen.matmul_gflops == 1000.0
 
 
 def test_attribution_patchings_flops_are_what_it_executes(llama_dir):

@@ -592,7 +592,8 @@ def plan(*overrides: str) -> Plan:
         print("\\n".join(headlab.plan("model=smollm2-135m", "task=ioi", "ablate=heads").lines()))
         ```
     """
-    cfg = compose_config(overrides)
+    # a GPU run may be planned where no GPU is (a cluster's login node): its device is not checked here
+    cfg = compose_checked(overrides, device=False)[1]
     apply_threads(cfg)
     if not cfg.engine.max_memory:
         return plan_of(cfg)

@@ -130,14 +130,18 @@ def path_flops(iv: Any, blocks: list[float], logits: float) -> float:
     return sum(blocks[layer : max(downstream) + 1]) + sum(blocks[min(downstream) :]) + logits
 
 
-def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3) -> float:
+def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3, device: str = "cpu") -> float:
     """This machine's float32 rate (GFLOP/s) on the blocks' widest product, [rows, d_model] @ [d_model, d_mlp],
-    with the threads torch has now."""
-    a, b = torch.randn(max(rows, 64), s.d_model), torch.randn(s.d_model, s.d_mlp)
+    with the threads torch has now (on `device`: a GPU's, each product waited for)."""
+    a = torch.randn(max(rows, 64), s.d_model, device=device)
+    b = torch.randn(s.d_model, s.d_mlp, device=device)
+    wait = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     torch.matmul(a, b)
+    wait()
     count, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         torch.matmul(a, b)
+        wait()
         count += 1
     return 2 * a.shape[0] * s.d_model * s.d_mlp * count / elapsed / 1e9
 

@@ -12,6 +12,13 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
   working   the engine's chunk: engine.chunk_mb of a block's widest activation, WORKING_COPIES of it alive
             at once, and the readout's logits (chunk_mb of them, one prompt's at least) with their log-softmax
             and its exponent
+  device    a run on a GPU (`device=cuda`): the weights, caches and working memory are the device's, in
+            tensors (torch.cuda.max_memory_allocated: the CUDA context and the allocator's cache are not
+            counted); its chunks take engine.gpu_memory_share of the device's free memory over
+            runtime.LIVE_ACTIVATIONS (as the engine does), at most every intervention at once; the host
+            holds this process, the tokenizer and the weights as they load (read on the host, then moved).
+            The time's matmul rate is measured on the device, its efficiencies are the CPU's (not fitted on a
+            GPU). A CPU run's plan says it uses no device memory.
   baseline  this process before the model loads (Python, torch, transformers), measured
   tokenizer the model's tokenizer, measured as `headlab plan` loads it (a run's own plan: TOKENIZER_KB a
             vocabulary entry; Gemma's 262,144 entries hold about 300 MB)
@@ -47,6 +54,7 @@ from .config import Config, option
 from .errors import HeadlabError, UsageError
 from .flops import Shape, circuit_gflop, ioi_classes_gflop, matmul_gflops, sweep_gflop
 from .models.families import family_of
+from .runtime import LIVE_ACTIVATIONS
 
 MB = 2**20
 # a block's activations alive at once per chunk, in units of engine.chunk_mb (its widest: edits.copy_bytes),
@@ -100,6 +108,10 @@ class Plan:
     curve_prompt_mb: float = 0.0  # study=circuit: what the curve holds per prompt whose recordings it keeps
     note: str = ""
     budget: str = ""  # under engine.max_memory: what the run sets to keep it
+    device: str = "cpu"
+    peak_device_mb: float = 0.0  # a GPU run: its tensors' peak on the device
+    device_working_mb: float = 0.0  # a GPU run: the engine's working memory on the device (in peak_device_mb)
+    device_free_mb: float | None = None  # a GPU run: the device's free memory before loading, where seen here
 
     def lines(self) -> list[str]:
         out = [
@@ -109,6 +121,19 @@ class Plan:
             f"{self.caches_mb:,.0f}, working {self.working_mb:,.0f}, tokenizer {self.tokenizer_mb:,.0f}, this "
             f"process before loading {self.baseline_mb:,.0f})",
         ]
+        if self.peak_device_mb:  # the caches and the engine's work are the device's
+            out[1] = (
+                f"peak host memory: {self.peak_host_mb:,.0f} MB (the weights as they load {self.weights_mb:,.0f}, "
+                f"tokenizer {self.tokenizer_mb:,.0f}, this process before loading {self.baseline_mb:,.0f})"
+            )
+        if self.peak_device_mb:
+            free = "" if self.device_free_mb is None else f"; {self.device_free_mb:,.0f} MB free now"
+            out.append(
+                f"peak device memory: {self.peak_device_mb:,.0f} MB on {self.device} (weights "
+                f"{self.weights_mb:,.0f}, caches {self.caches_mb:,.0f}, working {self.device_working_mb:,.0f}{free})"
+            )
+        else:
+            out.append("peak device memory: none (device=cpu)")
         if self.layers_on_disk:
             out.append(
                 f"weights on disk: the last {self.layers_on_disk} of {self.n_layers} blocks ({self.layer_mb:,.0f} MB "
@@ -201,7 +226,59 @@ def predict(
     cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, tokenizer_mb: float, rate: float | None = None
 ) -> Plan:
     """The plan of `cfg` on a model of shape `s` and these prompts (TaskData); `rate`: this machine's matmul
-    rate measured already (GFLOP/s), else measured here at the run's shape."""
+    rate measured already (GFLOP/s), else measured here at the run's shape (on the run's device)."""
+    device = str(cfg.device)
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"device={device}: not a device torch knows (cpu, cuda, cuda:1, mps)") from None
+    if not device.startswith("cuda"):
+        return host_plan(cfg, s, data, reads, baseline_mb, tokenizer_mb, rate)
+    free = device_free_mb(device)
+    if rate is None and free is not None:
+        rows = data.inputs["input_ids"].numel()
+        rate = matmul_gflops(s, rows, device=device)
+    return on_device(host_plan(cfg, s, data, reads, baseline_mb, tokenizer_mb, rate), cfg, free)
+
+
+def device_free_mb(device: str) -> float | None:
+    """The GPU's free memory now, MB; None where none is visible here (planning a cluster's run elsewhere)."""
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return free / MB
+
+
+def on_device(plan: Plan, cfg: Config, free_mb: float | None) -> Plan:
+    """The plan of a run on a GPU: weights, caches and the engine's working memory on the device, whose
+    chunks take engine.gpu_memory_share of its free memory after the weights and caches over
+    LIVE_ACTIVATIONS (runtime.chunk_budget_mb), no more than every intervention's copy of the prompts; where
+    the device cannot be seen here, chunks of engine.chunk_mb (the least the engine takes) and no time. The
+    host holds this process, the tokenizer and the weights as they load."""
+    chunk = float(cfg.engine.chunk_mb)
+    if free_mb is not None:
+        room = max(0.0, free_mb - plan.weights_mb - plan.caches_mb)
+        chunk = max(chunk, cfg.engine.gpu_memory_share * room / LIVE_ACTIVATIONS)
+    if plan.interventions and plan.copy_mb:
+        chunk = min(chunk, plan.interventions * plan.copy_mb)
+    working = plan.working_mb if plan.study == "circuit" else LIVE_ACTIVATIONS * chunk + 3 * plan.logits_mb
+    host = plan.baseline_mb + plan.tokenizer_mb + plan.weights_mb
+    if free_mb is None and plan.seconds is not None:  # the host's rate says nothing of the GPU's
+        plan = replace(plan, seconds=None, note=f"time: no GPU visible here to measure (device={cfg.device})")
+    return replace(
+        plan,
+        device=str(cfg.device),
+        peak_device_mb=plan.weights_mb + plan.caches_mb + working,
+        device_working_mb=working,
+        device_free_mb=free_mb,
+        peak_host_mb=host,
+    )
+
+
+def host_plan(
+    cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, tokenizer_mb: float, rate: float | None = None
+) -> Plan:
+    """The plan of `cfg` with everything in host memory (predict's, for a CPU run)."""
     rows, tokens = data.inputs["input_ids"].shape
     study = cfg.study.name
     block = layer_mb(s)
@@ -384,10 +461,16 @@ def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:
 
 
 def measured(plan: Plan, seconds: float) -> dict[str, Any]:
-    """What a run measured, beside its plan's prediction: seconds and peak host memory, and their ratios."""
+    """What a run measured, beside its plan's prediction: seconds, peak host memory and (a GPU run) the peak of
+    its tensors on the device, and their ratios."""
     peak = peak_rss_mb()
     out: dict[str, Any] = {"seconds": round(seconds, 2), "peak_host_mb": round(peak, 1)}
     out["peak_host_ratio"] = round(plan.peak_host_mb / peak, 3)
+    if plan.peak_device_mb and torch.cuda.is_available():
+        on_device = torch.cuda.max_memory_allocated(torch.device(plan.device)) / MB
+        out["peak_device_mb"] = round(on_device, 1)
+        if on_device:
+            out["peak_device_ratio"] = round(plan.peak_device_mb / on_device, 3)
     if plan.seconds:
         out["seconds_ratio"] = round(plan.seconds / seconds, 3)
     return out
