@@ -65,6 +65,13 @@ CASES = {
         "model=gemma3-270m", "task=text", "task.path={long}", "task.seq_len=32768", "task.n_prompts=1",
         "ablate=heads",
     ],
+    # Llama-3.2-1B's shape, random weights in float32 ({llama1b}: streamed_weights.build, 4.7 GiB), GPT-2's
+    # tokenizer: measured where 2 cores allow (a head sweep would take most of an hour: its layers)
+    "llama1b_ioi_layers": ["model=hf", "model.path={llama1b}", "task=ioi", "task.n_prompts=16", "ablate=layers"],
+    "llama1b_ioi_eap_ig": [
+        "model=hf", "model.path={llama1b}", "task=ioi", "task.n_prompts=4", "circuit=eap_ig",
+        "study.faithfulness=false",
+    ],
     # Llama-3.1-8B's shape in bfloat16 ({llama8b}: its config alone, GPT-2's tokenizer): no such weights here
     "llama8b_ioi_heads": [*LLAMA8B_IOI, "ablate=heads"],
     "llama8b_ioi_eap_ig": [*LLAMA8B_IOI, "circuit=eap_ig"],
@@ -105,7 +112,14 @@ def main(argv: list[str]) -> int:
             from bench_models import LLAMA_8B, llama_config
 
             llama_config(**LLAMA_8B).save_pretrained(llama8b)  # the config alone: the plan reads no weights
+        llama1b = ROOT / "outputs" / "bench" / "llama-3.2-1b-shape"
+        if any(name.startswith("llama1b") for name in args.cases):
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from streamed_weights import build
+
+            llama1b = build()
         places = {
+            "{llama1b}": str(llama1b),
             "{long}": str(long),
             "{llama8b}": str(llama8b),
             "{tokenizer}": str(ROOT / "tests" / "data" / "gpt2-tokenizer"),
