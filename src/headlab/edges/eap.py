@@ -149,10 +149,7 @@ def _summed(
     check_pairs(data)
     column = metric_column(task)
     total = torch.zeros(graph.real.shape, dtype=torch.float64)
-    # each pass's prompts in groups of like length, each through the positions it reads (lengths.parts)
-    passes = [
-        part for s in range(0, data.n, prompts_per_pass) for _, part in parts(data.take(slice(s, s + prompts_per_pass)))
-    ]
+    passes = prompt_passes(data, prompts_per_pass)
     with progress_bar(f"edges ({method})", total=len(passes) * len(runs), enabled=show_progress) as bar:
         for i, part in enumerate(passes):
             with torch.no_grad():  # not inference_mode: these tensors meet autograd below
@@ -164,6 +161,13 @@ def _summed(
                 _accumulate(total, model, task, part, graph, delta, clean, corrupt, run, column)
                 bar.update(i * len(runs) + j + 1)
     return total
+
+
+def prompt_passes(data: TaskData, prompts_per_pass: int) -> list[TaskData]:
+    """Each pass's prompts in groups of like length, each through the positions it reads (lengths.parts)."""
+    return [
+        part for s in range(0, data.n, prompts_per_pass) for _, part in parts(data.take(slice(s, s + prompts_per_pass)))
+    ]
 
 
 def _accumulate(

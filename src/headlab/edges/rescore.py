@@ -22,11 +22,10 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
-from ..interventions.lengths import parts
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
-from .eap import first_k
+from .eap import first_k, prompt_passes
 from .evaluate import Runs, circuit_forward, clean_and_corrupted
 from .graph import EdgeGraph
 from .record import metric, metric_column
@@ -56,9 +55,7 @@ def scores(
     kept = graph.real & ~forbidden
     column = metric_column(task)
     total = torch.zeros(graph.real.shape, dtype=torch.float64)
-    passes = [
-        part for s in range(0, data.n, prompts_per_pass) for _, part in parts(data.take(slice(s, s + prompts_per_pass)))
-    ]
+    passes = prompt_passes(data, prompts_per_pass)
     with progress_bar(f"edges ({method}, forbidden)", total=len(passes), enabled=show_progress) as bar:
         for i, part in enumerate(passes):
             runs = clean_and_corrupted(model, graph, part, for_grad=True)
