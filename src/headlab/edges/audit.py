@@ -10,9 +10,8 @@ by evaluate.py's circuit metric, exactly, on held-out prompts.
 - Rivals (`rivals`): the found circuit's units forbidden, the units scored again in the model whose
   forbidden units carry the corrupted run's values (edges/rescore.py; or, where the method cannot, the same
   scores cut), the best circuit of the same size from the rest measured; then its units forbidden too, and
-  so on. The margin is the found
-  circuit's faithfulness less the best rival's, with a paired bootstrap interval over prompts: the found
-  circuit is unique at its size where that interval lies above zero.
+  so on. The margin is the found circuit's faithfulness less the best rival's, with a paired bootstrap
+  interval over prompts: the found circuit is unique at its size where that interval lies above zero.
 
 A unit's score for heads is the sum of its outgoing edges' scores (what an attribution method's node score
 is: edges/methods.py).

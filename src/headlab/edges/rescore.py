@@ -1,9 +1,9 @@
 """EAP and EAP-IG scores in the model a rival circuit must do without: every forbidden edge U -> R carries
 out_U(corrupt) whatever the run (the found circuit's edges, or every edge out of its heads), the rest as
 the model computes them. The rival search of edges/audit.py scores the units again in that model each
-round, as the audit issue's "forbid the found circuit's edges, score again, build the best circuit from the
-rest" asks: an edge that matters only beside a forbidden one scores low there, and one that takes over a
-forbidden edge's work scores high.
+round (forbid the found circuit's edges, score again, build the best circuit from the rest): an edge that
+matters only beside a forbidden one scores low there, and one that takes over a forbidden edge's work
+scores high.
 
 An allowed edge's score is eap.py's, (out_U(corrupt) - out_U(clean)) . dm/d in_R, taken in that model:
 out_U(clean) is U's output in its clean run, and the gradient is at R's own input in its clean run (eap) or
