@@ -241,6 +241,15 @@ def test_each_rival_round_is_scored_with_the_found_circuit_and_every_earlier_riv
     assert torch.allclose(again[twin], cut_scores[twin], rtol=0.05) and not torch.equal(again[twin], cut_scores[twin])
 
 
+def test_rivals_are_cut_from_the_found_scores_where_asked_or_where_the_method_cannot_forbid(unique):
+    quick = dict(resamples=0, draws=0, templates=False, methods=["eap"], twice_the_steps=False, at_target=False)
+    asked = _audit(unique, rival_scores="cut", **quick)
+    cannot = _audit(unique, method="eap_ig_activations", steps=2, **quick)
+    rescored = _audit(unique, **quick)
+    for df, how in ((asked, "cut"), (cannot, "cut"), (rescored, "rescored")):
+        assert set(df[df.kind == "rival"].rival_scores) == {how}
+
+
 def test_cli_audits_a_circuit_run_on_its_model_and_task(tiny_hf_dir_with_tokenizer, tmp_path):
     model_dir = tiny_hf_dir_with_tokenizer("gpt2")
     circuit_run = tmp_path / "circuit"
