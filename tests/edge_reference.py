@@ -226,37 +226,19 @@ def eap_scores(model, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric) ->
 
 
 def eap_ig_scores(
-    model, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, steps: int, steps_from: int
+    model,
+    clean_ids: Tensor,
+    corrupt_ids: Tensor,
+    metric: Metric,
+    steps: int,
+    steps_from: int,
+    forbidden: frozenset[str] = frozenset(),
 ) -> dict[str, float]:
     """EAP-IG, summed by hand: as eap_scores, with the gradient averaged over `steps` runs of the clean prompts whose
     input embedding is corrupt + alpha * (clean - corrupt), alpha = k / steps for k = steps_from .. steps_from+steps-1
-    (steps_from 1: the paper's k = 1..steps; 0: hannamw/EAP-IG's code and MIB, k = 0..steps-1)."""
-    diffs = _sender_diffs(model, clean_ids, corrupt_ids)
-    with torch.no_grad():
-        _, clean = split_forward(model, clean_ids)
-        _, corrupt = split_forward(model, corrupt_ids)
-    grad = {r: torch.zeros_like(diffs["input"]) for r in receivers(model)}
-    for k in range(steps_from, steps_from + steps):
-        embed = corrupt["input"] + k / steps * (clean["input"] - corrupt["input"])
-        taps = {r: torch.zeros_like(embed, requires_grad=True) for r in receivers(model)}
-        with torch.enable_grad():
-            fns = {r: (lambda x, t=t: x + t) for r, t in taps.items()}
-            logits, _ = split_forward(model, clean_ids, fns, embed=embed)
-            for r, g in zip(taps, torch.autograd.grad(metric(logits).mean(), list(taps.values()))):
-                grad[r] += g / steps
-    out = {}
-    for edge in edges(model):
-        sender, receiver = edge.split("->")
-        out[edge] = float((diffs[sender] * grad[receiver]).sum())
-    return out
-
-
-def forbidden_eap_ig_scores(
-    model, clean_ids: Tensor, corrupt_ids: Tensor, metric: Metric, steps: int, steps_from: int, forbidden: set[str]
-) -> dict[str, float]:
-    """eap_ig_scores in the model whose `forbidden` edges carry the corrupted run's sender outputs in every run
-    (steps 1, steps_from 1: EAP there): the senders' differences from that model's clean run, the gradients at
-    the receivers' private inputs of that model's runs on interpolated input embeddings."""
+    (steps_from 1: the paper's k = 1..steps; 0: hannamw/EAP-IG's code and MIB, k = 0..steps-1).
+    `forbidden` edges carry the corrupted run's sender outputs in every run (the model a rival circuit must do
+    without): the senders' differences come from that model's clean run, and those edges get no score."""
     with torch.no_grad():
         _, corrupt = split_forward(model, corrupt_ids)
     cut: dict[str, dict[str, Tensor]] = {}
@@ -273,6 +255,7 @@ def forbidden_eap_ig_scores(
         with torch.enable_grad():
             fns = {r: (lambda x, t=t: x + t) for r, t in taps.items()}
             logits, _ = split_forward(model, clean_ids, fns, embed=embed, cut=cut)
+            # a receiver that reads nothing the metric depends on gets no gradient (forbidden edges cut it off)
             found = torch.autograd.grad(metric(logits).mean(), list(taps.values()), allow_unused=True)
             for r, g in zip(taps, found):
                 if g is not None:

@@ -487,8 +487,8 @@ def test_scores_with_edges_forbidden_equal_the_reference_with_those_edges_cut(ca
     allowed = g.real & ~forbidden
     got = rescore.scores(case.model, case.task, case.data, g, forbidden, "eap_ig", 3, prompts_per_pass=5)
     with case.reference():
-        by_hand = ref.forbidden_eap_ig_scores(
-            case.hf, case.clean_ids, case.corrupt_ids, case.metric, 3, 0, set(g.edge_names(forbidden))
+        by_hand = ref.eap_ig_scores(
+            case.hf, case.clean_ids, case.corrupt_ids, case.metric, 3, 0, frozenset(g.edge_names(forbidden))
         )
     want = torch.tensor([by_hand[e] for e in g.edge_names(allowed)], dtype=torch.float64)
     assert torch.isnan(got[forbidden]).all()
