@@ -230,8 +230,9 @@ def test_each_rival_round_is_scored_with_the_found_circuit_and_every_earlier_riv
         return units.scores(rescore_scores(twins, task, data, graph, units.edges_of(forbidden), "eap"))
 
     cut_scores = units.scores(eap_scores(twins, task, data, graph, "eap"))
-    out = rivals(units, cut_scores, found, Evaluator(twins, task, data, graph), 2, rescore)
+    out = rivals(units, cut_scores, found, Evaluator(twins, task, data, graph), 2, rescore, cut=False)
     assert torch.equal(seen[0], found) and torch.equal(seen[1], found | out[0].chosen)
+    assert [r.scores for r in out] == ["rescored", "rescored"]
     # with the planted head's path forbidden its twin's carries the effect alone, and is the first rival
     assert {units.names[i] for i in out[0].chosen.nonzero().flatten().tolist()} == TWIN
     assert out[0].faithfulness == pytest.approx(0.5, abs=0.05) and out[1].faithfulness == pytest.approx(0, abs=0.05)
@@ -241,13 +242,32 @@ def test_each_rival_round_is_scored_with_the_found_circuit_and_every_earlier_riv
     assert torch.allclose(again[twin], cut_scores[twin], rtol=0.05) and not torch.equal(again[twin], cut_scores[twin])
 
 
+def test_each_round_keeps_the_more_faithful_of_the_cut_and_the_rescored_rival(twins):
+    # the twin toy's found circuit is the planted head's path; its twin's path is the best rival either way
+    task = headlab.load_task("ioi")
+    data = task.build(8, 0, twins)
+    graph = EdgeGraph.of(twins)
+    units, ev = Units(graph, "edges"), Evaluator(twins, task, data, graph)
+    found = torch.tensor([n in PLANTED for n in units.names])
+    twin = torch.tensor([n in TWIN for n in units.names])
+    # a rescoring that points away from the twin: the cut scores' rival (the twin's path) is kept
+    misled = torch.where(twin | found, 0.0, torch.rand(units.count, dtype=torch.float64))
+    cut_scores = units.scores(eap_scores(twins, task, data, graph, "eap"))
+    both = rivals(units, cut_scores, found, ev, 1, lambda forbidden: misled)
+    assert both[0].scores == "cut" and torch.equal(both[0].chosen, twin)
+    alone = rivals(units, cut_scores, found, ev, 1, lambda forbidden: misled, cut=False)
+    assert alone[0].scores == "rescored" and alone[0].faithfulness < both[0].faithfulness - 0.4
+
+
 def test_rivals_are_cut_from_the_found_scores_where_asked_or_where_the_method_cannot_forbid(unique):
     quick = dict(resamples=0, draws=0, templates=False, methods=["eap"], twice_the_steps=False, at_target=False)
     asked = _audit(unique, rival_scores="cut", **quick)
     cannot = _audit(unique, method="eap_ig_activations", steps=2, **quick)
-    rescored = _audit(unique, **quick)
-    for df, how in ((asked, "cut"), (cannot, "cut"), (rescored, "rescored")):
-        assert set(df[df.kind == "rival"].rival_scores) == {how}
+    rescored = _audit(unique, rival_scores="rescored", **quick)
+    for df, how in ((asked, {"cut"}), (cannot, {"cut"}), (rescored, {"rescored"})):
+        assert set(df[df.kind == "rival"].rival_scores) == how
+    both = _audit(unique, **quick)  # the default: each round's rival from whichever scores gave the better one
+    assert set(both[both.kind == "rival"].rival_scores) <= {"cut", "rescored"}
 
 
 def test_cli_audits_a_circuit_run_on_its_model_and_task(tiny_hf_dir_with_tokenizer, tmp_path):
@@ -277,7 +297,7 @@ def test_cli_audits_a_circuit_run_on_its_model_and_task(tiny_hf_dir_with_tokeniz
     }
     # the circuit run's method is the audit's, and its rivals were scored again with the circuit forbidden
     assert (table[table.intervention == "audit"].method == "eap").all()
-    assert meta["rival_scores"] == "rescored"
+    assert meta["rival_scores"] == "both"
     for name in ("audit_overlap", "audit_faithfulness", "audit_tests"):
         assert (audit_run / "figures" / f"{name}.png").stat().st_size > 5_000
     refused = run_headlab("audit", str(tmp_path), cwd=tmp_path)

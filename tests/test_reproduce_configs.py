@@ -176,7 +176,7 @@ def retrieval_wu_runs(quick: bool) -> list[list[str]]:
 def ioi_audit_runs(quick: bool) -> list[list[str]]:
     small = "task.n_prompts=6 study.held_out=6 study.resamples=1 study.draws=0 study.n_random=10"
     small += " study.permutations=100 study.n_boot=50"
-    full = ["task.n_prompts=16", "study.max_units=0"]
+    full = ["task.n_prompts=16", "study.max_units=0", "study.rival_scores=cut"]
     audit = ["study=audit", "model=smollm2-135m", "task=ioi", *(small.split() if quick else full)]
     classes = [
         "study=ioi_classes",

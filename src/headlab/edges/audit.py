@@ -7,11 +7,12 @@ by evaluate.py's circuit metric, exactly, on held-out prompts.
 - Stability: a variant (another prompt draw, a bootstrap resample of the prompts, half of the templates,
   another method or twice the steps) scores the units again; its circuit is its top units at the found
   circuit's size; the overlap with the found circuit is the Jaccard index of their units.
-- Rivals (`rivals`): the found circuit's units forbidden, the units scored again in the model whose
-  forbidden units carry the corrupted run's values (edges/rescore.py; or, where the method cannot, the same
-  scores cut), the best circuit of the same size from the rest measured; then its units forbidden too, and
-  so on. The margin is the found circuit's faithfulness less the best rival's, with a paired bootstrap
-  interval over prompts: the found circuit is unique at its size where that interval lies above zero.
+- Rivals (`rivals`): the found circuit's units forbidden, the best circuit of the same size from the rest,
+  by the found circuit's scores (cut) and by the units' scores again in the model whose forbidden units
+  carry the corrupted run's values (rescored: edges/rescore.py), each measured, the more faithful kept;
+  then its units forbidden too, and so on (neither search finds the stronger rival every time). The
+  margin is the found circuit's faithfulness less the best rival's, with a paired bootstrap interval over
+  prompts: the found circuit is unique at its size where that interval lies above zero.
 
 A unit's score for heads is the sum of its outgoing edges' scores (what an attribution method's node score
 is: edges/methods.py).
@@ -131,6 +132,7 @@ class Rival:
     shared_units: int  # with the found circuit
     jaccard_heads: float
     per_prompt: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    scores: str = "cut"  # the scores it was built from: cut (the found circuit's) or rescored
 
 
 def rivals(
@@ -140,21 +142,27 @@ def rivals(
     ev: Evaluator,
     rounds: int,
     rescore: Callable[[Tensor], Tensor] | None = None,
+    cut: bool = True,
 ) -> list[Rival]:
-    """Disjoint circuits of the found one's size (in units before pruning), each the best of the units no
-    earlier circuit holds: by `rescore(forbidden)` ([units] scores with the units `forbidden` [units] bool
-    held at their corrupted values) where given, else by `scores`."""
+    """Disjoint circuits of the found one's size (in units before pruning), each the more faithful of the
+    best of the units no earlier circuit holds by `scores` (where `cut`) and by `rescore(forbidden)` ([units]
+    scores with the units `forbidden` [units] bool held at their corrupted values, where given)."""
     size, forbidden, out = int(found.sum()), found.clone(), []
     found_heads = units.heads_of(found)
     for r in range(1, rounds + 1):
         if int((~forbidden).sum()) == 0:
             break
-        chosen = units.top(scores if rescore is None else rescore(forbidden), size, forbidden)
-        if not chosen.any():
+        built = [("cut", units.top(scores, size, forbidden))] if cut or rescore is None else []
+        if rescore is not None:
+            again = units.top(rescore(forbidden), size, forbidden)
+            if not built or not torch.equal(again, built[0][1]):
+                built.append(("rescored", again))
+        measured = [(how, chosen, ev.per_prompt(units.to_mask(chosen))) for how, chosen in built if chosen.any()]
+        if not measured:
             break
-        metric = ev.per_prompt(units.to_mask(chosen))
-        shared = int((chosen & found).sum())
-        out.append(Rival(r, chosen, ev.share(metric), shared, jaccard(units.heads_of(chosen), found_heads), metric))
+        how, chosen, metric = max(measured, key=lambda m: ev.share(m[2]))
+        shared, heads = int((chosen & found).sum()), jaccard(units.heads_of(chosen), found_heads)
+        out.append(Rival(r, chosen, ev.share(metric), shared, heads, metric, how))
         forbidden |= chosen
     return out
 

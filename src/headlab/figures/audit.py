@@ -71,9 +71,10 @@ def summary_numbers(audit: pd.DataFrame) -> dict:
         found[f"jaccard{at}_{r['kind']}"] = [finite(r["value"]), finite(r["ci_low"]), finite(r["ci_high"])]
     rivals = audit[(audit["metric"] == "faithfulness") & (audit["kind"] == "rival")]
     if len(rivals):
-        found["best_rival_faithfulness"] = float(rivals["value"].max())
+        best = rivals.loc[rivals["value"].idxmax()]
+        found["best_rival_faithfulness"] = float(best["value"])
         # tables from before the rival search scored again hold no such column: their rivals were cut
-        found["rival_scores"] = str(rivals["rival_scores"].iloc[0]) if "rival_scores" in rivals else "cut"
+        found["rival_scores"] = str(best["rival_scores"]) if "rival_scores" in rivals else "cut"
     margin = one("margin")
     if margin is not None:
         found["margin"] = [finite(margin["value"]), finite(margin["ci_low"]), finite(margin["ci_high"])]

@@ -53,7 +53,7 @@ from .audit_sources import circuit_file, classed_heads, head_unit, is_classes_ru
 from .context import EVAL_SEED_OFFSET, RunContext
 from .study import Study, StudyOptions
 
-RIVAL_SCORES = ("rescored", "cut")
+RIVAL_SCORES = ("both", "rescored", "cut")
 HELD_OUT_OFFSET = 7_919  # the held-out prompts' seed, apart from the run's prompts and the other draws
 DRAW_OFFSET = 104_729  # the s-th other draw of the prompts: seed + EVAL_SEED_OFFSET + s * DRAW_OFFSET
 
@@ -85,9 +85,9 @@ class AuditOptions(StudyOptions):
     # each variant's own smallest circuit reaching study.target on its own prompts, measured and compared too
     at_target: bool = True
     rivals: int = setting(3, NATURAL)  # rounds of the disjoint rival search
-    # rescored: each round's units scored again with every earlier circuit's units forbidden (eap, eap_ig);
-    # cut: the found circuit's scores, cut
-    rival_scores: str = setting("rescored", OneOf(RIVAL_SCORES))
+    # each round's rival built from the found circuit's scores (cut), from the units scored again with every
+    # earlier circuit's units forbidden (rescored: eap, eap_ig), or both, the more faithful kept
+    rival_scores: str = setting("both", OneOf(RIVAL_SCORES))
     epsilon: float = setting(hypothesis.EPSILON, SHARE)  # equivalence's margin
     permutations: int = setting(1000, COUNT)  # independence's permutation test
     n_random: int = setting(100, COUNT)  # minimality: random units outside the circuit
@@ -170,10 +170,10 @@ def run(ctx: RunContext) -> pd.DataFrame:
         variants = stability(audit, found)
     rows += variant_rows(info, variants)
     rescore = rescorer(audit, units)
-    rival_scores = "cut" if rescore is None else "rescored"
+    rival_scores = "cut" if rescore is None else c.rival_scores
     with ctx.timed("rivals"):
-        found_rivals = rivals(units, found.scores, found.chosen, held, c.rivals, rescore)
-    rows += rival_rows({**info, "rival_scores": rival_scores}, found_rivals, found_metric, held, c.n_boot, seed)
+        found_rivals = rivals(units, found.scores, found.chosen, held, c.rivals, rescore, rival_scores != "rescored")
+    rows += rival_rows(info, found_rivals, found_metric, held, c.n_boot, seed)
     with ctx.timed("tests"):
         tests, mini, tested = hypothesis_tests(audit, found, found_metric)
     if np.array_equal(found_metric, held.clean_per_prompt):
@@ -235,8 +235,8 @@ def smallest(units: Units, scores: Tensor, measure: Measure, target: float) -> T
 
 
 def rescorer(audit: Audit, units: Units) -> Callable[[Tensor], Tensor] | None:
-    """The rival search's scores with units forbidden (study.rival_scores=rescored), where the method has
-    them (edges/rescore.py); None: the found circuit's scores, cut."""
+    """The rival search's scores with units forbidden (study.rival_scores both or rescored), where the method
+    has them (edges/rescore.py); None: the found circuit's scores alone, cut."""
     c, method = audit.c, get_method(audit.c.method)
     if c.rival_scores == "cut":
         return None

@@ -45,7 +45,7 @@ def rival_rows(
 ) -> list[dict]:
     rows = []
     for r in rivals:
-        base = {**info, "variant": f"rival_{r.round}", "kind": "rival"}
+        base = {**info, "variant": f"rival_{r.round}", "kind": "rival", "rival_scores": r.scores}
         rows += [
             {**base, "metric": "faithfulness", "value": r.faithfulness},
             {**base, "metric": "shared_units", "value": r.shared_units},
@@ -55,7 +55,7 @@ def rival_rows(
     if rivals:
         best = max(rivals, key=lambda r: r.faithfulness)
         value, low, high = margin(found_metric, best.per_prompt, ev, n_boot, seed)
-        base = {**info, "variant": f"rival_{best.round}", "kind": "rival"}
+        base = {**info, "variant": f"rival_{best.round}", "kind": "rival", "rival_scores": best.scores}
         rows.append({**base, "metric": "margin", "value": value, "ci_low": low, "ci_high": high})
     return rows
 
