@@ -160,7 +160,7 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     run's), then per circuit measured (two per fraction, and the bisection's) a forward pass with each
     receiver's input summed from its upstream senders' differences: counted for every receiver, the most a
     circuit can keep."""
-    from .interventions.lengths import parts
+    from .interventions.lengths import parts, passes
 
     c = cfg.study
     method = option(c.method)
@@ -203,9 +203,7 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     if method == "exact":
         scoring = exact(*size(data))  # all prompts at once, padded to the longest (edges/exact.py)
     else:
-        scoring = sum(
-            per_pass(*size(part)) for i in range(0, data.n, per) for _, part in parts(data.take(slice(i, i + per)))
-        )
+        scoring = sum(per_pass(*size(part)) for part in passes(data, per))
     faithfulness = sum(curve(*size(part)) for _, part in parts(data)) if curve_circuits else 0.0
     return scoring / 1e9, faithfulness / 1e9
 

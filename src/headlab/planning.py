@@ -54,7 +54,7 @@ from .config import Config, option
 from .errors import HeadlabError, UsageError
 from .flops import Shape, circuit_gflop, ioi_classes_gflop, matmul_gflops, sweep_gflop
 from .models.families import family_of
-from .runtime import LIVE_ACTIVATIONS
+from .runtime import LIVE_ACTIVATIONS, gpu_chunk_mb
 
 MB = 2**20
 # a block's activations alive at once per chunk, in units of engine.chunk_mb (its widest: edits.copy_bytes),
@@ -114,18 +114,18 @@ class Plan:
     device_free_mb: float | None = None  # a GPU run: the device's free memory before loading, where seen here
 
     def lines(self) -> list[str]:
+        # on a GPU the caches and the engine's work are the device's, the weights the host's as they load
+        held = (
+            f"the weights as they load {self.weights_mb:,.0f}"
+            if self.peak_device_mb
+            else f"weights {self.weights_mb:,.0f}, caches {self.caches_mb:,.0f}, working {self.working_mb:,.0f}"
+        )
         out = [
             f"plan: study={self.study} on {self.model} ({self.params / 1e6:.1f}M parameters), "
             f"{self.prompts} prompts of {self.tokens} tokens",
-            f"peak host memory: {self.peak_host_mb:,.0f} MB (weights {self.weights_mb:,.0f}, caches "
-            f"{self.caches_mb:,.0f}, working {self.working_mb:,.0f}, tokenizer {self.tokenizer_mb:,.0f}, this "
+            f"peak host memory: {self.peak_host_mb:,.0f} MB ({held}, tokenizer {self.tokenizer_mb:,.0f}, this "
             f"process before loading {self.baseline_mb:,.0f})",
         ]
-        if self.peak_device_mb:  # the caches and the engine's work are the device's
-            out[1] = (
-                f"peak host memory: {self.peak_host_mb:,.0f} MB (the weights as they load {self.weights_mb:,.0f}, "
-                f"tokenizer {self.tokenizer_mb:,.0f}, this process before loading {self.baseline_mb:,.0f})"
-            )
         if self.peak_device_mb:
             free = "" if self.device_free_mb is None else f"; {self.device_free_mb:,.0f} MB free now"
             out.append(
@@ -256,9 +256,9 @@ def on_device(plan: Plan, cfg: Config, free_mb: float | None) -> Plan:
     the device cannot be seen here, chunks of engine.chunk_mb (the least the engine takes) and no time. The
     host holds this process, the tokenizer and the weights as they load."""
     chunk = float(cfg.engine.chunk_mb)
-    if free_mb is not None:
+    if free_mb is not None:  # what the engine will see free once the weights and caches are on the device
         room = max(0.0, free_mb - plan.weights_mb - plan.caches_mb)
-        chunk = max(chunk, cfg.engine.gpu_memory_share * room / LIVE_ACTIVATIONS)
+        chunk = gpu_chunk_mb(room, chunk, cfg.engine.gpu_memory_share)
     if plan.interventions and plan.copy_mb:
         chunk = min(chunk, plan.interventions * plan.copy_mb)
     working = plan.working_mb if plan.study == "circuit" else LIVE_ACTIVATIONS * chunk + 3 * plan.logits_mb

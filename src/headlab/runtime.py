@@ -27,7 +27,13 @@ def chunk_budget_mb(device: torch.device, chunk_mb: float, gpu_memory_share: flo
     if device.type != "cuda":
         return chunk_mb
     free, _total = torch.cuda.mem_get_info(device)
-    return max(chunk_mb, gpu_memory_share * free / 2**20 / LIVE_ACTIVATIONS)
+    return gpu_chunk_mb(free / 2**20, chunk_mb, gpu_memory_share)
+
+
+def gpu_chunk_mb(free_mb: float, chunk_mb: float, gpu_memory_share: float) -> float:
+    """A chunk's budget on a GPU with `free_mb` free: `gpu_memory_share` of it over LIVE_ACTIVATIONS, never
+    less than chunk_mb (chunk_budget_mb's, and the plan's: planning.on_device)."""
+    return max(chunk_mb, gpu_memory_share * free_mb / LIVE_ACTIVATIONS)
 
 
 def tune_allocator() -> bool:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UsageError
-from ..interventions.lengths import parts
+from ..interventions.lengths import passes as prompt_passes
 from ..models.hooked import HookedModel, Trace
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
@@ -161,13 +161,6 @@ def _summed(
                 _accumulate(total, model, task, part, graph, delta, clean, corrupt, run, column)
                 bar.update(i * len(runs) + j + 1)
     return total
-
-
-def prompt_passes(data: TaskData, prompts_per_pass: int) -> list[TaskData]:
-    """Each pass's prompts in groups of like length, each through the positions it reads (lengths.parts)."""
-    return [
-        part for s in range(0, data.n, prompts_per_pass) for _, part in parts(data.take(slice(s, s + prompts_per_pass)))
-    ]
 
 
 def _accumulate(

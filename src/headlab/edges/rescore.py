@@ -22,10 +22,11 @@ import torch
 from torch import Tensor
 
 from ..errors import UsageError
+from ..interventions.lengths import passes as prompt_passes
 from ..models.hooked import HookedModel
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
-from .eap import first_k, prompt_passes
+from .eap import first_k
 from .evaluate import Runs, circuit_forward, clean_and_corrupted
 from .graph import EdgeGraph
 from .record import metric, metric_column

@@ -107,3 +107,11 @@ def parts(data: TaskData) -> list[tuple[Int[Tensor, " rows"], TaskData]]:
     if grouped is None:
         return [(torch.arange(data.n), data)]
     return [(rows, bucket(data, rows, length)) for rows, length in grouped]
+
+
+def passes(data: TaskData, prompts_per_pass: int) -> list[TaskData]:
+    """The prompts `prompts_per_pass` at a time, each pass's in its groups of like length (parts): a run of
+    whole prompts in passes, as EAP scores them (edges/eap.py) and flops.circuit_gflop counts them."""
+    return [
+        part for s in range(0, data.n, prompts_per_pass) for _, part in parts(data.take(slice(s, s + prompts_per_pass)))
+    ]
