@@ -783,3 +783,56 @@ def test_each_circuit_method_record_names_its_paper_code_and_a_test_that_exists(
         path, _, name = method.proof.partition("::")
         test = name.split()[0]
         assert (here.parent / path).is_file() and f"def {test}(" in (here.parent / path).read_text(), method.name
+
+
+class Float64RMSNorm(torch.nn.Module):
+    """An RMSNorm that computes in its input's dtype (HF's round through float32), of weight or offset + weight."""
+
+    def __init__(self, d: int, eps: float, offset: float) -> None:
+        super().__init__()
+        self.weight, self.eps, self.offset = torch.nn.Parameter(torch.randn(d)), eps, offset
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (self.offset + self.weight)
+
+
+def _norms() -> dict[str, tuple[torch.nn.Module, float, float]]:
+    """name: (a norm, its model's norm_offset, the tolerance of float64 inputs: HF's RMSNorms round through
+    float32)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    torch.manual_seed(0)
+    layer, llama, gemma = torch.nn.LayerNorm(16), LlamaRMSNorm(16, eps=1e-2), Gemma3RMSNorm(16, eps=1e-2)
+    for module in (layer, llama, gemma):
+        for p in module.parameters():
+            torch.nn.init.normal_(p)
+    return {
+        "layernorm": (layer, 0.0, 1e-10),
+        "olmo": (OlmoLayerNorm(16), 0.0, 1e-5),
+        "rms": (Float64RMSNorm(16, 1e-2, 0.0), 0.0, 1e-10),
+        "rms_offset": (Float64RMSNorm(16, 1e-2, 1.0), 1.0, 1e-10),
+        "llama": (llama, 0.0, 1e-5),
+        "gemma3": (gemma, 1.0, 1e-5),
+    }
+
+
+@pytest.mark.parametrize("name", ["layernorm", "olmo", "rms", "rms_offset", "llama", "gemma3"])
+def test_the_closed_form_norm_products_are_autograds(name):
+    """EAP takes every head's gradient back through the attention norm in closed form (models/norms.norm_vjp),
+    its factor read off the norm's output: equal to autograd's products through the module itself, with an
+    epsilon large enough to matter."""
+    from headlab.models.norms import norm_vjp
+
+    module, offset, tol = _norms()[name]
+    module = module.double()
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    cotangents = torch.randn(5, 2, 3, 16, dtype=torch.float64)
+    stacked = x.repeat(5, 1, 1).requires_grad_()
+    (expected,) = torch.autograd.grad(module(stacked), stacked, cotangents.flatten(0, 1))
+    got = norm_vjp(module, offset, x, cotangents)
+    assert got is not None
+    torch.testing.assert_close(got, expected.unflatten(0, (5, 2)), rtol=tol, atol=tol)
+    x[1, 2] = 0.0  # a position of zeros: its factor is not in the output, so autograd takes it
+    assert norm_vjp(module, offset, x, cotangents) is None

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from ..interventions.lengths import passes as prompt_passes
 from ..models.hooked import HookedModel, Trace
+from ..models.norms import norm_vjp
 from ..progress import progress_bar
 from ..tasks import Task, TaskData
 from ..vocabulary import Site
@@ -248,8 +249,7 @@ def _layer_gradients(
         return hook
 
     sites, has_mlp = model.sites, layer in graph.mlp_layers
-    norm = model.attn_inputs[layer]
-    assert sites.qkv_projs is not None and sites.qkv_split is not None and norm is not None  # EdgeGraph.of checked
+    assert sites.qkv_projs is not None and sites.qkv_split is not None  # EdgeGraph.of checked
     projs = sites.qkv_projs[layer]
     with ExitStack() as stack:
         stack.enter_context(
@@ -281,7 +281,7 @@ def _layer_gradients(
         ]
         weights = [weights[0]] + [w.repeat_interleave(graph.group, 0) for w in weights[1:]]
     per_head = torch.cat([torch.einsum("npge,gde->gnpd", g, w.to(g.dtype)) for g, w in zip(per_site, weights)])
-    parts = [_through_norm(norm, kept["attn_in"], per_head)]
+    parts = [_through_norm(model, layer, kept["attn_in"], per_head)]
     if has_mlp:
         g = grads[-1]
         parts.append((torch.zeros_like(x) if g is None else g).unsqueeze(0))
@@ -316,11 +316,16 @@ def _per_query_head(
     return torch.stack(members, 3).reshape(*members[0].shape[:2], n_kv * group, -1)  # head j*group+m at j, m
 
 
-def _through_norm(norm: nn.Module, reader: Tensor, cotangents: Tensor) -> Tensor:
-    """[k, n, pos, d]: k vector-Jacobian products of the norm at `reader` [n, pos, d] (cotangents
-    [k, n, pos, d]), from one pass of the norm over k stacked copies of its input: a norm acts on each
-    position alone, and autograd's batched products would loop over k (no batching rule for a norm's
-    backward)."""
+def _through_norm(model: HookedModel, layer: int, reader: Tensor, cotangents: Tensor) -> Tensor:
+    """[k, n, pos, d]: k vector-Jacobian products of the layer's attention norm at `reader` [n, pos, d]
+    (cotangents [k, n, pos, d]): in closed form (models/norms.norm_vjp), else from one pass of the norm
+    over k stacked copies of its input: a norm acts on each position alone, and autograd's batched products
+    would loop over k (no batching rule for a norm's backward)."""
+    norm = model.attn_inputs[layer]
+    assert norm is not None  # EdgeGraph.of checked
+    closed = norm_vjp(norm, model.norm_offset, reader, cotangents)
+    if closed is not None:
+        return closed
     k = cotangents.shape[0]
     stacked = reader.detach().repeat(k, 1, 1).requires_grad_()
     (out,) = torch.autograd.grad(norm(stacked), stacked, cotangents.flatten(0, 1))

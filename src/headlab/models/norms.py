@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from ..errors import UsageError
@@ -36,3 +37,44 @@ def norm_factors(module: nn.Module | None, offset: float) -> NormFactors:
     raise UsageError(
         f"study.fold_norms: headlab does not know how a {name} scales its input; set study.fold_norms=false"
     )
+
+
+def norm_vjp(module: nn.Module | None, offset: float, x: Tensor, cotangents: Tensor) -> Tensor | None:
+    """[k, *x.shape]: the k vector-Jacobian products of the norm `module` at x [..., d] (cotangents
+    [k, *x.shape]) in closed form, or None where headlab does not know the norm (norm_factors) or its weights are not
+    in memory (read from disk as a pass reaches them).
+
+    With u = scale * cotangent, x_c = x less its mean (a LayerNorm; else x) and r the factor the norm
+    multiplied x_c by at each position (read off its output, so its epsilon is whatever the module used),
+    the product is r (u - mean(u) - x̂ mean(u x̂)) with x̂ = r x_c, the mean(u) term a LayerNorm's alone:
+    two passes over the cotangents where autograd through k stacked copies of the norm takes about ten."""
+    try:
+        factors = norm_factors(module, offset)
+    except UsageError:
+        return None
+    if module is None or isinstance(module, nn.Identity):
+        return cotangents
+    if any(p.is_meta for p in module.parameters()):  # weights read from disk as a pass reaches them
+        return None
+    dtype = cotangents.dtype
+    with torch.no_grad():
+        x = x.detach().to(dtype)
+        out = module(x).to(dtype)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, Tensor):
+            out = out - bias.detach().to(dtype)
+        xc = x - x.mean(-1, keepdim=True) if factors.centres else x
+        gain = None if factors.scale is None else factors.scale.to(x.device, dtype)
+        gained = xc if gain is None else xc * gain
+        square = (gained * gained).sum(-1, keepdim=True)
+        if not bool((square > 0).all()):  # a position of zeros: its factor cannot be read off
+            return None
+        r = (out * gained).sum(-1, keepdim=True) / square
+        x_hat = xc * r  # [..., d]
+        u = cotangents * gain if gain is not None else cotangents.clone()  # [k, ..., d]
+        along = torch.linalg.vecdot(u, x_hat).unsqueeze(-1) / x.shape[-1]  # [k, ..., 1]
+        if factors.centres:
+            u -= u.mean(-1, keepdim=True)
+        u -= along * x_hat
+        u *= r
+    return u
