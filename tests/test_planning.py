@@ -142,8 +142,9 @@ def test_the_circuit_flops_are_what_scoring_and_the_curve_execute(llama_dir, met
             headlab.study(model, task, "circuit", method=method, faithfulness=faithfulness, n_boot=0)
         executed[faithfulness] = sum(e.flops for e in prof.key_averages()) / 1e9
     cfg = headlab.compose("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", f"circuit={method}")
-    scoring, curve = circuit_gflop(cfg, shape_of_model(model), task.build(8, EVAL_SEED_OFFSET, model))
-    ratios = (scoring / executed[False], (executed[True] - executed[False]) / curve)
+    flops = circuit_gflop(cfg, shape_of_model(model), task.build(8, EVAL_SEED_OFFSET, model))
+    assert flops is not None and (flops.products > 0) == (method != "exact")
+    ratios = (flops.scoring / executed[False], (executed[True] - executed[False]) / flops.curve)
     assert 0.85 < ratios[0] < 1.2 and 0.5 < ratios[1] <= 1.0, ratios
 
 

@@ -146,9 +146,29 @@ def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3, device: str = "cpu"
     return 2 * a.shape[0] * s.d_model * s.d_mlp * count / elapsed / 1e9
 
 
-def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | None:
-    """(EAP / EAP-IG's scoring, the faithfulness curve's) matrix-product GFLOP of study=circuit over the
-    prompts `data`, each pass over its prompts' groups of like length (lengths.parts, as they run).
+@dataclass(frozen=True)
+class CircuitFlops:
+    """study=circuit's matrix-product GFLOP: scoring's model passes (recordings, forward, backward; exact
+    patching's stacked blocks), scoring's sender-by-receiver products (EAP, EAP-IG: [senders, prompts x
+    tokens x d_model] @ [that, a layer's receivers], a shape of their own) and the faithfulness curve's."""
+
+    passes: float
+    products: float
+    curve: float
+
+    @property
+    def scoring(self) -> float:
+        return self.passes + self.products
+
+    @property
+    def total(self) -> float:
+        return self.passes + self.products + self.curve
+
+
+def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
+    """EAP / EAP-IG's scoring (its passes and its products) and the faithfulness curve's matrix-product GFLOP
+    of study=circuit over the prompts `data`, each pass over its prompts' groups of like length (lengths.parts,
+    as they run).
 
     Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per
     gradient run (EAP one, EAP-IG `steps`, EAP-IG over activations `steps` per node; again at twice the steps
@@ -167,10 +187,9 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     if method not in ("eap", "eap_ig", "eap_ig_activations", "exact"):
         return None
     runs = [1] if method == "eap" else [c.steps, 2 * c.steps] if c.convergence else [c.steps]
-    ungrouped = option(c.kv_edges) == "ungrouped"
-    attention = s.n_heads * (3 if ungrouped else 1) + (0 if ungrouped else 2 * s.n_kv)  # a layer's q/k/v receivers
+    senders, attention = edge_nodes(s, option(c.kv_edges))
     upstream = [1 + layer * (s.n_heads + 1) for layer in range(s.n_layers)]  # the input, earlier heads and MLPs
-    senders, receivers = upstream[-1] + s.n_heads + 1, s.n_layers * (attention + 1) + 1
+    receivers = s.n_layers * (attention + 1) + 1
     edges = sum(u * attention + u + s.n_heads for u in upstream) + senders
     curve_circuits = 2 * len(c.fractions) + math.ceil(math.log2(edges)) if c.faithfulness else 0
 
@@ -178,11 +197,11 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     # activations: the input, every layer's attention and MLP; edges/eap.runs_at)
     starts = [0] + [layer for layer in range(s.n_layers) for _ in range(2)] if method == "eap_ig_activations" else [0]
 
-    def per_pass(n: int, tokens: int) -> float:
+    def per_pass(n: int, tokens: int) -> tuple[float, float]:
         blocks = [sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers)]
-        products = 2 * senders * receivers * n * tokens * s.d_model
-        alpha = sum(2 * sum(blocks) + sum(blocks[start:]) + products for start in starts)  # one alpha's runs
-        return sum(2 * sum(blocks) + steps * alpha for steps in runs)
+        alpha = sum(2 * sum(blocks) + sum(blocks[start:]) for start in starts)  # one alpha's runs
+        products = len(starts) * 2 * senders * receivers * n * tokens * s.d_model
+        return sum(2 * sum(blocks) + steps * alpha for steps in runs), sum(runs) * products
 
     # the curve's recordings held for fewer prompts than the run's: each bisection step records them again
     again = math.ceil(math.log2(edges)) if c.faithfulness and (c.curve_prompts or data.n) < data.n else 0
@@ -201,11 +220,37 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> tuple[float, float] | Non
     size = lambda part: (part.n, next(iter(part.inputs.values())).shape[1])  # noqa: E731
     per = int(c.prompts_per_pass)
     if method == "exact":
-        scoring = exact(*size(data))  # all prompts at once, padded to the longest (edges/exact.py)
+        scoring = (exact(*size(data)), 0.0)  # all prompts at once, padded to the longest (edges/exact.py)
     else:
-        scoring = sum(per_pass(*size(part)) for part in passes(data, per))
+        each = [per_pass(*size(part)) for part in passes(data, per)]
+        scoring = (sum(e[0] for e in each), sum(e[1] for e in each))
     faithfulness = sum(curve(*size(part)) for _, part in parts(data)) if curve_circuits else 0.0
-    return scoring / 1e9, faithfulness / 1e9
+    return CircuitFlops(scoring[0] / 1e9, scoring[1] / 1e9, faithfulness / 1e9)
+
+
+def edge_nodes(s: Shape, kv_edges: str) -> tuple[int, int]:
+    """(senders: the input, every head and MLP; a layer's attention receivers: its heads' q, k and v inputs,
+    or per key/value head under kv_edges=grouped) of the edge graph (edges/graph.py)."""
+    ungrouped = kv_edges == "ungrouped"
+    return 1 + s.n_layers * (s.n_heads + 1), s.n_heads * (3 if ungrouped else 1) + (0 if ungrouped else 2 * s.n_kv)
+
+
+def product_gflops(
+    senders: int, receivers: int, inner: int = 2**15, seconds: float = 0.2, device: str = "cpu"
+) -> float:
+    """This machine's float32 rate (GFLOP/s) on EAP's product shape, [senders, inner] @ [inner, receivers]:
+    few receivers make it several times slower than the blocks' products (gemma3-270m's 7 a layer)."""
+    a = torch.randn(senders, inner, device=device)
+    b = torch.randn(receivers, inner, device=device)
+    wait = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    a @ b.T
+    wait()
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b.T
+        wait()
+        count += 1
+    return 2 * senders * inner * receivers * count / elapsed / 1e9
 
 
 def positions_flops(s: Shape, rows: int, first: int, last: int, layer: int) -> float:

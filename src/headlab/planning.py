@@ -28,9 +28,11 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             over this machine's float32 matmul rate at the blocks' shape (measured now, SWEEP_EFFICIENCY of
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
             model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG over inputs and
-            activations): its scoring's and its faithfulness curve's FLOPs (flops.circuit_gflop) at
-            SCORING_EFFICIENCY and CURVE_EFFICIENCY of that rate (exact patching's scoring, stacked copies of
-            the blocks as a sweep's, at SWEEP_EFFICIENCY), plus loading; patch=attribution: its passes
+            activations): its scoring's passes and its faithfulness curve's FLOPs (flops.circuit_gflop) at
+            PASSES_EFFICIENCY of the rate at a pass's rows and CURVE_EFFICIENCY of the rate at every prompt's
+            (exact patching's scoring, stacked copies of the blocks as a sweep's, at SWEEP_EFFICIENCY), its
+            sender-by-receiver products at PRODUCTS_EFFICIENCY of the rate measured at their own shape
+            (flops.product_gflops), plus loading; patch=attribution: its passes
             (flops.attribution_gflop) at SWEEP_EFFICIENCY; study=ioi_classes: its head scores' and five
             path-patching rounds' FLOPs (flops.ioi_classes_gflop: the rounds into receiver heads at their
             costliest layer, since the classes the earlier rounds find are unknown before the run) at
@@ -52,7 +54,7 @@ import torch
 
 from .config import Config, option
 from .errors import HeadlabError, UsageError
-from .flops import Shape, circuit_gflop, ioi_classes_gflop, matmul_gflops, sweep_gflop
+from .flops import Shape, circuit_gflop, edge_nodes, ioi_classes_gflop, matmul_gflops, product_gflops, sweep_gflop
 from .models.families import family_of
 from .runtime import LIVE_ACTIVATIONS, gpu_chunk_mb
 
@@ -64,11 +66,14 @@ SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine
 # loading: building the model and reading its float32 weights (a GGUF model's copy in the cache)
 LOAD_FIXED_S, LOAD_MB_S = 2.0, 400.0
 TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
-# the share of the measured matmul rate EAP / EAP-IG's scoring and the faithfulness curve keep on a CPU in
-# circuit_gflop's count (an upper bound for the curve's small circuits): between smollm2-135m's and
-# gemma3-270m's on 16 IOI prompts at 2 threads (scoring 0.59 and 0.46, the curve 0.58 and 0.33: gemma's
-# curve is its forward passes, on 4 wide heads, smollm2's half the senders' sums)
-SCORING_EFFICIENCY, CURVE_EFFICIENCY = 0.52, 0.43
+# the shares of the measured matmul rates EAP / EAP-IG's scoring and the faithfulness curve keep on a CPU in
+# circuit_gflop's count, at 2 threads, from the phases' own clocks (meta.json seconds): scoring's passes
+# (forward, each block again, backward) of the rate at a pass's rows, 0.41 on smollm2-135m, 0.52 on
+# gemma3-270m (16 IOI prompts) and 0.45 on Llama-3.2-1B's shape (4); its products of product_gflops's rate
+# at their own shape, 0.8-1.0; the curve (an upper bound for its small circuits) of the rate at every
+# prompt's rows, 0.34 on smollm2-135m and 0.22 on gemma3-270m (its forward passes, on 4 wide heads; on the
+# machine of the fit before, 0.58 and 0.33: this share moves with the machine more than the others)
+PASSES_EFFICIENCY, PRODUCTS_EFFICIENCY, CURVE_EFFICIENCY = 0.45, 0.9, 0.3
 # the share of the measured matmul rate study=ioi_classes keeps on a CPU in flops.ioi_classes_gflop's count
 # (its receiver rounds counted with their receivers at the costliest single layer: receivers the run finds
 # over several layers cost somewhat more), smollm2-135m's 64 IOI prompts at 2 threads
@@ -319,24 +324,41 @@ def host_plan(
         plan.work = f"the q, v and k rounds ({rounds:,.0f} GFLOP) with their receivers at the costliest layer"
         return plan
     if study == "circuit":
-        split = circuit_gflop(cfg, s, data)
-        if split is None:
+        flops = circuit_gflop(cfg, s, data)
+        if flops is None:
             plan.note = f"time: no time model for circuit={option(cfg.study.method)} yet (memory above)"
             return plan
-        plan.gflop = sum(split)
+        plan.gflop = flops.total
         exact = option(cfg.study.method) == "exact"  # stacked copies of the prompts, a chunk at a time, as sweeps
-        plan.matmul_gflops = rate or matmul_gflops(s, (chunk_rows if exact else rows) * tokens)
-        scoring = SWEEP_EFFICIENCY if exact else SCORING_EFFICIENCY
-        products = split[0] / scoring + split[1] / CURVE_EFFICIENCY
-        plan.seconds = products / plan.matmul_gflops + LOAD_FIXED_S + weights / LOAD_MB_S
-        plan.efficiency = plan.gflop / products
-        plan.work = f"scoring {split[0]:,.0f} GFLOP, faithfulness curve {split[1]:,.0f}"
+        scoring_rows = chunk_rows * tokens if exact else pass_rows(data, int(cfg.study.prompts_per_pass))
+        plan.matmul_gflops = rate or matmul_gflops(s, scoring_rows)
+        curve_rate = rate or (matmul_gflops(s, rows * tokens) if flops.curve else plan.matmul_gflops)
+        seconds = flops.passes / (plan.matmul_gflops * (SWEEP_EFFICIENCY if exact else PASSES_EFFICIENCY))
+        seconds += flops.curve / (curve_rate * CURVE_EFFICIENCY)
+        if flops.products:  # a shape of their own: every sender by one layer's receivers
+            senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
+            device = str(cfg.device) if rate is not None else "cpu"  # predict measured `rate` on the run's device
+            seconds += flops.products / (product_gflops(senders, attention + 1, device=device) * PRODUCTS_EFFICIENCY)
+        plan.seconds = seconds + LOAD_FIXED_S + weights / LOAD_MB_S
+        plan.efficiency = plan.gflop / (seconds * plan.matmul_gflops)
+        plan.work = (
+            f"scoring: passes {flops.passes:,.0f} GFLOP, sender-by-receiver products {flops.products:,.0f}; "
+            f"faithfulness curve {flops.curve:,.0f}"
+        )
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
     plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     plan.work = f"{plan.interventions} interventions"
     return plan
+
+
+def pass_rows(data: Any, prompts_per_pass: int) -> int:
+    """The rows (prompts x tokens) of EAP's mean pass: its products' M, whose rate falls with it."""
+    from .interventions.lengths import passes
+
+    each = [part.n * next(iter(part.inputs.values())).shape[1] for part in passes(data, prompts_per_pass)]
+    return max(1, sum(each) // len(each))
 
 
 def reads_at_once(task: Any, data: Any) -> int:
