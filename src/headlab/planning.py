@@ -337,7 +337,8 @@ def host_plan(
         seconds += flops.curve / (curve_rate * CURVE_EFFICIENCY)
         if flops.products:  # a shape of their own: every sender by one layer's receivers
             senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
-            device = str(cfg.device) if rate is not None else "cpu"  # predict measured `rate` on the run's device
+            on_gpu = rate is not None and str(cfg.device).startswith("cuda") and torch.cuda.is_available()
+            device = str(cfg.device) if on_gpu else "cpu"  # on the run's GPU where predict measured `rate` there
             seconds += flops.products / (product_gflops(senders, attention + 1, device=device) * PRODUCTS_EFFICIENCY)
         plan.seconds = seconds + LOAD_FIXED_S + weights / LOAD_MB_S
         plan.efficiency = plan.gflop / (seconds * plan.matmul_gflops)
