@@ -27,6 +27,7 @@ from headlab.analysis import qk_attribution as qk
 from headlab.door import compose
 from headlab.models.families import FAMILIES
 from headlab.models.hf import hook_hf, register_attention
+from headlab.models.norms import held_norm
 from headlab.models.toy import ToyConfig, ToyTransformer, hooked_toy
 from headlab.tasks import build_task
 
@@ -256,7 +257,7 @@ def test_the_ov_split_adds_up_to_the_heads_direct_effect(case):
         out = ov.ov_vectors(comps, parts, LAYER, HEAD, b, int(reads[b])).sum(0)
         final = comps.model.final_norm
         x = comps.trace.resid_final[b, reads[b]]
-        held = qk.held_norm(final, x, final(x), model.norm_offset)
+        held = held_norm(final, x, final(x), model.norm_offset)
         w_u = hf.get_output_embeddings().weight
         want = held.linear(out) @ (w_u[data.answers["io"][b]] - w_u[data.answers["s"][b]])
         assert abs(float(want - effect[b])) <= TOL * float(want.abs().clamp_min(1e-3))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .config import Config, option
 
@@ -135,6 +136,11 @@ def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3, device: str = "cpu"
     with the threads torch has now (on `device`: a GPU's, each product waited for)."""
     a = torch.randn(max(rows, 64), s.d_model, device=device)
     b = torch.randn(s.d_model, s.d_mlp, device=device)
+    return product_rate(a, b, seconds)
+
+
+def product_rate(a: Tensor, b: Tensor, seconds: float) -> float:
+    """GFLOP/s of a @ b, repeated for `seconds` after one product to warm up, each waited for on a GPU."""
     wait = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     torch.matmul(a, b)
     wait()
@@ -143,7 +149,7 @@ def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3, device: str = "cpu"
         torch.matmul(a, b)
         wait()
         count += 1
-    return 2 * a.shape[0] * s.d_model * s.d_mlp * count / elapsed / 1e9
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] * count / elapsed / 1e9
 
 
 @dataclass(frozen=True)
@@ -217,15 +223,19 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
         last = read_block_flops(s, n, tokens, data.positions.shape[1])  # an edge's copies read the metric alone
         return 2 * sum(blocks) + sum(e * (sum(blocks[layer:-1]) + last) for layer, e in enumerate(into))
 
-    size = lambda part: (part.n, next(iter(part.inputs.values())).shape[1])  # noqa: E731
     per = int(c.prompts_per_pass)
     if method == "exact":
-        scoring = (exact(*size(data)), 0.0)  # all prompts at once, padded to the longest (edges/exact.py)
+        scoring = (exact(*part_size(data)), 0.0)  # all prompts at once, padded to the longest (edges/exact.py)
     else:
-        each = [per_pass(*size(part)) for part in passes(data, per)]
+        each = [per_pass(*part_size(part)) for part in passes(data, per)]
         scoring = (sum(e[0] for e in each), sum(e[1] for e in each))
-    faithfulness = sum(curve(*size(part)) for _, part in parts(data)) if curve_circuits else 0.0
+    faithfulness = sum(curve(*part_size(part)) for _, part in parts(data)) if curve_circuits else 0.0
     return CircuitFlops(scoring[0] / 1e9, scoring[1] / 1e9, faithfulness / 1e9)
+
+
+def part_size(part: Any) -> tuple[int, int]:
+    """(prompts, tokens) of a pass's TaskData, padded to its longest."""
+    return part.n, next(iter(part.inputs.values())).shape[1]
 
 
 def edge_nodes(s: Shape, kv_edges: str) -> tuple[int, int]:
@@ -242,15 +252,7 @@ def product_gflops(
     few receivers make it several times slower than the blocks' products (gemma3-270m's 7 a layer)."""
     a = torch.randn(senders, inner, device=device)
     b = torch.randn(receivers, inner, device=device)
-    wait = torch.cuda.synchronize if a.is_cuda else (lambda: None)
-    a @ b.T
-    wait()
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ b.T
-        wait()
-        count += 1
-    return 2 * senders * inner * receivers * count / elapsed / 1e9
+    return product_rate(a, b.T, seconds)
 
 
 def positions_flops(s: Shape, rows: int, first: int, last: int, layer: int) -> float:

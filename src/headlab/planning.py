@@ -44,6 +44,7 @@ Every sweep, circuit, IOI-classes and atlas run writes its plan beside what it m
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -54,7 +55,16 @@ import torch
 
 from .config import Config, option
 from .errors import HeadlabError, UsageError
-from .flops import Shape, circuit_gflop, edge_nodes, ioi_classes_gflop, matmul_gflops, product_gflops, sweep_gflop
+from .flops import (
+    Shape,
+    circuit_gflop,
+    edge_nodes,
+    ioi_classes_gflop,
+    matmul_gflops,
+    part_size,
+    product_gflops,
+    sweep_gflop,
+)
 from .models.families import family_of
 from .runtime import LIVE_ACTIVATIONS, gpu_chunk_mb
 
@@ -243,7 +253,8 @@ def predict(
     if rate is None and free is not None:
         rows = data.inputs["input_ids"].numel()
         rate = matmul_gflops(s, rows, device=device)
-    return on_device(host_plan(cfg, s, data, reads, baseline_mb, tokenizer_mb, rate), cfg, free)
+    measure_on = device if free is not None else "cpu"
+    return on_device(host_plan(cfg, s, data, reads, baseline_mb, tokenizer_mb, rate, measure_on), cfg, free)
 
 
 def device_free_mb(device: str) -> float | None:
@@ -281,9 +292,17 @@ def on_device(plan: Plan, cfg: Config, free_mb: float | None) -> Plan:
 
 
 def host_plan(
-    cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, tokenizer_mb: float, rate: float | None = None
+    cfg: Config,
+    s: Shape,
+    data: Any,
+    reads: int,
+    baseline_mb: float,
+    tokenizer_mb: float,
+    rate: float | None = None,
+    measure_on: str = "cpu",
 ) -> Plan:
-    """The plan of `cfg` with everything in host memory (predict's, for a CPU run)."""
+    """The plan of `cfg` with everything in host memory (predict's, for a CPU run); rates not given are
+    measured on `measure_on` (the run's GPU where one is visible)."""
     rows, tokens = data.inputs["input_ids"].shape
     study = cfg.study.name
     block = layer_mb(s)
@@ -337,9 +356,8 @@ def host_plan(
         seconds += flops.curve / (curve_rate * CURVE_EFFICIENCY)
         if flops.products:  # a shape of their own: every sender by one layer's receivers
             senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
-            on_gpu = rate is not None and str(cfg.device).startswith("cuda") and torch.cuda.is_available()
-            device = str(cfg.device) if on_gpu else "cpu"  # on the run's GPU where predict measured `rate` there
-            seconds += flops.products / (product_gflops(senders, attention + 1, device=device) * PRODUCTS_EFFICIENCY)
+            product = product_gflops(senders, attention + 1, device=measure_on)
+            seconds += flops.products / (product * PRODUCTS_EFFICIENCY)
         plan.seconds = seconds + LOAD_FIXED_S + weights / LOAD_MB_S
         plan.efficiency = plan.gflop / (seconds * plan.matmul_gflops)
         plan.work = (
@@ -358,7 +376,7 @@ def pass_rows(data: Any, prompts_per_pass: int) -> int:
     """The rows (prompts x tokens) of EAP's mean pass: its products' M, whose rate falls with it."""
     from .interventions.lengths import passes
 
-    each = [part.n * next(iter(part.inputs.values())).shape[1] for part in passes(data, prompts_per_pass)]
+    each = [math.prod(part_size(part)) for part in passes(data, prompts_per_pass)]
     return max(1, sum(each) // len(each))
 
 

@@ -42,10 +42,10 @@ from torch import Tensor, nn
 from ..edges import postnorm
 from ..errors import UsageError
 from ..models.hooked import HookedModel
-from ..models.norms import norm_factors
+from ..models.norms import held_norm, norm_factors
 from ..tasks import Task, TaskData
 from ..vocabulary import Site
-from .qk_attribution import Components, LayerParts, held_norm, run_layer
+from .qk_attribution import Components, LayerParts, run_layer
 
 MAPS_CHUNK = 8192  # vocabulary rows per step
 

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from ..edges import postnorm
 from ..errors import UsageError
 from ..models.hooked import HookedModel, Inputs, Trace
-from ..models.norms import norm_factors
+from ..models.norms import held_norm, norm_factors
 from ..tables import head_name
 from ..vocabulary import Site
 
@@ -65,40 +65,7 @@ class _Stop(Exception):
     """Raised by a hook to end a pass once what it needs is recorded."""
 
 
-# --- the norms' scales, held -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HeldNorm:
-    """A norm y = g * centre(x) * s + b read off one run of the module: s is fitted to its own output (its
-    epsilon, its float32 arithmetic), one number per row of the last dimension."""
-
-    gain: Tensor | None  # g: [last dim] (Gemma's 1 + w); None: 1
-    centres: bool  # a LayerNorm subtracts the mean over the last dimension
-    bias: Tensor | None  # b, added after the scale (a LayerNorm's bias); None: none
-    scale: Tensor  # s: [..., 1], the run's 1/rms or 1/std
-
-    def linear(self, x: Tensor) -> Tensor:
-        """The norm's linear part at the held scale: g * centre(x) * s (x broadcasting against s)."""
-        if self.centres:
-            x = x - x.mean(-1, keepdim=True)
-        return (x if self.gain is None else x * self.gain) * self.scale
-
-
-def held_norm(module: nn.Module | None, x: Tensor, out: Tensor, offset: float) -> HeldNorm:
-    """The norm `module` (of a model whose norm_offset is `offset`) as it ran on x (out = module(x)), its
-    scale held."""
-    factors = norm_factors(module, offset)
-    bias = getattr(module, "bias", None)
-    bias = bias.detach() if isinstance(bias, Tensor) else None
-    wide = torch.promote_types(x.dtype, torch.float32)
-    gain = None if factors.scale is None else factors.scale.to(x.device, wide)
-    xc = x.to(wide) - x.to(wide).mean(-1, keepdim=True) if factors.centres else x.to(wide)
-    gained = xc if gain is None else xc * gain
-    target = out.to(wide) - (bias.to(wide) if bias is not None else 0)
-    scale = (target * gained).sum(-1, keepdim=True) / (gained * gained).sum(-1, keepdim=True).clamp_min(1e-30)
-    cast = lambda t: None if t is None else t.to(x.dtype)  # noqa: E731
-    return HeldNorm(cast(gain), factors.centres, cast(bias), scale.to(x.dtype))
+# --- the norms' scales, held (models/norms.held_norm) ---------------------------------------------------
 
 
 def qk_norms(model: HookedModel, layer: int) -> tuple[nn.Module | None, nn.Module | None]:

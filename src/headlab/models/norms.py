@@ -39,42 +39,66 @@ def norm_factors(module: nn.Module | None, offset: float) -> NormFactors:
     )
 
 
+@dataclass(frozen=True)
+class HeldNorm:
+    """A norm y = g * centre(x) * s + b read off one run of the module: s is fitted to its own output (its
+    epsilon, its float32 arithmetic), one number per row of the last dimension."""
+
+    gain: Tensor | None  # g: [last dim] (Gemma's 1 + w); None: 1
+    centres: bool  # a LayerNorm subtracts the mean over the last dimension
+    bias: Tensor | None  # b, added after the scale (a LayerNorm's bias); None: none
+    scale: Tensor  # s: [..., 1], the run's 1/rms or 1/std
+
+    def linear(self, x: Tensor) -> Tensor:
+        """The norm's linear part at the held scale: g * centre(x) * s (x broadcasting against s)."""
+        if self.centres:
+            x = x - x.mean(-1, keepdim=True)
+        return (x if self.gain is None else x * self.gain) * self.scale
+
+
+def held_norm(module: nn.Module | None, x: Tensor, out: Tensor, offset: float) -> HeldNorm:
+    """The norm `module` (of a model whose norm_offset is `offset`) as it ran on x (out = module(x)), its
+    scale held."""
+    factors = norm_factors(module, offset)
+    bias = getattr(module, "bias", None)
+    bias = bias.detach() if isinstance(bias, Tensor) else None
+    wide = torch.promote_types(x.dtype, torch.float32)
+    gain = None if factors.scale is None else factors.scale.to(x.device, wide)
+    xc = x.to(wide) - x.to(wide).mean(-1, keepdim=True) if factors.centres else x.to(wide)
+    gained = xc if gain is None else xc * gain
+    target = out.to(wide) - (bias.to(wide) if bias is not None else 0)
+    scale = (target * gained).sum(-1, keepdim=True) / (gained * gained).sum(-1, keepdim=True).clamp_min(1e-30)
+    cast = lambda t: None if t is None else t.to(x.dtype)  # noqa: E731
+    return HeldNorm(cast(gain), factors.centres, cast(bias), scale.to(x.dtype))
+
+
 def norm_vjp(module: nn.Module | None, offset: float, x: Tensor, cotangents: Tensor) -> Tensor | None:
     """[k, *x.shape]: the k vector-Jacobian products of the norm `module` at x [..., d] (cotangents
     [k, *x.shape]) in closed form, or None where headlab does not know the norm (norm_factors) or its weights are not
     in memory (read from disk as a pass reaches them).
 
     With u = scale * cotangent, x_c = x less its mean (a LayerNorm; else x) and r the factor the norm
-    multiplied x_c by at each position (read off its output, so its epsilon is whatever the module used),
+    multiplied x_c by at each position (held_norm's scale, read off its output: its epsilon is the module's),
     the product is r (u - mean(u) - x̂ mean(u x̂)) with x̂ = r x_c, the mean(u) term a LayerNorm's alone:
     two passes over the cotangents where autograd through k stacked copies of the norm takes about ten."""
-    try:
-        factors = norm_factors(module, offset)
-    except UsageError:
-        return None
     if module is None or isinstance(module, nn.Identity):
         return cotangents
     if any(p.is_meta for p in module.parameters()):  # weights read from disk as a pass reaches them
         return None
-    dtype = cotangents.dtype
     with torch.no_grad():
-        x = x.detach().to(dtype)
-        out = module(x).to(dtype)
-        bias = getattr(module, "bias", None)
-        if isinstance(bias, Tensor):
-            out = out - bias.detach().to(dtype)
-        xc = x - x.mean(-1, keepdim=True) if factors.centres else x
-        gain = None if factors.scale is None else factors.scale.to(x.device, dtype)
-        gained = xc if gain is None else xc * gain
-        square = (gained * gained).sum(-1, keepdim=True)
-        if not bool((square > 0).all()):  # a position of zeros: its factor cannot be read off
+        x = x.detach().to(cotangents.dtype)
+        try:
+            held = held_norm(module, x, module(x), offset)
+        except UsageError:
             return None
-        r = (out * gained).sum(-1, keepdim=True) / square
-        x_hat = xc * r  # [..., d]
-        u = cotangents * gain if gain is not None else cotangents.clone()  # [k, ..., d]
+        if not bool((held.scale > 0).all()):  # a position of zeros: its factor cannot be read off
+            return None
+        xc = x - x.mean(-1, keepdim=True) if held.centres else x
+        x_hat = xc * held.scale  # [..., d]
+        u = cotangents * held.gain if held.gain is not None else cotangents.clone()  # [k, ..., d]
         along = torch.linalg.vecdot(u, x_hat).unsqueeze(-1) / x.shape[-1]  # [k, ..., 1]
-        if factors.centres:
+        if held.centres:
             u -= u.mean(-1, keepdim=True)
         u -= along * x_hat
-        u *= r
+        u *= held.scale
     return u

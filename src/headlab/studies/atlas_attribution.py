@@ -17,6 +17,7 @@ from ..analysis import qk_attribution as qk
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..models.hooked import HookedModel
+from ..models.norms import held_norm
 from ..tables import head_name
 from .atlas_cards import card_cache, example_prompt
 from .atlas_probes import AtlasOptions
@@ -76,7 +77,7 @@ def card_of(
     final = model.final_norm
     x = comps.trace.resid_final[0, query]
     with torch.no_grad():
-        held = qk.held_norm(final, x, final(x), model.norm_offset)
+        held = held_norm(final, x, final(x), model.norm_offset)
     ids = comps.inputs["input_ids"][0]
     checked = {}
     if qk.norms_move(model):  # the query side's largest component taken out, the scales held and free
