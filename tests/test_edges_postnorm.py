@@ -22,7 +22,7 @@ from torch import Tensor
 from headlab.door import compose
 from headlab.edges import rescore
 from headlab.edges.eap import scores
-from headlab.edges.evaluate import circuit_metric
+from headlab.edges.evaluate import circuit_metric, clean_and_corrupted
 from headlab.edges.exact import exact_node_scores, exact_scores
 from headlab.edges.graph import EdgeGraph
 from headlab.edges.record import metric_column, record, sender_outputs
@@ -344,6 +344,19 @@ def test_the_circuit_without_one_edge_changes_the_metric_by_its_exact_score(case
         circuit[case.index(graph, edge)] = False
         change = float((circuit_metric(case.model, case.task, case.data, graph, circuit) - case.clean_metric).mean())
         _close(change, float(exact[case.index(graph, edge)]), scale, edge)
+
+
+@RULES
+def test_a_circuit_reads_no_sender_difference_before_it_is_written(case, rule):
+    # the differences' buffer is reused uninitialised: a sender's row read before its layer runs (even times
+    # zero) would carry whatever the memory held into the metric
+    graph = case.graph(rule)
+    circuit = graph.real & (torch.rand(graph.real.shape, generator=torch.Generator().manual_seed(0)) < 0.5)
+    want = circuit_metric(case.model, case.task, case.data, graph, circuit)
+    runs = clean_and_corrupted(case.model, graph, case.data)
+    runs.scratch = torch.full_like(runs.corrupt_out, float("nan"))
+    got = circuit_metric(case.model, case.task, case.data, graph, circuit, runs=runs)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
 
 
 def test_under_mib_the_cut_heads_of_a_layer_pass_its_norm_together(case):

@@ -89,7 +89,10 @@ class Patches:
     def into(self, cols: list[int]) -> Tensor:
         """[k, n, pos, d]: what receivers `cols` read beyond this run's residual stream."""
         if self.graph.post_norm == "mib":
-            return received(self.model, self.graph, self.cut[:, cols].to(self.diff.dtype), self.diff, self.before)
+            # the rows past the prefix the receivers read are not written yet (any value, NaN included)
+            count = max(int(self.reads[c]) for c in cols)
+            cut = self.cut[:count, cols].to(self.diff.dtype)
+            return received(self.model, self.graph, cut, self.diff[:count], self.before)
         out = torch.empty(len(cols), *self.diff.shape[1:], dtype=self.diff.dtype, device=self.diff.device)
         for count in {int(self.reads[c]) for c in cols}:
             group = [i for i, c in enumerate(cols) if int(self.reads[c]) == count]

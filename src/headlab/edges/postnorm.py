@@ -144,11 +144,13 @@ def renormed(norm: nn.Module, before: Tensor, added: Tensor) -> Tensor:
 
 def received(model: HookedModel, graph: EdgeGraph, cut: Tensor, diff: Tensor, before: dict[int, Tensor]) -> Tensor:
     """[k, n, pos, d]: what k receivers read beyond this run's residual stream when the edges cut[:, j]
-    ([senders, k], 0/1) are patched, diff [senders, n, pos, d] being out(corrupt) - out(this run). Under
-    mib the cut heads of a layer go through its norm together, on this run's A (`before`, per layer)."""
+    ([senders, k], 0/1) are patched, diff [senders, n, pos, d] being out(corrupt) - out(this run); both
+    may hold only a prefix of the senders, those the receivers read. Under mib the cut heads of a layer
+    go through its norm together, on this run's A (`before`, per layer)."""
     if graph.post_norm != "mib":
         return torch.einsum("sk,snpd->knpd", cut, diff)
-    others = torch.tensor([s.kind != "head" for s in graph.senders], device=cut.device, dtype=cut.dtype)
+    senders = graph.senders[: len(cut)]  # a prefix of the senders: those the receivers read
+    others = torch.tensor([s.kind != "head" for s in senders], device=cut.device, dtype=cut.dtype)
     out = torch.einsum("sk,snpd->knpd", cut * others[:, None], diff)
     for layer, a in before.items():
         rows = graph.head_rows(layer)
