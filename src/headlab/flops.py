@@ -40,7 +40,8 @@ def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, fl
     per_token = 2 * s.d_model * (s.n_heads + 2 * s.n_kv) * s.d_head + 2 * s.n_heads * s.d_head * s.d_model
     per_token += 2 * s.d_model * s.d_mlp * (3 if s.gated else 2)
     reach = s.window if s.sliding and s.sliding[layer] and s.window else tokens
-    pairs = sum(min(q + 1, reach) for q in range(tokens))
+    reach = min(reach, tokens)  # query q attends to min(q + 1, reach) keys
+    pairs = reach * (reach + 1) // 2 + (tokens - reach) * reach
     return rows * tokens * per_token, rows * 4 * s.n_heads * s.d_head * pairs
 
 
