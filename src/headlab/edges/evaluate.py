@@ -216,7 +216,8 @@ def _circuit_layer(
         of_kind = [c for c in attn_cols if graph.receivers[c].kind == kind]
         sources = torch.tensor([copy_of.get(c, 0) for c in of_kind], device=t.device)
         site_heads = torch.tensor([graph.site_head(graph.receivers[c]) for c in of_kind], device=t.device)
-        assembled[kind] = t[sources, :, site_heads].transpose(0, 1)  # [n, head, pos, d_head]
+        # one head a copy where the projections gave one head's width (models/projections.py), else every head
+        assembled[kind] = t[sources, :, site_heads if t.shape[2] > 1 else 0].transpose(0, 1)  # [n, head, pos, d_head]
     z_now: list[Tensor] = []
     attn_now: list[tuple[Tensor, Tensor]] = []
 

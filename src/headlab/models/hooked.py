@@ -508,7 +508,8 @@ class HookedModel:
         its attention, output projection and MLP never run. `attn_in` edits the stream the attention
         reads, as input_hooks does; the layer's q, k and v hooks run first. `wanted`: per stacked copy,
         the one (site, head) it is for: its projections then compute that head's columns alone and leave
-        the rest zero (exact for that head: nothing between the projections and the sites mixes heads)."""
+        the rest zero (exact for that head: nothing between the projections and the sites mixes heads),
+        or, where q, k and v have projections of their own, give one head, that one (models/projections.py)."""
         kept: list[Tensor] = []
 
         def keep(t: Tensor) -> Tensor:

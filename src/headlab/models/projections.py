@@ -3,7 +3,13 @@ head's query, key or value (edges/evaluate.py), its projection computes that hea
 else. Which columns hold a head is read from the sites' own split of the projections' outputs
 (HeadSites.qkv_split on column numbers), so every family's layout (separate, GPT-2's side by side,
 GPT-NeoX's interleaved) is its row's. Exact for that head: nothing between the projections and the q, k, v
-sites mixes heads (HeadSites.qkv_projs)."""
+sites mixes heads (HeadSites.qkv_projs).
+
+Where q, k and v each have a projection of their own (Llama, Qwen, Gemma, OLMo), each projection's output is
+one head wide, the wanted head's columns on its copy: the family's attention views it as one head
+(transformers' `view(*input_shape, -1, head_dim)`), so rotary embeddings and q/k norms run on that head
+alone, not on every head's zeros. A fused projection (GPT-2's c_attn, GPT-NeoX's query_key_value) is split
+at fixed widths: there every column is kept, the others' zero."""
 
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from .sites import HeadSites
 def heads_alone(sites: HeadSites, layer: int, wanted: list[tuple[str, int]], n: int) -> Iterator[None]:
     """Layer's q/k/v projection modules, while inside, compute for stacked copy c (of n rows) only
     the columns of head wanted[c] (site, head), the rest zero (a nn.Linear or GPT-2's Conv1D; where
-    another kind of module projects, every column)."""
+    another kind of module projects, every column). Separate q, k and v projections give one head's
+    width, the wanted head's on its copy (zero where the copy wants another projection's head)."""
     projs = sites.qkv_projs[layer] if sites.qkv_projs is not None else []
     columns = head_columns(sites, layer)
     if not projs or columns is None:
@@ -32,11 +39,12 @@ def heads_alone(sites: HeadSites, layer: int, wanted: list[tuple[str, int]], n: 
         which, cols = columns[(site, head)]
         taken.setdefault(which, []).append((copy, cols))
     saved = []
+    one_head = len(projs) == 3  # q, k and v each projected alone: nothing splits the output at fixed widths
     for i, module in enumerate(projs):
         weight = _out_in(module)
         assert weight is not None  # head_columns read every projection's weight
         saved.append((module, module.__dict__.get("forward")))
-        module.__dict__["forward"] = _selected(weight, getattr(module, "bias", None), taken.get(i, []), n)
+        module.__dict__["forward"] = _selected(weight, getattr(module, "bias", None), taken.get(i, []), n, one_head)
     try:
         yield
     finally:
@@ -78,22 +86,32 @@ def _out_in(module: nn.Module) -> Tensor | None:
     return None
 
 
-def _selected(weight: Tensor, bias: Tensor | None, taken: list[tuple[int, Tensor]], n: int) -> Callable:
+def _selected(
+    weight: Tensor, bias: Tensor | None, taken: list[tuple[int, Tensor]], n: int, one_head: bool = False
+) -> Callable:
     """A projection's forward over stacked copies of n rows that computes, for each (copy, columns) in
-    `taken`, those output columns of that copy alone; every other output is zero."""
+    `taken`, those output columns of that copy alone; every other output is zero. `one_head`: the output
+    is those columns' width (one head), not the projection's."""
     copies_of = torch.tensor([c for c, _ in taken], dtype=torch.long)
     cols = torch.stack([cs for _, cs in taken]) if taken else torch.zeros(0, 0, dtype=torch.long)  # [k, width]
 
     def forward(x: Tensor) -> Tensor:
-        out = x.new_zeros(*x.shape[:-1], weight.shape[0])
+        width = cols.shape[1] if one_head and taken else weight.shape[0]
+        out = x.new_zeros(*x.shape[:-1], width)
         if not taken:
             return out
         at, idx = copies_of.to(x.device), cols.to(x.device)
         rows = x.unflatten(0, (-1, n))[at]  # [k, n, pos, d]
+        stacked = out.unflatten(0, (-1, n))  # [copies, n, pos, width]
+        if one_head:
+            y = torch.einsum("knpd,kcd->knpc", rows, weight[idx].to(x.dtype))  # [k, n, pos, width]
+            if bias is not None:
+                y = y + bias[idx].to(x.dtype)[:, None, None, :]
+            stacked[at] = y
+            return out
         y = torch.einsum("knpd,kcd->kcnp", rows, weight[idx].to(x.dtype))  # [k, width, n, pos]
         if bias is not None:
             y = y + bias[idx].to(x.dtype)[:, :, None, None]
-        stacked = out.unflatten(0, (-1, n))  # [copies, n, pos, features]
         stacked[at[:, None], :, :, idx] = y  # advanced indices first: [k, width, n, pos]
         return out
 
