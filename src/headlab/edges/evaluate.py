@@ -93,24 +93,33 @@ class Patches:
             count = max(int(self.reads[c]) for c in cols)
             cut = self.cut[:count, cols].to(self.diff.dtype)
             return received(self.model, self.graph, cut, self.diff[:count], self.before)
+        groups: dict[int, list[int]] = {}  # receivers by how many senders they read (a layer's heads: one group)
+        for i, c in enumerate(cols):
+            groups.setdefault(int(self.reads[c]), []).append(i)
+        parts = [(group, self._read_by([cols[i] for i in group], count)) for count, group in groups.items()]
+        if len(parts) == 1:
+            return parts[0][1]
         out = torch.empty(len(cols), *self.diff.shape[1:], dtype=self.diff.dtype, device=self.diff.device)
-        for count in {int(self.reads[c]) for c in cols}:
-            group = [i for i, c in enumerate(cols) if int(self.reads[c]) == count]
-            kept, cut = self.kept[:count, [cols[i] for i in group]], self.cut[:count, [cols[i] for i in group]]
-            # fewer kept edges than cut ones: the prefix sum less the kept; one product for both kinds, so
-            # that the senders' differences (memory-bound here) are read once
-            by_kept = kept.sum(0) < cut.sum(0)
-            which = torch.where(by_kept, -kept.to(self.diff.dtype), cut.to(self.diff.dtype))  # [count, k]
-            rows = which.ne(0).any(1).nonzero().flatten()
-            if 2 * len(rows) > count:  # most rows: the prefix as it is (a view), not a gathered copy
-                senders = self.diff[:count]
-            else:
-                which, senders = which[rows], self.diff[rows]
-            part = torch.einsum("sk,snpd->knpd", which, senders)
-            if bool(by_kept.any()):
-                part[by_kept] += self.prefix(count)
+        for group, part in parts:
             out[group] = part
         return out
+
+    def _read_by(self, cols: list[int], count: int) -> Tensor:
+        """[k, n, pos, d]: into(cols) for receivers that each read the first `count` senders."""
+        kept, cut = self.kept[:count, cols], self.cut[:count, cols]
+        # fewer kept edges than cut ones: the prefix sum less the kept; one product for both kinds, so
+        # that the senders' differences (memory-bound here) are read once
+        by_kept = kept.sum(0) < cut.sum(0)
+        which = torch.where(by_kept, -kept.to(self.diff.dtype), cut.to(self.diff.dtype))  # [count, k]
+        rows = which.ne(0).any(1).nonzero().flatten()
+        if 2 * len(rows) > count:  # most rows: the prefix as it is (a view), not a gathered copy
+            senders = self.diff[:count]
+        else:
+            which, senders = which[rows], self.diff[rows]
+        part = torch.einsum("sk,snpd->knpd", which, senders)
+        for i in by_kept.nonzero().flatten().tolist():  # in place: no gathered copy of those receivers
+            part[i] += self.prefix(count)
+        return part
 
     def prefix(self, count: int) -> Tensor:
         """The sum of diff over the first `count` senders (all of them filled in by now)."""
