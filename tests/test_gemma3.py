@@ -5,7 +5,7 @@ What the family brings is held here on the real weights: a head width (256) unli
 one key/value head under four query heads, QK-norm, norms after each component, the embedding scale, a
 512-token sliding window on five of every six layers, a 262k vocabulary and a tokenizer that adds BOS.
 The reference side never goes through headlab: transformers' own model with its default attention, read
-from the float32 copy (transformers' GGUF reader made it; reading the file again costs 50 s), each head
+from the float32 copy (transformers' GGUF reader made it; reading the file again costs a minute), each head
 edited by a pre-hook on its layer's o_proj, one plain pass per head and per prompt, unpadded.
 """
 

