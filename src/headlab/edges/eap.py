@@ -200,7 +200,8 @@ def _accumulate(
         for layer in reversed(range(model.n_layers)):
             receivers, grad = _layer_gradients(model, graph, trace, layer, cache[layer], grad, run, clean, corrupt)
             cols = graph.layer_receivers(layer)
-            total[:, cols] += (flat_delta @ receivers.flatten(1).to(flat_delta.dtype).T).double().cpu()
+            upto = graph.senders_into(cols)  # the senders after them have no edge here: no product
+            total[:upto, cols] += (flat_delta[:upto] @ receivers.flatten(1).to(flat_delta.dtype).T).double().cpu()
 
 
 def _layer_gradients(

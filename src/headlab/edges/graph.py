@@ -176,6 +176,11 @@ class EdgeGraph:
     def layer_receivers(self, layer: int) -> list[int]:
         return [i for i, r in enumerate(self.receivers) if r.layer == layer]
 
+    def senders_into(self, receivers: list[int]) -> int:
+        """How many senders have an edge into any of `receivers`: they are the first that many, as the
+        senders are in order."""
+        return int(self.real[:, receivers].sum(0).max())
+
     def upstream(self, receiver: int) -> list[int]:
         return self.real[:, receiver].nonzero().flatten().tolist()
 
