@@ -33,6 +33,7 @@ from ..planning import (
     tokenizer_mb,
     working_mb,
 )
+from ..train.obtain import is_trained_here
 from .atlas_plan import atlas_plan
 from .context import EVAL_SEED_OFFSET, RunContext, apply_threads
 from .registry import study_for
@@ -82,15 +83,16 @@ def execute_run(
     if budget is not None:
         ctx.meta["budget"] = budget
     baseline, started = rss_mb(), time.perf_counter()
+    # its plan beside what it measured, each run checking it: a pretrained model's made once it is loaded,
+    # before the work, so that the matmul rate is measured on the machine as the run finds it; a model
+    # trained here exists only after the run (which refuses a task it cannot train on before training)
+    planned = study.name in PLANNED
+    plan, planning = _plan_in_run(study.name, ctx, baseline) if planned and not is_trained_here(cfg) else (None, 0)
     df = study.run(ctx)
-    if study.name in PLANNED and ctx.model is not None:  # its plan beside what it measured: each run checks it
-        seconds = time.perf_counter() - started
-        if study.name == "atlas":
-            plan = atlas_plan(cfg, ctx.model, baseline)
-        else:
-            data = ctx.get_data()
-            shape, tokenizer = shape_of_model(ctx.model), tokenizer_mb(ctx.model)
-            plan = predict(cfg, shape, data, reads_at_once(ctx.get_task(), data), baseline, tokenizer)
+    seconds = time.perf_counter() - started - planning
+    if planned and plan is None and ctx.model is not None:
+        plan = _plan_in_run(study.name, ctx, baseline)[0]
+    if plan is not None:
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(key, ctx.timings, {"study": study.name, **ctx.meta}))
     # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
@@ -99,6 +101,21 @@ def execute_run(
     for figures in dict.fromkeys(f for f in (study.figures, cfg.output.figures) if f):
         draw_figures(figures, df, Path(run_dir))
     return df
+
+
+def _plan_in_run(name: str, ctx: RunContext, baseline_mb: float) -> tuple[Plan, float]:
+    """The run's plan on its loaded model and prompts (loaded here, as the study would first), and the
+    seconds planning took (not the run's)."""
+    if name == "atlas":
+        model = ctx.get_model(runs_task=False)
+        started = time.perf_counter()
+        return atlas_plan(ctx.cfg, model, baseline_mb), time.perf_counter() - started
+    data = ctx.get_data()
+    model, started = ctx.get_model(), time.perf_counter()
+    plan = predict(
+        ctx.cfg, shape_of_model(model), data, reads_at_once(ctx.get_task(), data), baseline_mb, tokenizer_mb(model)
+    )
+    return plan, time.perf_counter() - started
 
 
 # what within_budget chooses, by the setting it writes
