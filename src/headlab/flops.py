@@ -180,13 +180,13 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
     Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per
     gradient run (EAP one, EAP-IG `steps`, EAP-IG over activations `steps` per node; again at twice the steps
     with study.convergence), a forward pass (over activations: from the node's layer on), each block run
-    again and its backward pass (two more), and every sender's difference times every receiver's gradient
-    (edges/eap.py). Exact patching (edges/exact.py): the two recordings, then per edge into a layer's
-    receivers the blocks from that layer on over its prompts (edges into the logits read out alone). The curve: the
-    two recordings (again for each bisection step where study.curve_prompts holds fewer prompts than the
-    run's), then per circuit measured (two per fraction, and the bisection's) a forward pass with each
-    receiver's input summed from its upstream senders' differences: counted for every receiver, the most a
-    circuit can keep."""
+    again and its backward pass (two more), and each layer's receivers' gradients times the differences of
+    the senders upstream of them (edges/eap.py). Exact patching (edges/exact.py): the two recordings, then
+    per edge into a layer's receivers the blocks from that layer on over its prompts (edges into the logits
+    read out alone). The curve: the two recordings (again for each bisection step where study.curve_prompts
+    holds fewer prompts than the run's), then per circuit measured (two per fraction, and the bisection's) a
+    forward pass with each receiver's input summed from its upstream senders' differences: counted for every
+    receiver, the most a circuit can keep."""
     from .interventions.lengths import parts, passes
 
     c = cfg.study
@@ -196,7 +196,6 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
     runs = [1] if method == "eap" else [c.steps, 2 * c.steps] if c.convergence else [c.steps]
     senders, attention = edge_nodes(s, option(c.kv_edges))
     upstream = [1 + layer * (s.n_heads + 1) for layer in range(s.n_layers)]  # the input, earlier heads and MLPs
-    receivers = s.n_layers * (attention + 1) + 1
     edges = sum(u * attention + u + s.n_heads for u in upstream) + senders
     curve_circuits = 2 * len(c.fractions) + math.ceil(math.log2(edges)) if c.faithfulness else 0
 
@@ -207,7 +206,9 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
     def per_pass(n: int, tokens: int) -> tuple[float, float]:
         blocks = [sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers)]
         alpha = sum(2 * sum(blocks) + sum(blocks[start:]) for start in starts)  # one alpha's runs
-        products = len(starts) * 2 * senders * receivers * n * tokens * s.d_model
+        # a layer's receivers by the senders up to its MLP's (the most any of them reads), the logits by all
+        product_rows = sum((u + s.n_heads) * (attention + 1) for u in upstream) + senders
+        products = len(starts) * 2 * product_rows * n * tokens * s.d_model
         return sum(2 * sum(blocks) + steps * alpha for steps in runs), sum(runs) * products
 
     # the curve's recordings held for fewer prompts than the run's: each bisection step records them again
