@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import binom, binomtest
 
 EPSILON = 0.1  # the released code's default
 QUANTILE = 0.9  # minimality: the share of random units a circuit's unit must beat (the released default)
@@ -48,6 +47,8 @@ class Outcome:
 
 def equivalence(model: np.ndarray, circuit: np.ndarray, epsilon: float = EPSILON, alpha: float = ALPHA) -> Outcome:
     """`model`, `circuit`: [n] per-prompt scores on the same prompts."""
+    from scipy.stats import binom  # scipy.stats costs most of a second to import: only where it is used
+
     n = len(model)
     outperforms = float((circuit > model).mean())
     t_obs = abs(outperforms - 0.5)
@@ -97,6 +98,8 @@ def minimality(
 ) -> Minimality:
     """`circuit` [n]: the circuit's per-prompt scores; `knocked_out` [units, n]: with each unit removed;
     `with_random` [n_random, n]: with one random unit from outside added."""
+    from scipy.stats import binomtest
+
     effects = ((circuit[None, :] - knocked_out) ** 2).mean(1)
     random_effects = ((with_random - circuit[None, :]) ** 2).mean(1)
     counts = (effects[:, None] > random_effects[None, :]).sum(1)
