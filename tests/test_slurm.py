@@ -125,7 +125,10 @@ def test_cancelled_and_timed_out_jobs_leave_no_table_and_a_rerun_redoes_exactly_
 def test_a_requeued_training_job_resumes_from_its_checkpoint(cluster, uninterrupted, tmp_path):
     sweep, name = tmp_path / "sweep", f"headlab-requeue-{tmp_path.name}"
     one = [a.replace("4000,1500,300,200", "1500") for a in TRAININGS]
-    args = [*LIMITED, "hydra.launcher.max_num_timeout=2", f"hydra.launcher.name={name}", *one]
+    # two minutes: SLURM's own warning (25-55 s into a one-minute limit) could reach the resumed job after it
+    # wrote its table, and its requeue would then find the run done ("skipped")
+    limit = [*SLURM, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=5"]
+    args = [*limit, "hydra.launcher.max_num_timeout=2", f"hydra.launcher.name={name}", *one]
     proc = start_headlab(["run", "-m", *args, f"output.root={tmp_path}", f"hydra.sweep.dir={sweep}"], tmp_path)
     _wait_until(lambda: _checkpointed(sweep / "0") and _slurm_job(name, 0), 300, "the job to checkpoint")
     # the signal SLURM sends ahead of a time limit: submitit requeues the job, SLURM starts it again
