@@ -253,6 +253,9 @@ def error_line(result: CliResult) -> str:
 # The files that take longest, run first: `make test` hands whole files to its two workers in collection
 # order (--dist loadfile), and a long file handed out last leaves the other worker idle until it ends.
 LONGEST_FIRST = (
+    # mostly waiting on the scheduler: it runs beside the other worker's work only if it starts first (a
+    # worker takes its next file once two tests of its file are left, so one behind it waits for it)
+    "test_slurm.py",
     "test_gemma3.py",
     "test_docs.py",
     "test_smollm2.py",
@@ -263,7 +266,6 @@ LONGEST_FIRST = (
     "test_sweeps.py",
     "test_qk_attribution.py",
     "test_ioi_classes.py",
-    "test_slurm.py",  # mostly waiting on the scheduler: beside the other worker's work, not after it
 )
 
 
