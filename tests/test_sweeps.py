@@ -68,9 +68,9 @@ def test_killed_sweep_resumes_skipping_finished_jobs_and_matches_an_uninterrupte
     proc = start_headlab([*alone, f"output.root={tmp_path / 'fresh'}", f"hydra.sweep.dir={clean}"], tmp_path)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
-    resumed = collected_table(sweep)
-    resumed = resumed[resumed["train.steps"].astype(str) == "800"].reset_index(drop=True)
-    assert len(resumed) and len(resumed) * 3 == len(collected_table(sweep))
+    whole = collected_table(sweep)
+    resumed = whole[whole["train.steps"].astype(str) == "800"].reset_index(drop=True)
+    assert len(resumed) and len(resumed) * 3 == len(whole)
     pd.testing.assert_frame_equal(resumed, collected_table(clean), check_dtype=False)
 
 
