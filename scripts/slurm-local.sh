@@ -58,7 +58,8 @@ ours() { [[ ! -e $1 ]] || head -1 "$1" | grep -qx "$MARK"; }
 write_configs() {
     mkdir -p "$CONF_DIR" /var/log/slurm /var/lib/slurm/slurmctld /var/lib/slurm/slurmd
     local cpus mem
-    cpus=$(nproc)
+    # nproc heeds OMP_NUM_THREADS (make test sets it to 1): the node has the cores this process may run on
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     mem=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 9 / 10))
     if ours "$CONF_DIR/slurm.conf"; then
         cat >"$CONF_DIR/slurm.conf" <<EOF
