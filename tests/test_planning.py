@@ -119,13 +119,19 @@ def test_a_gpu_runs_plan_holds_the_model_and_the_engines_own_chunks_on_the_devic
     assert seen.seconds is not None and seen.matmul_gflops == 1000.0
 
 
+def _profiled_gflop(prof: torch.profiler.profile) -> float:
+    """The FLOPs the profiler counted, summed over its raw events: key_averages() would build an event
+    tree first, most of a minute for a circuit run's million ops, to the same sum."""
+    return sum(e.flops() for e in prof.profiler.kineto_results.events()) / 1e9
+
+
 def test_attribution_patchings_flops_are_what_it_executes(llama_dir):
     model = headlab.load_model(str(llama_dir))
     task = headlab.load_task("ioi", n_prompts=40)  # two passes of PROMPTS_PER_PASS prompts
     # torch's profiler: FlopCounterMode cannot sit under autograd.grad
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
         headlab.sweep(model, task, ablate="none", patch="attribution", n_boot=0)
-    executed = sum(e.flops for e in prof.key_averages()) / 1e9
+    executed = _profiled_gflop(prof)
     overrides = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=40", "ablate=none")
     cfg = headlab.compose(*overrides, "patch=attribution")
     _, gflop = sweep_gflop(cfg, shape_of_model(model), task.build(40, EVAL_SEED_OFFSET, model))
@@ -141,7 +147,7 @@ def test_the_circuit_flops_are_what_scoring_and_the_curve_execute(llama_dir, met
     # scoring under torch's profiler (FlopCounterMode cannot sit under autograd.grad)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
         headlab.study(model, task, "circuit", method=method, faithfulness=False, n_boot=0)
-    scoring = sum(e.flops for e in prof.key_averages()) / 1e9
+    scoring = _profiled_gflop(prof)
     # the curve alone under FlopCounterMode: it takes no gradient, and the profiler's cost per op is minutes here
     curve = FlopCounterMode(display=False)
 
