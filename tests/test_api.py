@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -60,6 +62,24 @@ def test_run_writes_a_run_dir_and_reuses_it(toy, tmp_path):
     assert first.config.ablate.sweep.value == "layers"
     again = headlab.run(*overrides)
     assert again.skipped
+    pd.testing.assert_frame_equal(again.table, first.table, check_like=True)
+
+
+def test_a_run_stopped_between_its_table_and_its_figures_draws_them_when_run_again(toy, tmp_path):
+    root, _, _ = toy
+    overrides = [*RUN_FAST, f"output.root={root}", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = headlab.run(*overrides)
+    drawn = sorted(p.name for p in (first.run_dir / "figures").iterdir())
+    assert "numbers.json" in drawn and any(n.endswith(".png") for n in drawn)
+    assert results.read_meta(first.run_dir)["figures"] == ["heads"]
+    # as a SLURM time limit or a kill right after results.write leaves it: the table complete, no figures
+    shutil.rmtree(first.run_dir / "figures")
+    meta = results.read_meta(first.run_dir)
+    del meta["figures"]
+    (first.run_dir / results.META).write_text(json.dumps(meta))
+    again = headlab.run(*overrides)
+    assert again.skipped and sorted(p.name for p in (first.run_dir / "figures").iterdir()) == drawn
+    assert results.read_meta(first.run_dir)["figures"] == ["heads"]
     pd.testing.assert_frame_equal(again.table, first.table, check_like=True)
 
 

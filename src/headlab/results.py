@@ -196,6 +196,22 @@ def write(df: pd.DataFrame, run_dir: Path, meta: dict[str, Any]) -> None:
     atomic_write_bytes(run_dir / META, json.dumps(meta, indent=2, default=str).encode())
 
 
+def read_meta(run_dir: Path) -> dict[str, Any]:
+    """A run dir's meta.json ({} where it has none or it does not parse)."""
+    try:
+        return json.loads((Path(run_dir) / META).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def add_meta(run_dir: Path, **fields: Any) -> None:
+    """meta.json of a complete run dir with `fields` set, rewritten whole (atomic_write_bytes)."""
+    if not (Path(run_dir) / META).is_file():
+        return
+    meta = {**read_meta(run_dir), **fields}
+    atomic_write_bytes(Path(run_dir) / META, json.dumps(meta, indent=2, default=str).encode())
+
+
 def is_complete(run_dir: Path) -> bool:
     return (Path(run_dir) / META).is_file() and (Path(run_dir) / TABLE).is_file()
 

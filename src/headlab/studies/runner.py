@@ -3,6 +3,9 @@
 A run dir is complete when meta.json exists (results.write puts it last), and its config hash says
 which config it holds: a second run of the same config into the same dir returns the stored table. The
 hash is the study's cache key (Study.hash: its name and options, what else it reads, CACHE_VERSION).
+The figure sets drawn are noted in meta.json once drawn (`figures`): a run stopped between its table and
+its figures (a SLURM time limit, a kill), or asked now for a set it lacks, draws them from its table when
+it is run again, and is still skipped.
 """
 
 from __future__ import annotations
@@ -47,11 +50,7 @@ def already_done(cfg: Config, run_dir: Path, command: str = "run", named: str | 
     if not results.is_complete(run_dir):
         return False
     study = study_for(command, cfg, named)
-    try:
-        stored = json.loads((Path(run_dir) / results.META).read_text()).get("config_hash")
-    except json.JSONDecodeError:
-        return False
-    return stored == study.hash(cfg)
+    return results.read_meta(run_dir).get("config_hash") == study.hash(cfg)
 
 
 def previous_result(cfg: Config, run_dir: Path, command: str, named: str | None) -> pd.DataFrame | None:
@@ -60,6 +59,10 @@ def previous_result(cfg: Config, run_dir: Path, command: str, named: str | None)
         return None
     log.info("skipped: %s holds a complete result for this config", run_dir)
     df = pd.read_parquet(Path(run_dir) / results.TABLE)
+    sets = figure_sets(study_for(command, cfg, named), cfg)
+    if not set(sets) <= set(results.read_meta(run_dir).get("figures", [])):
+        log.info("figures: drawing %s, which %s lacks", ", ".join(sets), run_dir)
+        draw_all(sets, df, Path(run_dir))
     df.attrs["skipped"] = True
     return df
 
@@ -95,12 +98,24 @@ def execute_run(
     if plan is not None:
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(key, ctx.timings, {"study": study.name, **ctx.meta}))
-    # a study's own figure set is always drawn; output.figures adds a set, and the sets' numbers are
-    # merged into one numbers.json, which an earlier config's run in this dir must not seed
-    (Path(run_dir) / "figures" / "numbers.json").unlink(missing_ok=True)
-    for figures in dict.fromkeys(f for f in (study.figures, cfg.output.figures) if f):
-        draw_figures(figures, df, Path(run_dir))
+    draw_all(figure_sets(study, cfg), df, Path(run_dir))
     return df
+
+
+def figure_sets(study: Study, cfg: Config) -> list[str]:
+    """The figure sets a run draws: its study's own, always, and the one output.figures adds."""
+    return list(dict.fromkeys(f for f in (study.figures, cfg.output.figures) if f))
+
+
+def draw_all(sets: list[str], df: pd.DataFrame, run_dir: Path) -> None:
+    """Every set of `sets` from the run's table, their numbers merged into one numbers.json (which an
+    earlier config's run in this dir must not seed), then noted in meta.json as drawn."""
+    if not sets:
+        return
+    (run_dir / "figures" / "numbers.json").unlink(missing_ok=True)
+    for figures in sets:
+        draw_figures(figures, df, run_dir)
+    results.add_meta(run_dir, figures=sets)
 
 
 def _plan_in_run(name: str, ctx: RunContext, baseline_mb: float) -> tuple[Plan, float]:
