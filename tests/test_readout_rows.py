@@ -14,7 +14,7 @@ from headlab.config_rules import PEER_CHOICES
 from headlab.interventions.readout import read_quantities, rows_quantities
 from headlab.models import hooked
 from headlab.models.hf import load_hf
-from headlab.tasks import TaskData
+from headlab.tasks import Task, TaskData, mean_of
 from headlab.tasks.prompts import PromptsConfig, PromptsTask
 
 N, SEQ, P = 6, 9, 1
@@ -79,3 +79,30 @@ def test_a_sweep_readout_of_a_rows_task_never_unembeds_the_whole_vocabulary(tiny
     monkeypatch.setattr(model, "readout", lambda *a: pytest.fail("the whole vocabulary was unembedded"))
     got = read_quantities(model, task, h, read, data, chunk_mb=32.0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class TwoRowsDifference(Task):
+    """A task of a user's own, as benchmarks/bench_models.py's: from_rows without the normaliser it never
+    needs (the signature before the normaliser was added)."""
+
+    name = "two_rows_difference"
+    quantities = ("difference",)
+    aggregates = {"difference": mean_of(0)}
+
+    def per_prompt(self, logits: torch.Tensor, data: TaskData) -> torch.Tensor:
+        return (logits[..., 0, 3] - logits[..., 0, 5]).unsqueeze(-1)
+
+    def vocab_rows(self, data: TaskData, columns) -> torch.Tensor:
+        return torch.tensor([3, 5]).expand(data.n, 2)
+
+    def from_rows(self, rows: torch.Tensor, data: TaskData, columns) -> torch.Tensor:
+        return (rows[..., 0, 0] - rows[..., 0, 1]).unsqueeze(-1)
+
+
+def test_a_task_whose_from_rows_takes_no_normaliser_reads_its_rows(tiny_hf_dir):
+    model = load_hf(str(tiny_hf_dir("llama")), need_tokenizer=False)
+    data, task = answers_data(model.vocab_size), TwoRowsDifference()
+    h = torch.randn(2 * N, SEQ, model.sites.d_model, generator=torch.Generator().manual_seed(2))
+    read = data.positions.repeat(2, 1)
+    want = task.per_prompt(model.readout(h, read).unflatten(0, (2, N)), data)
+    torch.testing.assert_close(read_quantities(model, task, h, read, data, chunk_mb=32.0), want, rtol=1e-5, atol=1e-6)

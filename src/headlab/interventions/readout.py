@@ -90,10 +90,10 @@ def rows_quantities(
         return None
     n, copies = data.n, h.shape[0] // data.n
     rows = model.readout_rows(h, read, ids.repeat(copies, *[1] * (ids.dim() - 1))).unflatten(0, (copies, n))
-    normaliser = None
-    if task.needs_normaliser(columns):
-        at_once = int(chunk_mb * 2**20 // (VOCAB_SLICE * max(4, h.element_size())))
-        normaliser = model.readout_normaliser(h, read, at_once).unflatten(0, (copies, n))
+    if not task.needs_normaliser(columns):  # a task of its own may define from_rows without the normaliser
+        return task.from_rows(rows, data, columns)
+    at_once = int(chunk_mb * 2**20 // (VOCAB_SLICE * max(4, h.element_size())))
+    normaliser = model.readout_normaliser(h, read, at_once).unflatten(0, (copies, n))
     return task.from_rows(rows, data, columns, normaliser)
 
 
