@@ -267,10 +267,9 @@ def run_all(
         overrides = [o.replace("{" + PREVIOUS + "}", before) for o in written]
         cfg = compose([*overrides, f"output.root={root}", *extra])
         named = named_study([*overrides, *extra])
-        if already_done(cfg, run_dir, repro.command, named):
-            log(f"[{i}/{len(runs)}] skip (done): {run_dir.name}")
-            continue
-        log(f"[{i}/{len(runs)}] run: {' '.join(overrides)}")
+        done = already_done(cfg, run_dir, repro.command, named)
+        log(f"[{i}/{len(runs)}] " + (f"skip (done): {run_dir.name}" if done else f"run: {' '.join(overrides)}"))
+        # a finished run is not run again: it draws only the figure sets it lacks (stopped before them)
         execute_run(repro.command, cfg, run_dir, show_progress=False, named=named)
     table = results.collect(base)
     figures = base / "figures"
