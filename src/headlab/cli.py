@@ -160,7 +160,9 @@ def _single(command: str, overrides: list[str]) -> None:
 
         get(result.config.study.name).summary(result.table, result.config.output.print_rows)
     out.print(f"results: {result.run_dir}", highlight=False, soft_wrap=True)
-    meta = _run_meta(result.run_dir)
+    from .results import read_meta
+
+    meta = read_meta(result.run_dir)  # its threads, and where its weights came from (`weights`)
     if meta.get("threads") and not result.skipped:
         from .runtime import Threads
 
@@ -177,19 +179,6 @@ def _single(command: str, overrides: list[str]) -> None:
     if drawn:
         names = ", ".join(p.name for p in drawn)
         out.print(f"figures: {result.run_dir / 'figures'} ({names})", highlight=False, soft_wrap=True)
-
-
-def _run_meta(run_dir: Path) -> dict:
-    """The run's meta.json ({} where it cannot be read): its threads, and where its model weights came
-    from (`weights`), where a file was converted for it."""
-    import json
-
-    from .results import META
-
-    try:
-        return json.loads((run_dir / META).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 # ---------------------------------------------------------------- commands

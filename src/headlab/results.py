@@ -197,10 +197,10 @@ def write(df: pd.DataFrame, run_dir: Path, meta: dict[str, Any]) -> None:
 
 
 def read_meta(run_dir: Path) -> dict[str, Any]:
-    """A run dir's meta.json ({} where it has none or it does not parse)."""
+    """A run dir's meta.json ({} where it has none, it cannot be read or it does not parse)."""
     try:
         return json.loads((Path(run_dir) / META).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError):
         return {}
 
 

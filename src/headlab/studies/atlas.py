@@ -15,7 +15,6 @@ also holds atlas.html (report/atlas_page.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -54,7 +53,7 @@ def run_probe(ctx: RunContext, model: HookedModel, probe: Probe, options: AtlasO
     study = probe.study
     key = study.hash(cfg)
     where = cache_dir(ctx.cfg, probe.name, key)
-    cached = results.is_complete(where) and json.loads((where / results.META).read_text()).get("config_hash") == key
+    cached = results.is_complete(where) and results.read_meta(where).get("config_hash") == key
     ctx.meta.setdefault("probes", {})[probe.name] = {"dir": str(where), "cached": cached}
     if cached:  # conformed: a table cached before the hook column has none
         return results.conform(pd.read_parquet(where / results.TABLE)), cfg.task.name
