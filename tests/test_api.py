@@ -81,6 +81,8 @@ def test_a_run_stopped_between_its_table_and_its_figures_draws_them_when_run_aga
     assert again.skipped and sorted(p.name for p in (first.run_dir / "figures").iterdir()) == drawn
     assert results.read_meta(first.run_dir)["figures"] == ["heads"]
     pd.testing.assert_frame_equal(again.table, first.table, check_like=True)
+    with pytest.raises(headlab.UsageError, match="unknown figure set 'nope'"):  # refused in one line, as before a run
+        headlab.run(*overrides, "output.figures=nope")
 
 
 def test_a_run_composes_its_config_once(toy, tmp_path, monkeypatch):

@@ -74,10 +74,10 @@ def execute_run(
     `named`: the study the user named with `study=` (registry.named_study), else None; cfg.study.name is
     set to the study that runs."""
     study = study_for(command, cfg, named)
+    check_figures(cfg)  # a finished run draws a set it lacks too
     previous = previous_result(cfg, run_dir, command, named)
     if previous is not None:
         return previous
-    check_figures(cfg)
     threads = apply_threads(cfg)
     key = study.hash(cfg)  # the config as asked for: a budget's smaller chunks compute the same table
     budget = within_budget(cfg)[0] if cfg.engine.max_memory else None  # before anything loads
