@@ -99,12 +99,12 @@ TOLERANCE = 1e-4
 SMOLLM2_VOCAB = 49152
 SWEEPS = ("ablation_zero", "ablation_mean", "end_patch", "attribution")
 SIDES = ("headlab", "transformerlens", "nnsight")
-# issue 34's goals on 2 CPU cores: (ratio line, goal)
+# the goals on 2 quiet CPU cores (issue 52 raised issue 34's 4x and 3x for the all-heads ablation): (ratio line, goal)
 GOALS = {
-    "ablation_zero_speedup_vs_transformerlens": 4.0,
-    "ablation_mean_speedup_vs_transformerlens": 4.0,
-    "ablation_zero_speedup_vs_nnsight": 3.0,
-    "ablation_mean_speedup_vs_nnsight": 3.0,
+    "ablation_zero_speedup_vs_transformerlens": 7.0,
+    "ablation_mean_speedup_vs_transformerlens": 7.0,
+    "ablation_zero_speedup_vs_nnsight": 4.0,
+    "ablation_mean_speedup_vs_nnsight": 4.0,
     "end_patch_speedup_vs_transformerlens": 25.0,
     "attribution_speedup_vs_transformerlens": 50.0,
 }
@@ -180,7 +180,7 @@ MODELS = {
         GEMMA3_SHAPE,
         2,
         "TransformerLens's own config and convert_gemma_weights",
-        # issue 45's goals (attribution: no goal; its ratio is printed all the same)
+        # no goal for attribution here (issue 45); its ratio is printed all the same
         {line: goal for line, goal in GOALS.items() if not line.startswith("attribution")},
     ),
 }

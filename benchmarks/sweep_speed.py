@@ -447,10 +447,11 @@ def print_llama(dims: dict, n_params: int, runs: dict, dtype: str) -> None:
             print(f"llama_ablation_speedup_vs_{side}: {ratio:.2f}")
 
 
-# issue 34's goals on 2 CPU cores, for both models (smollm2_speed.py prints the same for smollm2-135m)
+# the goals on 2 quiet CPU cores, for both models (issue 52 raised issue 34's 4x and 3x for the ablation;
+# smollm2_speed.py prints the same for smollm2-135m)
 GOALS = {
-    "ablation_speedup_vs_transformerlens": 4.0,
-    "ablation_speedup_vs_nnsight": 3.0,
+    "ablation_speedup_vs_transformerlens": 7.0,
+    "ablation_speedup_vs_nnsight": 4.0,
     "end_patch_speedup_vs_transformerlens": 25.0,
     "attribution_speedup_vs_transformerlens": 50.0,
 }
