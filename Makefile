@@ -87,8 +87,12 @@ threads-bench: $(STAMP)  # a run beside a busy process: headlab's own thread cou
 	$(BIN)/python benchmarks/threads_busy.py
 
 .PHONY: plan-bench
-plan-bench: $(STAMP)  # headlab plan against what each sweep, attribution, IOI-classes, EAP-IG and atlas run measured (smollm2-135m, gemma3-270m; IOI, text, an 8K-token document; Llama-3.1-8B planned only): docs/benchmarks/plan_accuracy.txt, ~30 min
+plan-bench: $(STAMP)  # headlab plan against what each sweep, attribution, IOI-classes, EAP-IG and atlas run measured (smollm2-135m, gemma3-270m; IOI, text, an 8K-token document; Llama-3.1-8B at 64 prompts and gemma3-270m's heads at 32K tokens planned only): docs/benchmarks/plan_accuracy.txt, ~30 min
 	$(BIN)/python benchmarks/plan_accuracy.py --out docs/benchmarks/plan_accuracy.txt
+
+.PHONY: plan-bench-long
+plan-bench-long: $(STAMP)  # the same for gemma3-270m's layers at 32K tokens and the Llama-3.1-8B shape in bfloat16 (random weights, 15 GiB written to outputs/bench), its lines updated in docs/benchmarks/plan_accuracy.txt, ~45 min
+	$(BIN)/python benchmarks/plan_accuracy.py --update --out docs/benchmarks/plan_accuracy.txt --cases gemma3_text_32k_layers llama8b_ioi_layers llama8b_ioi_eap_ig_small
 
 .PHONY: streamed-bench
 streamed-bench: $(STAMP)  # a Llama-3.2-1B-shaped model swept under engine.max_memory below its weights: docs/benchmarks/streamed_weights_cpu.txt, ~3 min

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -135,6 +136,47 @@ def save_llama(
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
+
+
+def save_llama_shards(path: str, config: LlamaConfig, dtype: torch.dtype, shard_mb: int = 2000) -> Path:
+    """A random Llama of a shape whose float32 copy would not fit in memory (Llama-3.1-8B's: 32 GB), saved
+    at `path` a shard at a time: the module built on the meta device for its parameter names and shapes,
+    each tensor drawn in float32 as transformers initialises it (normal(0, initializer_range); norms 1;
+    torch seed 0), stored in `dtype`. Memory: one shard. Not save_llama's values (another draw order)."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+    torch.manual_seed(0)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    weight_map: dict[str, str] = {}
+    size = total = 0
+
+    def flush() -> None:
+        name = f"model-{len(shards):05d}.safetensors"
+        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shards[-1]})
+        shards.append({})
+
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=dtype)
+        else:
+            t = torch.empty(shape).normal_(0.0, config.initializer_range).to(dtype)
+        if size and size + t.nbytes > shard_mb * 2**20:
+            flush()
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.torch_dtype = dtype
+    config.save_pretrained(out)
+    return out
 
 
 def build_hooked_llama(hf: LlamaForCausalLM, dtype: torch.dtype):

@@ -2,7 +2,9 @@
 own), the run's meta.json holding the plan beside what it measured. Prints `name: value` lines: per case
 the predicted and measured seconds and peak host memory and their ratios (goal: within 30%, issue 55), with
 the machine's load beside them; a case too long for 2 cores (PLAN_ONLY) is planned only, with whether its
-peak fits a machine of MACHINE_GB.
+peak fits a machine of MACHINE_GB. The LONG cases (gemma3-270m at 32K tokens, 25 minutes; the Llama-3.1-8B
+shape's random bfloat16 weights, built once into outputs/bench, 15 GiB, and run on few prompts, 15 minutes)
+run only where --cases names them (`make plan-bench-long`).
 
     python benchmarks/plan_accuracy.py [--out docs/benchmarks/plan_accuracy.txt] [--cases NAME ...] [--update]
 
@@ -78,7 +80,17 @@ CASES = {
         "model=hf", "model.path={llama1b}", "task=ioi", "task.n_prompts=4", "circuit=eap_ig",
         "study.faithfulness=false",
     ],
-    # Llama-3.1-8B's shape in bfloat16 ({llama8b}: its config alone, GPT-2's tokenizer): no such weights here
+    # Llama-3.1-8B's shape, random weights in bfloat16 ({llama8b_weights}: bench_models.save_llama_shards, 15
+    # GiB), GPT-2's tokenizer: measured on few prompts, where 24 GB and 2 cores allow it in minutes
+    "llama8b_ioi_layers": [
+        "model=hf", "model.path={llama8b_weights}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16",
+        "task=ioi", "task.n_prompts=4", "ablate=layers",
+    ],
+    "llama8b_ioi_eap_ig_small": [
+        "model=hf", "model.path={llama8b_weights}", "model.tokenizer={tokenizer}", "model.dtype=bfloat16",
+        "task=ioi", "task.n_prompts=2", "circuit=eap_ig", "study.faithfulness=false",
+    ],
+    # the same shape at the size a study runs (its config alone, {llama8b}): planned only
     "llama8b_ioi_heads": [*LLAMA8B_IOI, "ablate=heads"],
     "llama8b_ioi_eap_ig": [*LLAMA8B_IOI, "circuit=eap_ig"],
     "llama8b_ioi_eap_ig_24gb": [*LLAMA8B_IOI, "circuit=eap_ig", "engine.max_memory=24GB"],
@@ -87,6 +99,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # hours on 2 cores, or weights not to be had: planned, and whether it fits MACHINE_GB, not run
 PLAN_ONLY = ("gemma3_text_32k_heads", "llama8b_ioi_heads", "llama8b_ioi_eap_ig", "llama8b_ioi_eap_ig_24gb")
 MACHINE_GB = 24
+WEIGHTS_8B = ("llama8b_ioi_layers", "llama8b_ioi_eap_ig_small")  # the cases that read the 8B shape's weights
+LONG = ("gemma3_text_32k_layers", *WEIGHTS_8B)  # run where named
 
 
 def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -98,7 +112,7 @@ def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the lines here")
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="*", default=[c for c in CASES if c not in LONG], choices=list(CASES))
     parser.add_argument("--update", action="store_true", help="replace only the cases run in the --out file")
     args = parser.parse_args(argv)
     lines = [f"cpus: {os.cpu_count()}", f"load_1min_before: {os.getloadavg()[0]:.2f}"]
@@ -124,7 +138,16 @@ def main(argv: list[str]) -> int:
             from streamed_weights import build
 
             llama1b = build()
+        llama8b_weights = ROOT / "outputs" / "bench" / "llama-3.1-8b-shape"
+        if any(name in WEIGHTS_8B for name in args.cases) and not (llama8b_weights / "config.json").is_file():
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            import torch
+
+            from bench_models import LLAMA_8B, llama_config, save_llama_shards
+
+            save_llama_shards(str(llama8b_weights), llama_config(**LLAMA_8B), torch.bfloat16)
         places = {
+            "{llama8b_weights}": str(llama8b_weights),
             "{llama1b}": str(llama1b),
             "{long}": str(long),
             "{llama8b}": str(llama8b),
