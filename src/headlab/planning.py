@@ -66,6 +66,7 @@ from .flops import (
     sweep_gflop,
 )
 from .models.families import family_of
+from .models.sites import WINDOWS_TO_SPLIT
 from .runtime import LIVE_ACTIVATIONS, gpu_chunk_mb
 
 MB = 2**20
@@ -312,9 +313,16 @@ def host_plan(
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
     logits = reads * s.vocab * 4 / MB  # one prompt's, float32
-    # the attention mask a forward pass makes, [prompts, 1, tokens, tokens] bool, and its additive float copy
-    # where a layer has a sliding window (models/sites.py _fused: a plain causal mask needs none)
-    mask = rows * tokens * tokens * (1 + (4 if any(s.sliding) else 0)) / MB
+    # the bool attention masks a forward pass makes (models/hf.py bool_mask), [tokens, tokens] for every
+    # unpadded prompt, one a prompt where some are padded, one per kind of layer (causal, sliding), and
+    # models/sites.py _fused's additive float copy of a mask that is neither plain causal nor a sliding
+    # window's run a block at a time (unpadded prompts of WINDOWS_TO_SPLIT windows or more)
+    padded = "attention_mask" in data.inputs and not bool(data.inputs["attention_mask"].all())
+    split = bool(s.window) and tokens >= WINDOWS_TO_SPLIT * (s.window or 0) and not padded
+    square = tokens * tokens
+    kinds = 2 if any(s.sliding) else 1
+    floats = 4 * rows * square if padded or (any(s.sliding) and not split) else 0
+    mask = (kinds * (rows if padded else 1) * square + floats) / MB
     copy = rows * tokens * max(s.d_mlp, s.d_model) * 4 / MB  # one copy of the prompts' widest activation
     working = working_mb(cfg.engine.chunk_mb, logits, copy)
     if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver

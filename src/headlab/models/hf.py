@@ -56,10 +56,21 @@ class Pretrained:
 
 def register_attention() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, bool_mask)
+
+
+def bool_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """transformers' sdpa mask, True where a key takes part, always made (headlab's suffix runs slice its
+    rows): a byte a query and key where the eager mask's float takes four (4 GB at 32K tokens, per layer type);
+    headlab's attention fills the hidden scores as the eager path does (models/sites.py)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("dtype", None)
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
 
 
 def hf_attention(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:

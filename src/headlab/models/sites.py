@@ -135,18 +135,15 @@ def _fused(
     into the heads ([g * b, head, ...] -> [b, g * head, ...]): the mask then broadcasts over them."""
     prompts = 1
     causal = mask is not None and query.shape[-2] == key.shape[-2] and plain_causal(mask, key.shape[-2])
-    if mask is not None:
-        mask = mask[..., : key.shape[-2]]
+    split = not causal and mask is not None and query.shape[-2] == key.shape[-2] and not (dropout and module.training)
+    window = sliding_window(mask) if split and mask is not None else None
+    if window is not None:
+        return _windowed(query, key, value, window, scaling)
     if causal:
         mask = None
     elif mask is not None:
-        if mask.dtype == torch.bool:
-            # filled on the device: a scalar tensor made from Python is a host-to-device copy per layer and
-            # chunk, which on a GPU stalls a sweep's stream of small kernels
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                ~mask, torch.finfo(query.dtype).min
-            )
-        elif mask.dtype != query.dtype:
+        mask = (additive(mask, query.dtype) if mask.dtype == torch.bool else mask)[..., : key.shape[-2]]
+        if mask.dtype != query.dtype:
             mask = mask.to(query.dtype)
         if mask_per_prompt(mask, query.shape[0]):
             prompts = mask.shape[0]
@@ -168,6 +165,18 @@ def _fused(
     return z.transpose(1, 2)
 
 
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask as scores to add: 0 where a key takes part, the dtype's lowest value where it does not.
+    Kept on the mask, which every layer and chunk of a pass is handed; filled on the mask's device (a
+    scalar made from Python is a host-to-device copy per layer and chunk, which stalls a GPU's stream)."""
+    known: dict[torch.dtype, Tensor] = mask.__dict__.setdefault("_headlab_additive", {})
+    if dtype not in known:
+        known[dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(dtype).min
+        )
+    return known[dtype]
+
+
 def plain_causal(mask: Tensor, keys: int) -> bool:
     """Is `mask` ([..., queries, keys and more], bool or additive) over its first `keys` keys the plain
     causal mask for every prompt, key j visible to query i iff j <= i (no padding, no window)?
@@ -181,6 +190,73 @@ def plain_causal(mask: Tensor, keys: int) -> bool:
     if key not in known:
         known[key] = _reads_plain_causal(mask[..., :keys])
     return known[key]
+
+
+# a sliding-window layer's attention runs a block of queries at a time over the keys within the window when
+# the prompts are at least this many windows long: each block then reads 2 windows of keys, not all of them
+WINDOWS_TO_SPLIT = 2
+ROWS_CHECKED = 1024  # rows of a long mask read at a time: bounds what checking it holds beside it
+
+
+def sliding_window(mask: Tensor) -> int | None:
+    """The window w where `mask` ([..., queries, keys], queries == keys, bool or additive) is the causal
+    sliding-window mask for every prompt (key j visible to query i iff 0 <= i - j < w: transformers'
+    sliding_window_overlay) and the prompts are at least WINDOWS_TO_SPLIT windows long; else None. Kept on
+    the mask, as plain_causal's answer."""
+    known: dict[tuple[int, int], int | None] = mask.__dict__.setdefault("_headlab_window", {})
+    key = (0 if mask.is_inference() else mask._version, mask.shape[-1])
+    if key not in known:
+        known[key] = _reads_sliding_window(mask)
+    return known[key]
+
+
+def _reads_sliding_window(mask: Tensor) -> int | None:
+    queries, keys = mask.shape[-2:]
+    if queries != keys or queries < 2:
+        return None
+    last = _visible(mask[..., -1:, :])
+    window = int(last.sum(-1).flatten()[0])
+    if window * WINDOWS_TO_SPLIT > keys or not bool((last.sum(-1) == window).all()):
+        return None
+    j = torch.arange(keys, device=mask.device)
+    for start in range(0, queries, ROWS_CHECKED):
+        i = torch.arange(start, min(start + ROWS_CHECKED, queries), device=mask.device)[:, None]
+        expected = (j <= i) & (i - j < window)
+        rows = mask[..., start : start + ROWS_CHECKED, :]
+        if not torch.equal(_visible(rows), expected.expand_as(rows)):
+            return None
+        if rows.dtype != torch.bool and not torch.equal(
+            rows <= torch.finfo(rows.dtype).min / 2, ~expected.expand_as(rows)
+        ):
+            return None
+    return window
+
+
+def _visible(mask: Tensor) -> Tensor:
+    """The keys a bool or additive mask lets through (an additive mask's 0s)."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _windowed(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: float) -> Tensor:
+    """z [batch, pos, head, d_head] of causal attention within a sliding window of `window` keys, a block of
+    `window` queries at a time over the keys it can see (the block's and the window before it): the same
+    softmax over the same keys as the whole mask gives, at 2 x window keys a query instead of all of them."""
+    tokens, blocks = query.shape[-2], []
+    for start in range(0, tokens, window):
+        stop, first = min(start + window, tokens), max(0, start - window + 1)
+        i = torch.arange(start, stop, device=query.device)[:, None]
+        j = torch.arange(first, stop, device=query.device)
+        blocks.append(
+            nn.functional.scaled_dot_product_attention(
+                query[..., start:stop, :],
+                key[..., first:stop, :],
+                value[..., first:stop, :],
+                attn_mask=(j <= i) & (i - j < window),  # [block, keys]: True takes part
+                scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        )
+    return torch.cat(blocks, dim=-2).transpose(1, 2)
 
 
 def _reads_plain_causal(mask: Tensor) -> bool:
