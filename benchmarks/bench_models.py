@@ -174,7 +174,7 @@ def save_llama_shards(path: str, config: LlamaConfig, dtype: torch.dtype, shard_
     flush()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config.torch_dtype = dtype
+    config.dtype = dtype
     config.save_pretrained(out)
     return out
 
