@@ -150,15 +150,17 @@ def save_llama_shards(path: str, config: LlamaConfig, dtype: torch.dtype, shard_
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
     torch.manual_seed(0)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
-    size = total = 0
+    size = total = written = 0
 
-    def flush() -> None:
-        name = f"model-{len(shards):05d}.safetensors"
-        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
-        weight_map.update({key: name for key in shards[-1]})
-        shards.append({})
+    def flush() -> None:  # the shard written and let go: one shard in memory at a time
+        nonlocal written
+        written += 1
+        name = f"model-{written:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+        shard.clear()
 
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
@@ -168,7 +170,7 @@ def save_llama_shards(path: str, config: LlamaConfig, dtype: torch.dtype, shard_
         if size and size + t.nbytes > shard_mb * 2**20:
             flush()
             size = 0
-        shards[-1][name] = t
+        shard[name] = t
         size += t.nbytes
         total += t.nbytes
     flush()

@@ -178,7 +178,15 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, MB (ru_maxrss: KB on Linux, bytes on macOS)."""
+    """This process's peak resident memory so far, MB: Linux's VmHWM, the peak of its own memory since it
+    started (ru_maxrss also counts what its parent held when it forked: a run started by a large process
+    would report that process's size), else ru_maxrss (KB on Linux, bytes on macOS)."""
+    try:
+        for line in open("/proc/self/status").read().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (MB if sys.platform == "darwin" else 1024)
 
