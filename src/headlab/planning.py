@@ -48,6 +48,7 @@ import math
 import resource
 import sys
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -182,7 +183,7 @@ def peak_rss_mb() -> float:
     started (ru_maxrss also counts what its parent held when it forked: a run started by a large process
     would report that process's size), else ru_maxrss (KB on Linux, bytes on macOS)."""
     try:
-        for line in open("/proc/self/status").read().splitlines():
+        for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     except OSError:

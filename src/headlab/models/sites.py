@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -134,9 +135,11 @@ def _fused(
     mask of one row per prompt for g stacked copies of b > 1 prompts is applied by folding the copies
     into the heads ([g * b, head, ...] -> [b, g * head, ...]): the mask then broadcasts over them."""
     prompts = 1
-    causal = mask is not None and query.shape[-2] == key.shape[-2] and plain_causal(mask, key.shape[-2])
-    split = not causal and mask is not None and query.shape[-2] == key.shape[-2] and not (dropout and module.training)
-    window = sliding_window(mask) if split and mask is not None else None
+    square = query.shape[-2] == key.shape[-2]  # every query over its own keys
+    causal = mask is not None and square and plain_causal(mask, key.shape[-2])
+    window = None
+    if mask is not None and square and not causal and not (dropout and module.training):
+        window = sliding_window(mask)
     if window is not None:
         return _windowed(query, key, value, window, scaling)
     if causal:
@@ -169,12 +172,27 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool mask as scores to add: 0 where a key takes part, the dtype's lowest value where it does not.
     Kept on the mask, which every layer and chunk of a pass is handed; filled on the mask's device (a
     scalar made from Python is a host-to-device copy per layer and chunk, which stalls a GPU's stream)."""
-    known: dict[torch.dtype, Tensor] = mask.__dict__.setdefault("_headlab_additive", {})
-    if dtype not in known:
-        known[dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-            ~mask, torch.finfo(dtype).min
-        )
-    return known[dtype]
+    return _kept(
+        mask,
+        "_headlab_additive",
+        (_version(mask), dtype),
+        lambda: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min),
+    )
+
+
+def _kept(mask: Tensor, name: str, key: Any, make: Callable[[], Any]) -> Any:
+    """make()'s answer about `mask`, kept on it under `name` and `key`: every layer and chunk of a pass is
+    handed the same mask."""
+    known: dict = mask.__dict__.setdefault(name, {})
+    if key not in known:
+        known[key] = make()
+    return known[key]
+
+
+def _version(mask: Tensor) -> int:
+    """An in-place edit of the mask makes its readers ask again where torch counts them (not on inference
+    tensors; nothing in headlab or transformers edits a mask in place)."""
+    return 0 if mask.is_inference() else mask._version
 
 
 def plain_causal(mask: Tensor, keys: int) -> bool:
@@ -183,13 +201,7 @@ def plain_causal(mask: Tensor, keys: int) -> bool:
     scaled_dot_product_attention then takes is_causal instead, which skips the hidden half of the scores
     (as transformers' own sdpa path does). The answer is kept on the mask: every layer and chunk of a
     sweep is handed the same one, and at 2048 tokens reading it costs a fifth of a small model's sweep."""
-    known: dict[tuple[int, int], bool] = mask.__dict__.setdefault("_headlab_plain_causal", {})
-    # an in-place edit of the mask makes it ask again where torch counts them (not on inference tensors;
-    # nothing in headlab or transformers edits a mask in place)
-    key = (0 if mask.is_inference() else mask._version, keys)
-    if key not in known:
-        known[key] = _reads_plain_causal(mask[..., :keys])
-    return known[key]
+    return _kept(mask, "_headlab_plain_causal", (_version(mask), keys), lambda: _within(mask[..., :keys], keys))
 
 
 # a sliding-window layer's attention runs a block of queries at a time over the keys within the window when
@@ -203,33 +215,33 @@ def sliding_window(mask: Tensor) -> int | None:
     sliding-window mask for every prompt (key j visible to query i iff 0 <= i - j < w: transformers'
     sliding_window_overlay) and the prompts are at least WINDOWS_TO_SPLIT windows long; else None. Kept on
     the mask, as plain_causal's answer."""
-    known: dict[tuple[int, int], int | None] = mask.__dict__.setdefault("_headlab_window", {})
-    key = (0 if mask.is_inference() else mask._version, mask.shape[-1])
-    if key not in known:
-        known[key] = _reads_sliding_window(mask)
-    return known[key]
+    return _kept(mask, "_headlab_window", (_version(mask), mask.shape[-1]), lambda: _reads_sliding_window(mask))
 
 
 def _reads_sliding_window(mask: Tensor) -> int | None:
+    keys = mask.shape[-1]
+    window = int(_visible(mask[..., -1, :]).reshape(-1, keys)[0].sum())  # the last query sees `window` keys
+    return window if window * WINDOWS_TO_SPLIT <= keys and _within(mask, window) else None
+
+
+def _within(mask: Tensor, window: int) -> bool:
+    """Is `mask` ([..., queries, keys], bool or additive) the causal mask of a `window`-key sliding window
+    (window >= keys: the plain causal mask) for every prompt? An additive mask's seen keys are 0 and its
+    hidden ones at most half the dtype's lowest value (the eager fill, or -inf): no weight after the
+    softmax. Read ROWS_CHECKED rows at a time, so that checking a long mask holds little beside it."""
     queries, keys = mask.shape[-2:]
-    if queries != keys or queries < 2:
-        return None
-    last = _visible(mask[..., -1:, :])
-    window = int(last.sum(-1).flatten()[0])
-    if window * WINDOWS_TO_SPLIT > keys or not bool((last.sum(-1) == window).all()):
-        return None
+    if queries != keys:
+        return False
     j = torch.arange(keys, device=mask.device)
     for start in range(0, queries, ROWS_CHECKED):
         i = torch.arange(start, min(start + ROWS_CHECKED, queries), device=mask.device)[:, None]
-        expected = (j <= i) & (i - j < window)
         rows = mask[..., start : start + ROWS_CHECKED, :]
-        if not torch.equal(_visible(rows), expected.expand_as(rows)):
-            return None
-        if rows.dtype != torch.bool and not torch.equal(
-            rows <= torch.finfo(rows.dtype).min / 2, ~expected.expand_as(rows)
-        ):
-            return None
-    return window
+        expected = ((j <= i) & (j > i - window)).expand_as(rows)  # bool from the start: no [rows, keys] of ints
+        if not torch.equal(_visible(rows), expected):
+            return False
+        if rows.dtype != torch.bool and not torch.equal(rows <= torch.finfo(rows.dtype).min / 2, ~expected):
+            return False
+    return True
 
 
 def _visible(mask: Tensor) -> Tensor:
@@ -251,25 +263,12 @@ def _windowed(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: f
                 query[..., start:stop, :],
                 key[..., first:stop, :],
                 value[..., first:stop, :],
-                attn_mask=(j <= i) & (i - j < window),  # [block, keys]: True takes part
+                attn_mask=(j <= i) & (j > i - window),  # [block, keys]: True takes part
                 scale=scaling,
                 enable_gqa=query.shape[1] != key.shape[1],
             )
         )
     return torch.cat(blocks, dim=-2).transpose(1, 2)
-
-
-def _reads_plain_causal(mask: Tensor) -> bool:
-    queries, keys = mask.shape[-2:]
-    if queries != keys:
-        return False
-    tril = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return torch.equal(mask, tril.expand_as(mask))
-    # one bool mask at a time beside it: the eager fill or -inf hidden (no weight after the softmax), 0 seen
-    if not torch.equal(mask == 0, tril.expand_as(mask)):
-        return False
-    return torch.equal(mask <= torch.finfo(mask.dtype).min / 2, ~tril.expand_as(mask))
 
 
 def _eager(
