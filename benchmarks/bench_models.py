@@ -138,11 +138,14 @@ def save_llama(
     return model
 
 
-def save_llama_shards(path: str, config: LlamaConfig, dtype: torch.dtype, shard_mb: int = 2000) -> Path:
+def save_llama_shards(
+    path: str, config: LlamaConfig, dtype: torch.dtype, shard_mb: int = 2000, draw_on: str = "cpu"
+) -> Path:
     """A random Llama of a shape whose float32 copy would not fit in memory (Llama-3.1-8B's: 32 GB), saved
     at `path` a shard at a time: the module built on the meta device for its parameter names and shapes,
     each tensor drawn in float32 as transformers initialises it (normal(0, initializer_range); norms 1;
-    torch seed 0), stored in `dtype`. Memory: one shard. Not save_llama's values (another draw order)."""
+    torch seed 0) on `draw_on` (a GPU draws 8B values in a second, one CPU thread in about a minute), stored
+    in `dtype`. Memory: one shard. Not save_llama's values (another draw order), nor a CPU's draw."""
     from safetensors.torch import save_file
 
     out = Path(path)
@@ -166,7 +169,7 @@ def save_llama_shards(path: str, config: LlamaConfig, dtype: torch.dtype, shard_
         if name.endswith("norm.weight"):
             t = torch.ones(shape, dtype=dtype)
         else:
-            t = torch.empty(shape).normal_(0.0, config.initializer_range).to(dtype)
+            t = torch.empty(shape, device=draw_on).normal_(0.0, config.initializer_range).to(dtype).cpu()
         if size and size + t.nbytes > shard_mb * 2**20:
             flush()
             size = 0
@@ -184,7 +187,7 @@ def save_llama_shards(path: str, config: LlamaConfig, dtype: torch.dtype, shard_
 def build_hooked_llama(hf: LlamaForCausalLM, dtype: torch.dtype):
     from transformer_lens.pretrained.weight_conversions import convert_llama_weights
 
-    cfg = tl_llama_config(hf.config, dtype)
+    cfg = tl_llama_config(hf.config, dtype, init_weights=False)  # every weight is then the HF model's
     return _raw_weights(cfg, convert_llama_weights(hf, cfg))
 
 

@@ -7,8 +7,12 @@ shape's random bfloat16 weights, built once into outputs/bench, 15 GiB, and run 
 run only where --cases names them (`make plan-bench-long`).
 
     python benchmarks/plan_accuracy.py [--out docs/benchmarks/plan_accuracy.txt] [--cases NAME ...] [--update]
+        [--device cuda]
 
 --update keeps the --out file's lines of the cases not run, and gives the cases run their own load lines.
+--device cuda runs each case on the GPU (`device=cuda`), by default the Llama-3.1-8B shape's all-heads sweep
+and EAP-IG on 64 IOI prompts (GPU_CASES, run on its random bfloat16 weights), and adds the planned and
+measured peak device memory (torch.cuda.max_memory_allocated) and their ratio.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ PLAN_ONLY = ("gemma3_text_32k_heads", "llama8b_ioi_heads", "llama8b_ioi_eap_ig",
 MACHINE_GB = 24
 WEIGHTS_8B = ("llama8b_ioi_layers", "llama8b_ioi_eap_ig_small")  # the cases that read the 8B shape's weights
 LONG = ("gemma3_text_32k_layers", *WEIGHTS_8B)  # run where named
+GPU_CASES = ("llama8b_ioi_heads", "llama8b_ioi_eap_ig")  # --device cuda: the study-sized 8B cases, run
 
 
 def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -112,9 +117,13 @@ def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the lines here")
-    parser.add_argument("--cases", nargs="*", default=[c for c in CASES if c not in LONG], choices=list(CASES))
+    parser.add_argument("--cases", nargs="*", choices=list(CASES))
     parser.add_argument("--update", action="store_true", help="replace only the cases run in the --out file")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
+    gpu = args.device == "cuda"
+    if args.cases is None:
+        args.cases = list(GPU_CASES) if gpu else [c for c in CASES if c not in LONG]
     lines = [f"cpus: {os.cpu_count()}", f"load_1min_before: {os.getloadavg()[0]:.2f}"]
     kept: list[str] = []
     if args.update and args.out and args.out.exists():
@@ -127,7 +136,7 @@ def main(argv: list[str]) -> int:
         long = root / "long.txt"
         long.write_text(" ".join((ROOT / "src" / "headlab" / "data" / "devil.txt").read_text().split()) + "\n")
         llama8b = root / "llama-3.1-8b-shape"
-        if any(name.startswith("llama8b") for name in args.cases):
+        if any(name.startswith("llama8b") for name in args.cases) and not gpu:
             sys.path.insert(0, str(ROOT / "benchmarks"))
             from bench_models import LLAMA_8B, llama_config
 
@@ -139,28 +148,29 @@ def main(argv: list[str]) -> int:
 
             llama1b = build()
         llama8b_weights = ROOT / "outputs" / "bench" / "llama-3.1-8b-shape"
-        if any(name in WEIGHTS_8B for name in args.cases) and not (llama8b_weights / "config.json").is_file():
+        needs_weights = WEIGHTS_8B + (tuple(n for n in CASES if n.startswith("llama8b")) if gpu else ())
+        if any(name in needs_weights for name in args.cases) and not (llama8b_weights / "config.json").is_file():
             sys.path.insert(0, str(ROOT / "benchmarks"))
             import torch
 
             from bench_models import LLAMA_8B, llama_config, save_llama_shards
 
-            save_llama_shards(str(llama8b_weights), llama_config(**LLAMA_8B), torch.bfloat16)
+            save_llama_shards(str(llama8b_weights), llama_config(**LLAMA_8B), torch.bfloat16, draw_on=args.device)
         places = {
             "{llama8b_weights}": str(llama8b_weights),
             "{llama1b}": str(llama1b),
             "{long}": str(long),
-            "{llama8b}": str(llama8b),
+            "{llama8b}": str(llama8b_weights if gpu else llama8b),  # a GPU runs the study-sized cases
             "{tokenizer}": str(ROOT / "tests" / "data" / "gpt2-tokenizer"),
         }
         for name in args.cases:
-            overrides = [*CASES[name], "output.n_boot=0", f"output.root={root}"]
+            overrides = [*CASES[name], "output.n_boot=0", f"output.root={root}", f"device={args.device}"]
             for mark, value in places.items():
                 overrides = [o.replace(mark, value) for o in overrides]
             planned = headlab("plan", *overrides, cwd=root)
             if planned.returncode:
                 raise SystemExit(f"{name}: plan failed: {planned.stderr.strip().splitlines()[-1]}")
-            if name in PLAN_ONLY:
+            if name in PLAN_ONLY and not gpu:
                 peak = float(re.search(r"peak host memory: ([\d,]+) MB", planned.stdout)[1].replace(",", ""))
                 seconds = float(re.search(r"time: ([\d,]+) s", planned.stdout)[1].replace(",", ""))
                 said = [
@@ -178,6 +188,7 @@ def main(argv: list[str]) -> int:
             load = os.getloadavg()[0]
             ran = headlab("run", *overrides, f"hydra.run.dir={run_dir}", cwd=root)
             if ran.returncode:
+                sys.stderr.write("\n".join(ran.stderr.strip().splitlines()[-20:]) + "\n")
                 raise SystemExit(f"{name}: run failed: {ran.stderr.strip().splitlines()[-1]}")
             meta = json.loads((run_dir / "meta.json").read_text())
             plan, measured = meta["plan"], meta["measured"]
@@ -194,6 +205,12 @@ def main(argv: list[str]) -> int:
                 f"{name}_peak_host_ratio: {measured['peak_host_ratio']:.2f}",
                 f"{name}_threads: {meta['threads']['threads']}",
             ]
+            if "peak_device_mb" in measured:
+                said += [
+                    f"{name}_planned_peak_device_mb: {plan['peak_device_mb']:.0f}",
+                    f"{name}_measured_peak_device_mb: {measured['peak_device_mb']:.0f}",
+                    f"{name}_peak_device_ratio: {measured.get('peak_device_ratio', float('nan')):.2f}",
+                ]
             if args.update:
                 said += [f"{name}_load_1min_before: {load:.2f}", f"{name}_load_1min_after: {os.getloadavg()[0]:.2f}"]
             print("\n".join(said), flush=True)

@@ -39,6 +39,8 @@ estimate; the clean metric); the script exits non-zero above 1e-4.
 heads, 8 key/value heads, d_model 2048, 1.24B parameters, random weights) in bfloat16: the all-heads zero
 ablation by headlab, TransformerLens (convert_llama_weights, raw weights) and nnsight (self_attn.o_proj's
 input): seconds, peak GPU memory and the largest difference, which bfloat16 leaves unchecked (llama_* lines).
+`--llama-shape 8b` makes it Llama-3.1-8B's sizes (32 x 32 heads, 8 key/value heads, d_model 4096, untied,
+8.03B parameters); `--no-gpt2` runs the Llama section alone.
 
 The last line is `speedup_vs_transformerlens`: the all-heads ablation ratio. Timings are wall-clock: compare
 runs only at similar load averages (printed).
@@ -66,6 +68,7 @@ import torch
 from bench_models import (
     D_MODEL,
     LLAMA_1B,
+    LLAMA_8B,
     N_HEADS,
     N_LAYERS,
     TOKEN_A,
@@ -82,7 +85,7 @@ from bench_models import (
     make_data,
     min_time,
     save_gpt2,
-    save_llama,
+    save_llama_shards,
     status_kb,
 )
 from tl_configs import tl_gpt2_config, tl_llama_config
@@ -90,6 +93,7 @@ from tl_configs import tl_gpt2_config, tl_llama_config
 N_PROMPTS, SEQ_LEN = 64, 20
 TOLERANCE = 1e-4
 SIDES = ("headlab", "transformerlens", "nnsight")
+LLAMA_SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}  # --llama-shape: Llama-3.2-1B's or Llama-3.1-8B's sizes
 
 
 # --- the sides (each in a child process) -----------------------------------------------------------------
@@ -290,10 +294,22 @@ def run_child(side: str, shape: str, model_dir: str, args, dtype: str, heads: in
     return torch.load(out)
 
 
-def save_models(shape: str, model_dir: str, dtype: str, llama_dims: dict) -> int:
-    """Save the HF model and its TransformerLens twin's state dict; returns the parameter count."""
+def save_models(
+    shape: str, model_dir: str, dtype: str, llama_dims: dict, weights: str = "", device: str = "cpu"
+) -> int:
+    """Save the HF model and its TransformerLens twin's state dict; returns the parameter count. A Llama's
+    random weights are drawn on `device` into `weights` (default: model_dir), or read from there where
+    saved before, and linked into model_dir beside the twin."""
     if shape == "llama":
-        hf = save_llama(model_dir, llama_config(**llama_dims), getattr(torch, dtype))
+        from transformers import LlamaForCausalLM
+
+        source = Path(weights or model_dir)
+        if not (source / "config.json").is_file():
+            save_llama_shards(str(source), llama_config(**llama_dims), getattr(torch, dtype), draw_on=device)
+        if source != Path(model_dir):
+            for file in source.iterdir():
+                (Path(model_dir) / file.name).symlink_to(file.resolve())
+        hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         tl = build_hooked_llama(hf, getattr(torch, dtype))
     else:
         hf = save_gpt2(model_dir)
@@ -325,6 +341,13 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--llama-dtype", default="bfloat16", help=argparse.SUPPRESS)  # float32: test on a CPU
     parser.add_argument("--llama-dims", help=argparse.SUPPRESS)  # layers,heads,kv_heads,d_model,d_mlp,vocab
+    parser.add_argument(
+        "--llama-shape", choices=tuple(LLAMA_SHAPES), default="1b", help="the Llama section's shape (random weights)"
+    )
+    parser.add_argument("--llama-weights", default="", help="the Llama's weights: read from here, or drawn into it")
+    parser.add_argument(
+        "--gpt2", action=argparse.BooleanOptionalAction, default=True, help="run the GPT-2-shaped section"
+    )
     args = parser.parse_args()
     if cuda_missing(args.device):
         return 2
@@ -335,18 +358,25 @@ def main() -> int:
     heads = args.loop_heads or (48 if args.device == "cpu" else n_cells)
     sides = [s for s in SIDES if s != "nnsight" or importlib.util.find_spec("nnsight") is not None]
     load_start = os.getloadavg()[0]
+    llama = None
+    if args.llama or (args.llama is None and args.device == "cuda"):
+        name, dims = f"llama-{args.llama_shape}-shape", LLAMA_SHAPES[args.llama_shape]
+        if args.llama_dims:
+            name, dims = "llama-shaped", {**dims, **dict(zip(LLAMA_1B, map(int, args.llama_dims.split(","))))}
+        with tempfile.TemporaryDirectory() as tmp:
+            n_params = save_models("llama", tmp, args.llama_dtype, dims, args.llama_weights, args.device)
+            cells = min(args.loop_heads or dims["layers"] * dims["heads"], dims["layers"] * dims["heads"])
+            children = {s: run_child(s, "llama", tmp, args, args.llama_dtype, cells) for s in sides}
+            llama = (name, dims, n_params, children)
+    if not args.gpt2:
+        if llama:
+            print(f"device: {args.device}")
+            print_llama(*llama, args.llama_dtype)
+        print(f"load_average_1min: {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         save_models("gpt2", tmp, "float32", {})
         runs = {side: run_child(side, "gpt2", tmp, args, "float32", heads) for side in sides}
-    llama = None
-    if args.llama or (args.llama is None and args.device == "cuda"):
-        dims = LLAMA_1B
-        if args.llama_dims:
-            dims = dict(zip(LLAMA_1B, map(int, args.llama_dims.split(","))))
-        with tempfile.TemporaryDirectory() as tmp:
-            n_params = save_models("llama", tmp, args.llama_dtype, dims)
-            cells = dims["layers"] * dims["heads"]
-            llama = (dims, n_params, {s: run_child(s, "llama", tmp, args, args.llama_dtype, cells) for s in sides})
 
     hl, tl = runs["headlab"], runs["transformerlens"]
     nn = runs.get("nnsight")
@@ -427,19 +457,26 @@ def main() -> int:
     return 0 if worst <= TOLERANCE else 1
 
 
-def print_llama(dims: dict, n_params: int, runs: dict, dtype: str) -> None:
+def print_llama(name: str, dims: dict, n_params: int, runs: dict, dtype: str) -> None:
     print(
-        f"llama_model: llama-3.2-1b-shape random ({dims['layers']}x{dims['heads']}, {dims['kv_heads']} kv heads, "
+        f"llama_model: {name} random ({dims['layers']}x{dims['heads']}, {dims['kv_heads']} kv heads, "
         f"d_model {dims['d_model']}, {n_params / 1e9:.2f}B parameters, {dtype}), all heads zero-ablated"
     )
     hl = runs["headlab"]
+    n_cells = dims["layers"] * dims["heads"]
+    looped = len(next(run for side, run in runs.items() if side != "headlab")["values"]["ablation"])
+    sample = [l * dims["heads"] + h for l, h in loop_heads(dims["layers"], dims["heads"], looped)]
+    at = torch.tensor(sample) + 1  # headlab's rows: the clean baseline first
+    print(f"llama_loop_heads: {looped} of {n_cells} (loop seconds scaled to all {n_cells})")
     for side, run in runs.items():
         print(f"llama_{side}_ablation_seconds: {run['seconds']['ablation']:.2f}")
     for side, run in runs.items():
         print(f"llama_peak_gpu_mb_{side}: {run['peak_gpu_bytes'] / 2**20:.0f}")
     for side, run in runs.items():
+        print(f"llama_peak_rss_mb_{side}: {run['peak_kb'] / 1024:.0f}")
+    for side, run in runs.items():
         if side != "headlab":
-            diff = (hl["values"]["ablation"][1:] - run["values"]["ablation"]).abs().max().item()
+            diff = (hl["values"]["ablation"][at] - run["values"]["ablation"]).abs().max().item()
             print(f"llama_max_abs_diff_vs_{side}: {diff:.3g} (not checked: {dtype})")
     for side, run in runs.items():
         if side != "headlab":

@@ -101,7 +101,10 @@ def test_cancelled_and_timed_out_jobs_leave_no_table_and_a_rerun_redoes_exactly_
     assert "2 done, 0 skipped, 2 failed" in out, err
     assert "Bypassing sacct" not in err  # accounting answers: submitit polls job states as on a real cluster
     status = {d: json.loads((sweep / d / "status.json").read_text()) for d in "0123"}
-    assert "timed-out" in status["0"]["error"] and "CANCELLED" in status["1"]["error"], status
+    # job 0 reached its time limit: submitit's handler names it "timed-out" when its signal came in time,
+    # the launcher names slurm's state TIMEOUT when slurm killed it first; either way no result, no table
+    assert any(word in status["0"]["error"] for word in ("timed-out", "TIMEOUT")), status
+    assert "CANCELLED" in status["1"]["error"], status
     assert all(status[d]["log"] and Path(status[d]["log"]).is_file() for d in "01")
     assert not list((sweep / "0").glob("results.*")) and not list((sweep / "1").glob("results.*"))
 

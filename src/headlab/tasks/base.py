@@ -76,18 +76,20 @@ class TaskData:
     def take(self, rows: slice | Tensor) -> TaskData:
         """The prompts `rows` (answers, roles and groups sliced alike; the reference set is kept whole,
         its groups dropped)."""
-        cut = lambda d: d and {k: v[rows] for k, v in d.items()}  # noqa: E731
+        # each field indexed on its own device: reference_rows stays on the host when the prompts go to a GPU
+        at = lambda t: t[rows.to(t.device)] if isinstance(rows, Tensor) else t[rows]  # noqa: E731
+        cut = lambda d: d and {k: at(v) for k, v in d.items()}  # noqa: E731
         return replace(
             self,
             inputs=cut(self.inputs),
-            positions=self.positions[rows],
+            positions=at(self.positions),
             answers=cut(self.answers),
             counterfactual=cut(self.counterfactual),
             token_positions=cut(self.token_positions),
-            groups=None if self.groups is None else self.groups[rows],
+            groups=None if self.groups is None else at(self.groups),
             reference_groups=None,
             counterfactual_positions=cut(self.counterfactual_positions),
-            reference_rows=None if self.reference_rows is None else self.reference_rows[rows],
+            reference_rows=None if self.reference_rows is None else at(self.reference_rows),
         )
 
     def paired_reference(self) -> TaskData:
