@@ -98,12 +98,16 @@ def test_a_gpu_runs_plan_holds_the_model_and_the_engines_own_chunks_on_the_devic
     args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "ablate=heads")
     cpu = headlab.plan(*args)
     assert cpu.peak_device_mb == 0 and "peak device memory: none (device=cpu)" in cpu.lines()
-    whole = cpu.interventions * cpu.copy_mb  # every intervention's copy of the prompts: the largest chunk
-    # no GPU seen here: chunks of engine.chunk_mb (at most the whole sweep), no time
+    # the engine stacks a chunk's copies within one layer: one layer's heads' copies are the largest chunk
+    assert cpu.chunk_interventions == json.loads((llama_dir / "config.json").read_text())["num_attention_heads"]
+    whole = cpu.chunk_interventions * cpu.copy_mb
+    # no GPU seen here: chunks of engine.chunk_mb (at most a layer's interventions), no time
     unseen = headlab.plan(*args, "device=cuda")
     device_fixed = cpu.weights_mb + cpu.caches_mb + 3 * cpu.logits_mb
     assert unseen.peak_device_mb == pytest.approx(device_fixed + LIVE_ACTIVATIONS * min(32.0, whole))
-    assert unseen.peak_host_mb == pytest.approx(unseen.baseline_mb + unseen.tokenizer_mb + unseen.weights_mb)
+    # the host holds the largest safetensors file as the weights move to the device
+    largest = max(f.stat().st_size for f in Path(llama_dir).glob("*.safetensors")) / 2**20
+    assert unseen.peak_host_mb == pytest.approx(unseen.baseline_mb + unseen.tokenizer_mb + largest)
     assert unseen.seconds is None and "no GPU visible" in unseen.note
     assert "peak device memory" in unseen.lines()[2] and "on cuda" in unseen.lines()[2]
     # a device whose free memory after the weights and caches makes the engine's chunk half the whole sweep:
@@ -117,6 +121,18 @@ def test_a_gpu_runs_plan_holds_the_model_and_the_engines_own_chunks_on_the_devic
     assert chunk == pytest.approx(whole / 2)
     assert seen.device_working_mb == pytest.approx(LIVE_ACTIVATIONS * chunk + 3 * cpu.logits_mb)
     assert seen.seconds is not None and seen.matmul_gflops == 1000.0
+
+
+def test_a_bfloat16_runs_plan_holds_half_the_activations_and_times_bfloat16_products(llama_dir, monkeypatch):
+    args = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", "ablate=heads")
+    full = headlab.plan(*args)
+    asked: list[torch.dtype] = []
+    monkeypatch.setattr(planning, "matmul_gflops", lambda *a, dtype=torch.float32, **k: asked.append(dtype) or 1e3)
+    half = headlab.plan(*args, "model.dtype=bfloat16")
+    assert asked == [torch.bfloat16]  # the engine's products are the model's dtype, and so is their rate
+    # the clean caches and a chunk's copy are the model's dtype (the boolean masks are not)
+    assert half.caches_mb - half.mask_mb == pytest.approx((full.caches_mb - full.mask_mb) / 2)
+    assert half.copy_mb == pytest.approx(full.copy_mb / 2) and half.weights_mb == pytest.approx(full.weights_mb / 2)
 
 
 def _profiled_gflop(prof: torch.profiler.profile) -> float:

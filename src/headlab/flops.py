@@ -57,6 +57,25 @@ def forward_flops(s: Shape, rows: int, tokens: int) -> float:
     return sum(sum(block_flops(s, rows, tokens, layer)) for layer in range(s.n_layers))
 
 
+def uniform_sweep(cfg: Config, s: Shape) -> list[Any]:
+    """The interventions study=sweep plans for `cfg` on a model of shape `s` (the uniform sweep's scales:
+    shapes only)."""
+    from .interventions.plan import plan
+
+    return plan(cfg, s.n_layers, s.n_heads, {layer: [1.0] * s.n_heads for layer in range(s.n_layers)}, {})
+
+
+def most_in_one_layer(cfg: Config, s: Shape) -> int:
+    """The most interventions of the sweep at one layer: the engine stacks a chunk's copies within a layer
+    (interventions/engine.py), so no chunk holds more."""
+    from collections import Counter
+
+    from .vocabulary import Kind
+
+    layers = Counter(iv.layer for iv in uniform_sweep(cfg, s) if iv.intervention != Kind.none)
+    return max(layers.values(), default=0)
+
+
 def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float]:
     """(interventions, GFLOP) of study=sweep's stacked passes over the prompts `data` (TaskData): each
     intervention runs the blocks from its layer on (the clean run all of them), each group of prompts of like
@@ -64,11 +83,9 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float]:
     at the read positions; path patching (every prompt whole, as interventions/path.py runs a sweep's
     senders) its two passes (path_flops); attribution patching's passes (attribution_gflop)."""
     from .interventions.lengths import groups
-    from .interventions.plan import plan
     from .vocabulary import Kind, Method
 
-    ones = {layer: [1.0] * s.n_heads for layer in range(s.n_layers)}  # the uniform sweep's scales: shapes only
-    interventions = plan(cfg, s.n_layers, s.n_heads, ones, {})
+    interventions = uniform_sweep(cfg, s)
     attributed = [iv for iv in interventions if iv.method == Method.attribution]
     paths = [iv for iv in interventions if iv.method == Method.path]
     others = [iv for iv in interventions if iv.method not in (Method.path, Method.attribution)]
@@ -132,11 +149,14 @@ def path_flops(iv: Any, blocks: list[float], logits: float) -> float:
     return sum(blocks[layer : max(downstream) + 1]) + sum(blocks[min(downstream) :]) + logits
 
 
-def matmul_gflops(s: Shape, rows: int, seconds: float = 0.3, device: str = "cpu") -> float:
-    """This machine's float32 rate (GFLOP/s) on the blocks' widest product, [rows, d_model] @ [d_model, d_mlp],
+def matmul_gflops(
+    s: Shape, rows: int, seconds: float = 0.3, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> float:
+    """This machine's rate (GFLOP/s) on the blocks' widest product, [rows, d_model] @ [d_model, d_mlp], in the
+    run's `dtype` (bfloat16 runs near 10 times float32's rate on an H200, under half of it on these CPUs),
     with the threads torch has now (on `device`: a GPU's, each product waited for)."""
-    a = torch.randn(max(rows, 64), s.d_model, device=device)
-    b = torch.randn(s.d_model, s.d_mlp, device=device)
+    a = torch.randn(max(rows, 64), s.d_model, device=device, dtype=dtype)
+    b = torch.randn(s.d_model, s.d_mlp, device=device, dtype=dtype)
     return product_rate(a, b, seconds)
 
 
@@ -248,12 +268,18 @@ def edge_nodes(s: Shape, kv_edges: str) -> tuple[int, int]:
 
 
 def product_gflops(
-    senders: int, receivers: int, inner: int = 2**15, seconds: float = 0.2, device: str = "cpu"
+    senders: int,
+    receivers: int,
+    inner: int = 2**15,
+    seconds: float = 0.2,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> float:
-    """This machine's float32 rate (GFLOP/s) on EAP's product shape, [senders, inner] @ [inner, receivers]:
-    few receivers make it several times slower than the blocks' products (gemma3-270m's 7 a layer)."""
-    a = torch.randn(senders, inner, device=device)
-    b = torch.randn(receivers, inner, device=device)
+    """This machine's rate (GFLOP/s) on EAP's product shape, [senders, inner] @ [inner, receivers], in the
+    model's `dtype` as edges/eap.py multiplies: few receivers make it several times slower than the blocks'
+    products (gemma3-270m's 7 a layer)."""
+    a = torch.randn(senders, inner, device=device, dtype=dtype)
+    b = torch.randn(receivers, inner, device=device, dtype=dtype)
     return product_rate(a, b.T, seconds)
 
 

@@ -15,17 +15,21 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
   device    a run on a GPU (`device=cuda`): the weights, caches and working memory are the device's, in
             tensors (torch.cuda.max_memory_allocated: the CUDA context and the allocator's cache are not
             counted); its chunks take engine.gpu_memory_share of the device's free memory over
-            runtime.LIVE_ACTIVATIONS (as the engine does), at most every intervention at once; the host
-            holds this process, the tokenizer and the weights as they load (read on the host, then moved).
+            runtime.LIVE_ACTIVATIONS (as the engine does), at most one layer's interventions at once (the
+            engine stacks a chunk within a layer); the host holds this process, the tokenizer and the
+            weights as they load: the largest of the model's safetensors files (a file's pages are let go
+            once its tensors have moved; the whole weights where there is no such file, as a GGUF's).
             The time's matmul rate is measured on the device, its efficiencies are the CPU's (not fitted on a
             GPU). A CPU run's plan says it uses no device memory.
+  dtype     activations, caches and chunks are in the run's dtype (model.dtype), as the engine holds them;
+            the logits float32
   baseline  this process before the model loads (Python, torch, transformers), measured
   tokenizer the model's tokenizer, measured as `headlab plan` loads it (a run's own plan: TOKENIZER_KB a
             vocabulary entry; Gemma's 262,144 entries hold about 300 MB)
   time      study=sweep: the matrix-product FLOPs of its stacked passes (each intervention runs the blocks
             from its layer on, the clean run all of them, a path-patching sender its two passes, each reads
             the logits at the read positions)
-            over this machine's float32 matmul rate at the blocks' shape (measured now, SWEEP_EFFICIENCY of
+            over this machine's matmul rate in the run's dtype at the blocks' shape (measured now, SWEEP_EFFICIENCY of
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
             model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG over inputs and
             activations): its scoring's passes and its faithfulness curve's FLOPs (flops.circuit_gflop) at
@@ -62,6 +66,7 @@ from .flops import (
     edge_nodes,
     ioi_classes_gflop,
     matmul_gflops,
+    most_in_one_layer,
     part_size,
     product_gflops,
     sweep_gflop,
@@ -113,6 +118,7 @@ class Plan:
     n_layers: int = 0
     layers_on_disk: int = 0  # the last blocks' weights read from disk as a pass reaches them
     interventions: int | None = None
+    chunk_interventions: int | None = None  # a sweep: the most of one layer's, which a chunk stacks at most
     gflop: float | None = None
     matmul_gflops: float | None = None
     seconds: float | None = None
@@ -262,9 +268,28 @@ def predict(
     free = device_free_mb(device)
     if rate is None and free is not None:
         rows = data.inputs["input_ids"].numel()
-        rate = matmul_gflops(s, rows, device=device)
+        rate = matmul_gflops(s, rows, device=device, dtype=run_dtype(cfg))
     measure_on = device if free is not None else "cpu"
     return on_device(host_plan(cfg, s, data, reads, baseline_mb, tokenizer_mb, rate, measure_on), cfg, free)
+
+
+def run_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the run computes in (model.dtype; a GGUF model's float32 copy)."""
+    return getattr(torch, str(cfg.model.dtype))
+
+
+def loading_mb(cfg: Config, weights_mb: float) -> float:
+    """What the host holds of the weights as they load onto a GPU: transformers maps each safetensors file,
+    and a file's pages go once its tensors have moved, so the largest file (in the file's dtype); the whole
+    weights where the model's directory holds no such file (a GGUF's, a hub name)."""
+    try:
+        where, extra = hf_source(cfg)
+    except HeadlabError:
+        return weights_mb
+    files = [] if extra else list(Path(where).glob("*.safetensors"))
+    if not files:
+        return weights_mb
+    return max(f.stat().st_size for f in files) / MB
 
 
 def device_free_mb(device: str) -> float | None:
@@ -285,10 +310,10 @@ def on_device(plan: Plan, cfg: Config, free_mb: float | None) -> Plan:
     if free_mb is not None:  # what the engine will see free once the weights and caches are on the device
         room = max(0.0, free_mb - plan.weights_mb - plan.caches_mb)
         chunk = gpu_chunk_mb(room, chunk, cfg.engine.gpu_memory_share)
-    if plan.interventions and plan.copy_mb:
-        chunk = min(chunk, plan.interventions * plan.copy_mb)
+    if plan.chunk_interventions and plan.copy_mb:
+        chunk = min(chunk, plan.chunk_interventions * plan.copy_mb)
     working = plan.working_mb if plan.study == "circuit" else LIVE_ACTIVATIONS * chunk + 3 * plan.logits_mb
-    host = plan.baseline_mb + plan.tokenizer_mb + plan.weights_mb
+    host = plan.baseline_mb + plan.tokenizer_mb + loading_mb(cfg, plan.weights_mb)
     if free_mb is None and plan.seconds is not None:  # the host's rate says nothing of the GPU's
         plan = replace(plan, seconds=None, note=f"time: no GPU visible here to measure (device={cfg.device})")
     return replace(
@@ -315,12 +340,13 @@ def host_plan(
     measured on `measure_on` (the run's GPU where one is visible)."""
     rows, tokens = data.inputs["input_ids"].shape
     study = cfg.study.name
+    dtype = run_dtype(cfg)
     block = layer_mb(s)
     on_disk = min(int(getattr(cfg.model, "layers_on_disk", 0) or 0), s.n_layers)
     weights = s.params * s.itemsize / MB - on_disk * block + (2 * block if on_disk else 0.0)
-    activation = rows * tokens * s.d_model * 4  # float32 activations, whatever the weights' dtype
-    caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * 4) / MB
-    chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * 4)))
+    activation = rows * tokens * s.d_model * s.itemsize
+    caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * s.itemsize) / MB
+    chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * s.itemsize)))
     logits = reads * s.vocab * 4 / MB  # one prompt's, float32
     # the bool attention masks a forward pass makes (models/hf.py bool_mask), [tokens, tokens] for every
     # unpadded prompt, one a prompt where some are padded, one per kind of layer (causal, sliding), and
@@ -332,7 +358,7 @@ def host_plan(
     kinds = 2 if any(s.sliding) else 1
     floats = 4 * rows * square if padded or (any(s.sliding) and not split) else 0
     mask = (kinds * (rows if padded else 1) * square + floats) / MB
-    copy = rows * tokens * max(s.d_mlp, s.d_model) * 4 / MB  # one copy of the prompts' widest activation
+    copy = rows * tokens * max(s.d_mlp, s.d_model) * s.itemsize / MB  # one copy of the prompts' widest activation
     working = working_mb(cfg.engine.chunk_mb, logits, copy)
     if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver
         per_prompt, curve = circuit_mb(s, rows, tokens)
@@ -354,7 +380,7 @@ def host_plan(
         return plan
     if study == "ioi_classes":
         plan.gflop, rounds = ioi_classes_gflop(s, data)
-        plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens)
+        plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
         plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
         plan.efficiency = IOI_CLASSES_EFFICIENCY
         plan.work = f"the q, v and k rounds ({rounds:,.0f} GFLOP) with their receivers at the costliest layer"
@@ -367,13 +393,13 @@ def host_plan(
         plan.gflop = flops.total
         exact = option(cfg.study.method) == "exact"  # stacked copies of the prompts, a chunk at a time, as sweeps
         scoring_rows = chunk_rows * tokens if exact else pass_rows(data, int(cfg.study.prompts_per_pass))
-        plan.matmul_gflops = rate or matmul_gflops(s, scoring_rows)
-        curve_rate = rate or (matmul_gflops(s, rows * tokens) if flops.curve else plan.matmul_gflops)
+        plan.matmul_gflops = rate or matmul_gflops(s, scoring_rows, dtype=dtype)
+        curve_rate = rate or (matmul_gflops(s, rows * tokens, dtype=dtype) if flops.curve else plan.matmul_gflops)
         seconds = flops.passes / (plan.matmul_gflops * (SWEEP_EFFICIENCY if exact else PASSES_EFFICIENCY))
         seconds += flops.curve / (curve_rate * CURVE_EFFICIENCY)
         if flops.products:  # a shape of their own: every sender by one layer's receivers
             senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
-            product = product_gflops(senders, attention + 1, device=measure_on)
+            product = product_gflops(senders, attention + 1, device=measure_on, dtype=dtype)
             seconds += flops.products / (product * PRODUCTS_EFFICIENCY)
         plan.seconds = seconds + LOAD_FIXED_S + weights / LOAD_MB_S
         plan.efficiency = plan.gflop / (seconds * plan.matmul_gflops)
@@ -383,7 +409,8 @@ def host_plan(
         )
         return plan
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
-    plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens)
+    plan.chunk_interventions = most_in_one_layer(cfg, s)
+    plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     plan.work = f"{plan.interventions} interventions"
     return plan
@@ -407,14 +434,14 @@ def reads_at_once(task: Any, data: Any) -> int:
 
 def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:
     """What study=circuit holds at once beyond the model, MB, in residual streams ([prompts, tokens,
-    d_model] float32): (EAP / EAP-IG's, per prompt of a pass: two recordings (every block's input, z and MLP
+    d_model] in the run's dtype): (EAP / EAP-IG's, per prompt of a pass: two recordings (every block's input, z and MLP
     output, clean and corrupted), the senders' outputs of both runs and their difference, and each block's
     input again for the gradient run; the faithfulness curve's, every prompt at once: the two recordings,
     the corrupted senders' outputs and the differences it fills in (edges/evaluate.py)). A run holds the
     larger of a pass's and the curve's."""
     senders = 1 + s.n_layers * (s.n_heads + 1)  # the input, every head, every MLP
     recordings = 2 * 3 * s.n_layers
-    stream = tokens * s.d_model * 4 / MB
+    stream = tokens * s.d_model * s.itemsize / MB
     return (recordings + 3 * senders + s.n_layers) * stream, (recordings + 2 * senders) * rows * stream
 
 

@@ -33,6 +33,7 @@ from ..planning import (
     predict,
     reads_at_once,
     rss_mb,
+    run_dtype,
     shape_of_model,
     tokenizer_mb,
 )
@@ -76,7 +77,7 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
     options = fitted(cfg.study, cfg)  # composed with study=atlas: its AtlasOptions
     wanted = chosen_scores(options)  # every score where none is named, as the atlas runs
     has_tokenizer = getattr(stand_in, "tokenizer", None) is not None  # as the atlas runs: its probes' prompts
-    rate = matmul_gflops(shape, 512)
+    rate = matmul_gflops(shape, 512, dtype=run_dtype(cfg))
     seconds: dict[str, float] = {}
     gflop, plans = 0.0, []
 
