@@ -94,6 +94,11 @@ plan-bench: $(STAMP)  # headlab plan against what each sweep, attribution, IOI-c
 plan-bench-long: $(STAMP)  # the same for gemma3-270m's layers at 32K tokens and the Llama-3.1-8B shape in bfloat16 (random weights, 15 GiB written to outputs/bench), its lines updated in docs/benchmarks/plan_accuracy.txt, ~45 min
 	$(BIN)/python benchmarks/plan_accuracy.py --update --out docs/benchmarks/plan_accuracy.txt --cases gemma3_text_32k_layers llama8b_ioi_layers llama8b_ioi_eap_ig_small
 
+.PHONY: bench-gpu-8b
+bench-gpu-8b: $(VENV)/.headlab-bench  # on a GPU: the Llama-3.1-8B shape (random bfloat16 weights drawn on it, 15 GiB in outputs/bench): the head sweep and EAP-IG of 64 IOI prompts beside their plans, and the all-heads ablation beside TransformerLens and nnsight (docs/gpu/*_h200.txt came from these), ~10 min on an H200
+	$(BIN)/python benchmarks/plan_accuracy.py --device cuda --out outputs/bench/plan_accuracy_gpu.txt
+	$(BIN)/python benchmarks/sweep_speed.py --device cuda --no-gpt2 --llama-shape 8b --loop-heads 256 --llama-weights outputs/bench/llama-3.1-8b-shape
+
 .PHONY: streamed-bench
 streamed-bench: $(STAMP)  # a Llama-3.2-1B-shaped model swept under engine.max_memory below its weights: docs/benchmarks/streamed_weights_cpu.txt, ~3 min
 	$(BIN)/python benchmarks/streamed_weights.py > docs/benchmarks/streamed_weights_cpu.txt.tmp && grep -E '^[a-z_0-9]+: ' docs/benchmarks/streamed_weights_cpu.txt.tmp > docs/benchmarks/streamed_weights_cpu.txt; rm -f docs/benchmarks/streamed_weights_cpu.txt.tmp

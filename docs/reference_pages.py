@@ -348,6 +348,17 @@ BENCHMARK_OUTPUTS: dict[str, tuple[str, str]] = {
         "make bench DEVICE=cuda, after the host-to-device copies were removed (no Llama, one repeat)",
         "the GPU sweeps again on a fresh H200",
     ),
+    "gpu/plan_accuracy_h200.txt": (
+        "make bench-gpu-8b (benchmarks/plan_accuracy.py --device cuda)",
+        "the Llama-3.1-8B shape in bfloat16 on an NVIDIA H200: its head sweep and EAP-IG circuit of 64 IOI "
+        "prompts beside their plans (the plan before it counted the run's dtype, a layer's chunk and the "
+        "safetensors files)",
+    ),
+    "gpu/sweep_speed_llama8b_h200.txt": (
+        "make bench-gpu-8b (benchmarks/sweep_speed.py --device cuda --no-gpt2 --llama-shape 8b --loop-heads 256)",
+        "the Llama-3.1-8B shape's all-heads zero ablation in bfloat16 on an NVIDIA H200: headlab against "
+        "TransformerLens and nnsight loops (256 of 1,024 heads, scaled), seconds and peak memory",
+    ),
     "gpu/scaling_h200.txt": (
         "make scaling DEVICE=cuda",
         "cost vs prompts, tokens, heads and edges on an NVIDIA H200 (points: gpu/scaling_h200.csv)",
