@@ -65,27 +65,28 @@ def uniform_sweep(cfg: Config, s: Shape) -> list[Any]:
     return plan(cfg, s.n_layers, s.n_heads, {layer: [1.0] * s.n_heads for layer in range(s.n_layers)}, {})
 
 
-def most_in_one_layer(cfg: Config, s: Shape) -> int:
-    """The most interventions of the sweep at one layer: the engine stacks a chunk's copies within a layer
+def most_in_one_layer(interventions: list[Any]) -> int:
+    """The most of a sweep's `interventions` at one layer: the engine stacks a chunk's copies within a layer
     (interventions/engine.py), so no chunk holds more."""
     from collections import Counter
 
     from .vocabulary import Kind
 
-    layers = Counter(iv.layer for iv in uniform_sweep(cfg, s) if iv.intervention != Kind.none)
+    layers = Counter(iv.layer for iv in interventions if iv.intervention != Kind.none)
     return max(layers.values(), default=0)
 
 
-def sweep_gflop(cfg: Config, s: Shape, data: Any) -> tuple[int, float]:
+def sweep_gflop(cfg: Config, s: Shape, data: Any, interventions: list[Any] | None = None) -> tuple[int, float]:
     """(interventions, GFLOP) of study=sweep's stacked passes over the prompts `data` (TaskData): each
     intervention runs the blocks from its layer on (the clean run all of them), each group of prompts of like
     length through its own longest (interventions/lengths.py, as the engine runs them), and reads the logits
     at the read positions; path patching (every prompt whole, as interventions/path.py runs a sweep's
-    senders) its two passes (path_flops); attribution patching's passes (attribution_gflop)."""
+    senders) its two passes (path_flops); attribution patching's passes (attribution_gflop). `interventions`:
+    uniform_sweep's, where the caller has them already."""
     from .interventions.lengths import groups
     from .vocabulary import Kind, Method
 
-    interventions = uniform_sweep(cfg, s)
+    interventions = uniform_sweep(cfg, s) if interventions is None else interventions
     attributed = [iv for iv in interventions if iv.method == Method.attribution]
     paths = [iv for iv in interventions if iv.method == Method.path]
     others = [iv for iv in interventions if iv.method not in (Method.path, Method.attribution)]

@@ -70,6 +70,7 @@ from .flops import (
     part_size,
     product_gflops,
     sweep_gflop,
+    uniform_sweep,
 )
 from .models.families import family_of
 from .models.sites import WINDOWS_TO_SPLIT
@@ -281,12 +282,9 @@ def run_dtype(cfg: Config) -> torch.dtype:
 def loading_mb(cfg: Config, weights_mb: float) -> float:
     """What the host holds of the weights as they load onto a GPU: transformers maps each safetensors file,
     and a file's pages go once its tensors have moved, so the largest file (in the file's dtype); the whole
-    weights where the model's directory holds no such file (a GGUF's, a hub name)."""
-    try:
-        where, extra = hf_source(cfg)
-    except HeadlabError:
-        return weights_mb
-    files = [] if extra else list(Path(where).glob("*.safetensors"))
+    weights where model.path holds no such file (a hub name) or the model is a GGUF's (its float32 copy is
+    one file)."""
+    files = [] if cfg.model.gguf_file or not cfg.model.path else list(Path(cfg.model.path).glob("*.safetensors"))
     if not files:
         return weights_mb
     return max(f.stat().st_size for f in files) / MB
@@ -408,8 +406,9 @@ def host_plan(
             f"faithfulness curve {flops.curve:,.0f}"
         )
         return plan
-    plan.interventions, plan.gflop = sweep_gflop(cfg, s, data)
-    plan.chunk_interventions = most_in_one_layer(cfg, s)
+    sweep = uniform_sweep(cfg, s)
+    plan.interventions, plan.gflop = sweep_gflop(cfg, s, data, sweep)
+    plan.chunk_interventions = most_in_one_layer(sweep)
     plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
     plan.work = f"{plan.interventions} interventions"
