@@ -198,23 +198,24 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
     of study=circuit over the prompts `data`, each pass over its prompts' groups of like length (lengths.parts,
     as they run).
 
-    Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per
-    gradient run (EAP one, EAP-IG `steps`, EAP-IG over activations `steps` per node; again at twice the steps
-    with study.convergence), a forward pass (over activations: from the node's layer on), each block run
-    again and its backward pass (two more), and each layer's receivers' gradients times the differences of
-    the senders upstream of them (edges/eap.py). Exact patching (edges/exact.py): the two recordings, then
-    per edge into a layer's receivers the blocks from that layer on over its prompts (edges into the logits
-    read out alone). The curve: the two recordings (again for each bisection step where study.curve_prompts
-    holds fewer prompts than the run's), then per circuit measured (two per fraction, and the bisection's) a
-    forward pass with each receiver's input summed from its upstream senders' differences: counted for every
-    receiver, the most a circuit can keep."""
+    Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per gradient
+    run (EAP one, EAP-IG `steps`, EAP-IG over activations `steps` per node; with study.convergence the `steps` odd
+    alphas of twice the steps again), a forward pass (over activations: from the node's layer on), each block run
+    again and its backward pass (two more), and, once per node for all its alphas, each layer's receivers' gradients
+    times the differences of the senders upstream of them (edges/eap.py). Exact patching (edges/exact.py): the two
+    recordings, then per edge into a layer's receivers the blocks from that layer on over its prompts (edges into
+    the logits read out alone). The curve: the two recordings (again for each bisection step where
+    study.curve_prompts holds fewer prompts than the run's), then per circuit measured (two per fraction, and the
+    bisection's) a forward pass with each receiver's input summed from its upstream senders' differences: counted
+    for every receiver, the most a circuit can keep."""
     from .interventions.lengths import parts, passes
 
     c = cfg.study
     method = option(c.method)
     if method not in ("eap", "eap_ig", "eap_ig_activations", "exact"):
         return None
-    runs = [1] if method == "eap" else [c.steps, 2 * c.steps] if c.convergence else [c.steps]
+    # each set's alphas per node (edges/eap.doubled_steps runs twice the steps' odd alphas alone)
+    runs = [1] if method == "eap" else [c.steps, c.steps] if c.convergence else [c.steps]
     senders, attention = edge_nodes(s, option(c.kv_edges))
     upstream = [1 + layer * (s.n_heads + 1) for layer in range(s.n_layers)]  # the input, earlier heads and MLPs
     edges = sum(u * attention + u + s.n_heads for u in upstream) + senders
@@ -229,8 +230,8 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
         alpha = sum(2 * sum(blocks) + sum(blocks[start:]) for start in starts)  # one alpha's runs
         # a layer's receivers by the senders up to its MLP's (the most any of them reads), the logits by all
         product_rows = sum((u + s.n_heads) * (attention + 1) for u in upstream) + senders
-        products = len(starts) * 2 * product_rows * n * tokens * s.d_model
-        return sum(2 * sum(blocks) + steps * alpha for steps in runs), sum(runs) * products
+        products = len(starts) * 2 * product_rows * n * tokens * s.d_model  # a node's alphas' gradients summed first
+        return sum(2 * sum(blocks) + steps * alpha for steps in runs), len(runs) * products
 
     # the curve's recordings held for fewer prompts than the run's: each bisection step records them again
     again = math.ceil(math.log2(edges)) if c.faithfulness and (c.curve_prompts or data.n) < data.n else 0

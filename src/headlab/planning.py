@@ -359,7 +359,8 @@ def host_plan(
     copy = rows * tokens * max(s.d_mlp, s.d_model) * s.itemsize / MB  # one copy of the prompts' widest activation
     working = working_mb(cfg.engine.chunk_mb, logits, copy)
     if study == "circuit":  # no sweep chunks: EAP's recordings, and a layer's copies of the stream per receiver
-        per_prompt, curve = circuit_mb(s, rows, tokens)
+        copies = alphas_at_once(cfg)
+        per_prompt, curve = circuit_mb(s, rows, tokens, copies)
         curve_prompt = curve / rows if cfg.study.faithfulness else 0.0
         curve = curve_prompt * min(rows, cfg.study.curve_prompts or rows)
         caches = max(per_prompt * min(int(cfg.study.prompts_per_pass), rows), curve)
@@ -390,7 +391,7 @@ def host_plan(
             return plan
         plan.gflop = flops.total
         exact = option(cfg.study.method) == "exact"  # stacked copies of the prompts, a chunk at a time, as sweeps
-        scoring_rows = chunk_rows * tokens if exact else pass_rows(data, int(cfg.study.prompts_per_pass))
+        scoring_rows = chunk_rows * tokens if exact else pass_rows(data, int(cfg.study.prompts_per_pass)) * copies
         plan.matmul_gflops = rate or matmul_gflops(s, scoring_rows, dtype=dtype)
         curve_rate = rate or (matmul_gflops(s, rows * tokens, dtype=dtype) if flops.curve else plan.matmul_gflops)
         seconds = flops.passes / (plan.matmul_gflops * (SWEEP_EFFICIENCY if exact else PASSES_EFFICIENCY))
@@ -431,17 +432,23 @@ def reads_at_once(task: Any, data: Any) -> int:
     return data.positions.shape[1]
 
 
-def circuit_mb(s: Shape, rows: int, tokens: int) -> tuple[float, float]:
+def circuit_mb(s: Shape, rows: int, tokens: int, copies: int = 1) -> tuple[float, float]:
     """What study=circuit holds at once beyond the model, MB, in residual streams ([prompts, tokens,
     d_model] in the run's dtype): (EAP / EAP-IG's, per prompt of a pass: two recordings (every block's input, z and MLP
     output, clean and corrupted), the senders' outputs of both runs and their difference, and each block's
-    input again for the gradient run; the faithfulness curve's, every prompt at once: the two recordings,
-    the corrupted senders' outputs and the differences it fills in (edges/evaluate.py)). A run holds the
-    larger of a pass's and the curve's."""
+    input again for the gradient run, in each of its `copies` (alphas_at_once); the faithfulness curve's,
+    every prompt at once: the two recordings, the corrupted senders' outputs and the differences it fills in
+    (edges/evaluate.py)). A run holds the larger of a pass's and the curve's."""
     senders = 1 + s.n_layers * (s.n_heads + 1)  # the input, every head, every MLP
     recordings = 2 * 3 * s.n_layers
     stream = tokens * s.d_model * s.itemsize / MB
-    return (recordings + 3 * senders + s.n_layers) * stream, (recordings + 2 * senders) * rows * stream
+    return (recordings + 3 * senders + copies * s.n_layers) * stream, (recordings + 2 * senders) * rows * stream
+
+
+def alphas_at_once(cfg: Config) -> int:
+    """The copies of a pass's prompts study=circuit's gradient runs stack: EAP-IG's alphas of one node
+    (edges/eap.stacks), `study.steps` of them; one for EAP and exact patching."""
+    return int(cfg.study.steps) if option(cfg.study.method) in ("eap_ig", "eap_ig_activations") else 1
 
 
 def fitted_passes(plan: Plan, per_pass: int, size: str) -> tuple[int, int | None, Plan]:

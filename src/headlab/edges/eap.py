@@ -20,7 +20,11 @@ attention node's.
 Gradients are taken one layer at a time, from the logits down: the forward pass keeps only each block's
 input (the clean run's own trace where the run edits nothing: eap runs no extra forward pass); each block
 is run again with autograd, its receivers' gradients are turned into scores at once, and only its input's
-gradient goes on. Beside the residual cache, one layer's activations are held.
+gradient goes on. Beside the residual cache, one layer's activations are held. The runs that edit one node
+(eap_ig: every alpha; eap_ig_activations: a node's alphas) go through these passes together, as stacked
+copies of the prompts: each layer's receivers' gradients are summed over the copies before they meet the
+senders' differences (a score is linear in them), so a pass's products are made once for all its alphas,
+and its blocks run on alphas x prompts rows at once.
 """
 
 from __future__ import annotations
@@ -151,17 +155,40 @@ def _summed(
     column = metric_column(task)
     total = torch.zeros(graph.real.shape, dtype=torch.float64)
     passes = prompt_passes(data, prompts_per_pass)
+    done = 0
     with progress_bar(f"edges ({method})", total=len(passes) * len(runs), enabled=show_progress) as bar:
-        for i, part in enumerate(passes):
+        for part in passes:
             with torch.no_grad():  # not inference_mode: these tensors meet autograd below
                 clean = record(model, graph, part.inputs)
                 corrupt = record(model, graph, part.counterfactual)  # type: ignore[arg-type]
                 delta = sender_outputs(model, graph, corrupt)
                 delta -= sender_outputs(model, graph, clean)
-            for j, run in enumerate(runs):
-                _accumulate(total, model, task, part, graph, delta, clean, corrupt, run, column)
-                bar.update(i * len(runs) + j + 1)
+            for stack in stacks(runs):
+                _accumulate(total, model, task, part, graph, delta, clean, corrupt, stack, column)
+                done += len(stack)
+                bar.update(done)
     return total
+
+
+def stacks(runs: list[Interpolation]) -> list[list[Interpolation]]:
+    """The runs in stacks that edit one node (in their order): a stack's alphas run as stacked copies of the
+    prompts, one pass for them all."""
+    out: list[list[Interpolation]] = []
+    for run in runs:
+        if out and (out[-1][0].what, out[-1][0].layer) == (run.what, run.layer):
+            out[-1].append(run)
+        else:
+            out.append([run])
+    return out
+
+
+def _copies_summed(t: Tensor, copies: int, dim: int = 0) -> Tensor:
+    """t with its `copies` stacked copies along `dim` summed (in float32 at least: a half-precision sum
+    would lose the digits each copy's own product kept)."""
+    if copies == 1:
+        return t
+    wide = torch.promote_types(t.dtype, torch.float32)
+    return t.unflatten(dim, (copies, -1)).sum(dim, dtype=wide).to(t.dtype)
 
 
 def _accumulate(
@@ -173,32 +200,38 @@ def _accumulate(
     delta: Tensor,
     clean: Recording,
     corrupt: Recording,
-    run: Interpolation,
+    stack: list[Interpolation],
     column: int,
 ) -> None:
-    """Add one gradient run's scores (summed over its prompts) to total."""
-    trace = clean.trace
-    # blocks before the run's first edited node see the clean run's inputs: those come from the trace
-    first = model.n_layers if run.what is None else 0 if run.what == "input" else run.layer
+    """Add the scores of a stack of gradient runs (one node's alphas; summed over them and their prompts)
+    to total."""
+    trace, node, copies = clean.trace, stack[0], len(stack)
+    # blocks before the runs' edited node see the clean run's inputs: those come from the trace (one copy,
+    # which every alpha shares)
+    first = model.n_layers if node.what is None else 0 if node.what == "input" else node.layer
     with torch.no_grad():
         cache = list(trace.resid_pre[:first])
         h = trace.resid_final if first == model.n_layers else trace.resid_pre[first]
-        if run.what == "input":
-            h = corrupt.trace.resid_pre[0] + run.alpha * (h - corrupt.trace.resid_pre[0])
+        if node.what == "input":
+            start = corrupt.trace.resid_pre[0]
+            h = torch.cat([start + run.alpha * (h - start) for run in stack])  # [copies * n, pos, d]
+        elif copies > 1:
+            h = h.repeat(copies, 1, 1)
         for layer in range(first, model.n_layers):
             cache.append(h)
-            with _interpolated(model, graph, run, layer, clean, corrupt):
-                h = model.run_blocks(h, layer, trace, stop=layer + 1)
+            with _interpolated(model, graph, stack, layer, clean, corrupt):
+                h = model.run_blocks(h, layer, trace, copies=copies, stop=layer + 1)
     with torch.enable_grad():
         final = h.detach().requires_grad_()
         (grad,) = torch.autograd.grad(metric(model, task, data, final, column).sum(), final)
         # products in the model's dtype (a float64 copy of the differences would double their memory),
-        # sums over runs and prompt slices in float64
+        # sums over stacks and prompt slices in float64
         flat_delta = delta.flatten(1)
         logits = len(graph.receivers) - 1
-        total[:, logits] += (flat_delta @ grad.flatten().to(flat_delta.dtype)).double().cpu()
+        total[:, logits] += (flat_delta @ _copies_summed(grad, copies).flatten().to(flat_delta.dtype)).double().cpu()
         for layer in reversed(range(model.n_layers)):
-            receivers, grad = _layer_gradients(model, graph, trace, layer, cache[layer], grad, run, clean, corrupt)
+            x = cache[layer] if cache[layer].shape[0] == grad.shape[0] else cache[layer].repeat(copies, 1, 1)
+            receivers, grad = _layer_gradients(model, graph, trace, layer, x, grad, stack, clean, corrupt)
             cols = graph.layer_receivers(layer)
             upto = graph.senders_into(cols)  # the senders after them have no edge here: no product
             total[:upto, cols] += (flat_delta[:upto] @ receivers.flatten(1).to(flat_delta.dtype).T).double().cpu()
@@ -211,12 +244,12 @@ def _layer_gradients(
     layer: int,
     x: Tensor,
     grad_out: Tensor,
-    run: Interpolation,
+    stack: list[Interpolation],
     clean: Recording,
     corrupt: Recording,
 ) -> tuple[Tensor, Tensor]:
-    """(gradients at the layer's receivers' inputs [receivers, n, pos, d] in graph order, gradient at
-    the block's input).
+    """(gradients at the layer's receivers' inputs [receivers, n, pos, d] in graph order, summed over the
+    stack's copies, gradient at the block's input [copies * n, pos, d]).
 
     A head's receiver is the attention's input as that head's q (k, v) alone reads it: one backward pass
     gives the gradient at the q, k and v projections' outputs, whose columns are per head (nothing after
@@ -252,18 +285,18 @@ def _layer_gradients(
     sites, has_mlp = model.sites, layer in graph.mlp_layers
     assert sites.qkv_projs is not None and sites.qkv_split is not None  # EdgeGraph.of checked
     projs = sites.qkv_projs[layer]
-    with ExitStack() as stack:
-        stack.enter_context(
+    with ExitStack() as hooks:
+        hooks.enter_context(
             model.input_hooks(layer, attn_in=seen("attn_in"), mlp_in=copy("mlp_in") if has_mlp else None)
         )
         for i, module in enumerate(projs):
-            stack.callback(module.register_forward_hook(keep(f"proj{i}")).remove)
+            hooks.callback(module.register_forward_hook(keep(f"proj{i}")).remove)
         if graph.expands_kv:
-            stack.enter_context(
+            hooks.enter_context(
                 model.hooks(layer, k=_expanded(kept, "k", graph.group), v=_expanded(kept, "v", graph.group))
             )
-        stack.enter_context(_interpolated(model, graph, run, layer, clean, corrupt))
-        out = model.run_blocks(x, layer, trace, stop=layer + 1)
+        hooks.enter_context(_interpolated(model, graph, stack, layer, clean, corrupt))
+        out = model.run_blocks(x, layer, trace, copies=len(stack), stop=layer + 1)
     outs = [kept[f"proj{i}"] for i in range(len(projs))]
     copies = [kept["k"], kept["v"]] if graph.expands_kv else []
     wanted = [x, *outs, *copies] + ([kept["mlp_in"]] if has_mlp else [])
@@ -281,12 +314,17 @@ def _layer_gradients(
             for i, (site, g) in enumerate(zip("kv", at_copies), 1)
         ]
         weights = [weights[0]] + [w.repeat_interleave(graph.group, 0) for w in weights[1:]]
-    per_head = torch.cat([torch.einsum("npge,gde->gnpd", g, w.to(g.dtype)) for g, w in zip(per_site, weights)])
-    parts = [_through_norm(model, layer, kept["attn_in"], per_head)]
+    stacked = len(stack)
+    # a site's heads at a time through the norm, their copies summed at once: the layer's gradients for
+    # every copy are never held together
+    receivers = []
+    for g, w in zip(per_site, weights):
+        per_head = torch.einsum("npge,gde->gnpd", g, w.to(g.dtype))  # [heads, copies * n, pos, d]
+        receivers.append(_copies_summed(_through_norm(model, layer, kept["attn_in"], per_head), stacked, 1))
     if has_mlp:
         g = grads[-1]
-        parts.append((torch.zeros_like(x) if g is None else g).unsqueeze(0))
-    return torch.cat(parts), grad_x
+        receivers.append(_copies_summed(torch.zeros_like(x) if g is None else g, stacked).unsqueeze(0))
+    return torch.cat(receivers), grad_x
 
 
 def _expanded(kept: dict[str, Tensor], site: str, group: int) -> Callable[[Tensor], Tensor]:
@@ -335,17 +373,19 @@ def _through_norm(model: HookedModel, layer: int, reader: Tensor, cotangents: Te
 
 @contextmanager
 def _interpolated(
-    model: HookedModel, graph: EdgeGraph, run: Interpolation, layer: int, clean: Recording, corrupt: Recording
+    model: HookedModel, graph: EdgeGraph, stack: list[Interpolation], layer: int, clean: Recording, corrupt: Recording
 ) -> Iterator[None]:
-    """Hooks that make the run's node output its interpolated value, where it is in this layer."""
-    if run.what not in ("attn", "mlp") or run.layer != layer:
+    """Hooks that make the stack's node output its interpolated value in each copy (copy i at the alpha of
+    run i), where it is in this layer."""
+    node = stack[0]
+    if node.what not in ("attn", "mlp") or node.layer != layer:
         yield
         return
 
     def between(old: Tensor, new: Tensor) -> Tensor:
-        return old + run.alpha * (new - old)
+        return torch.cat([old + run.alpha * (new - old) for run in stack])
 
-    if run.what == "mlp":
+    if node.what == "mlp":
         value = between(corrupt.mlp[layer], clean.mlp[layer])
         context = mlp_output(model, graph, layer, lambda _t: value)
     elif graph.post_norm == "shares":  # the node's output is its layer's normalised output
