@@ -386,6 +386,21 @@ def test_eap_ig_over_activations_runs_on_the_normalised_outputs(case, rule):
 
 
 @RULES
+def test_a_circuit_without_every_edge_out_of_a_head_is_that_heads_node_patching(case, rule):
+    # the head then has no edge out of it; under shares its value still sets its layer's norm scale, which
+    # every head's share reads, so it must still read its own input
+    graph = case.graph(rule)
+    nodes = exact_node_scores(case.model, case.task, case.data, graph)
+    names = [s.name for s in graph.senders]
+    for sender in ("a0.h2", "a1.h1"):
+        circuit = graph.real.clone()
+        circuit[names.index(sender)] = False
+        change = float((circuit_metric(case.model, case.task, case.data, graph, circuit) - case.clean_metric).mean())
+        want = float(nodes[names.index(sender)])
+        _close(change, want, abs(want), f"{rule} {sender}")
+
+
+@RULES
 def test_node_patching_adds_the_nodes_patch_at_its_normalised_output(case, rule):
     graph = case.graph(rule)
     got = exact_node_scores(case.model, case.task, case.data, graph)

@@ -112,7 +112,9 @@ class Patches:
         by_kept = kept.sum(0) < cut.sum(0)
         which = torch.where(by_kept, -kept.to(self.diff.dtype), cut.to(self.diff.dtype))  # [count, k]
         rows = which.ne(0).any(1).nonzero().flatten()
-        if 2 * len(rows) > count:  # most rows: the prefix as it is (a view), not a gathered copy
+        # a gathered copy of the rows is written, then read by the product: the prefix as it is (a view) costs
+        # less unless three times the rows are fewer than it
+        if 3 * len(rows) > count:
             senders = self.diff[:count]
         else:
             which, senders = which[rows], self.diff[rows]
@@ -192,16 +194,18 @@ def _circuit_layer(
 ) -> Tensor:
     """Block `layer` with each receiver reading its own input; fills in the patches' senders of the layer.
 
-    A head with no edge out of it in the circuit needs no input of its own: every reader of its output
-    gets its corrupted output instead (this run's cancels). The q/k/v receivers of the other heads each
-    get a copy of the stream as far as its own head's q, k or v, projected alone; the block then runs
-    once, each head taking its query from its q copy and its key and value from its kv head's copies,
-    the MLP reading its own input (ungrouped key/value edges under GQA: each query head its own key and
-    value)."""
+    A head with no edge out of it in the circuit needs no input of its own: every reader of its output gets its
+    corrupted output instead (this run's cancels; under shares its value also sets the scale of the layer's
+    norm, which every head's share reads, so there every head reads its own input). The q/k/v receivers of the
+    other heads each get a copy of the stream as far as its own head's q, k or v, projected alone; the block
+    then runs once, each head taking its query from its q copy and its key and value from its kv head's copies,
+    the MLP reading its own input (ungrouped key/value edges under GQA: each query head its own key and value)."""
     cols = graph.layer_receivers(layer)
     attn_cols = [c for c in cols if graph.receivers[c].kind != "mlp"]
     heads = graph.head_rows(layer)
     live = (graph.real[heads] & ~patches.cut[heads].cpu()).any(1)  # heads with an edge out in the circuit
+    if graph.post_norm == "shares":  # every head's value sets the norm's scale, which each head's share reads
+        live[:] = True
     owned = graph.owners()[heads]
     live_cols = [c for c in attn_cols if (owned[:, c] & live).any()]
     kept = live_cols or attn_cols[:1]
@@ -235,8 +239,11 @@ def _circuit_layer(
         return t
 
     def keep_attn(a: Tensor, out: Tensor) -> Tensor:
-        attn_now.append((a, out))
-        patches.before[layer] = a
+        # the block's own call alone: under mib the MLP's input passes patched copies of A through this
+        # norm too (postnorm.received)
+        if not attn_now:
+            attn_now.append((a, out))
+            patches.before[layer] = a
         return out
 
     def heads_now() -> Tensor:
