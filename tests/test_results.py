@@ -34,6 +34,36 @@ def test_bootstrap_interval_contains_mean_and_has_the_normal_width():
         assert (row["ci_high"] - row["ci_low"]) / 2 == pytest.approx(half_width, rel=0.15)
 
 
+def test_bootstrap_in_blocks_of_rows_is_each_rows_own_resampling(monkeypatch):
+    # rows a few at a time (BOOT_VALUES), one with no defined value, and an aggregate reading the answers
+    # over the resamples' leading dimensions: each row's interval is its own percentile bootstrap
+    def kind_1(q: np.ndarray, answers: dict) -> np.ndarray:  # the mean of column 1 over kind-1 prompts
+        mask = answers["kind"] == 1
+        return np.where(mask, q[..., 1], 0).sum(-1) / mask.sum(-1)
+
+    monkeypatch.setattr(results, "BOOT_VALUES", 3 * 300 * 40 * 2)
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(7, 40, 2))
+    q[4] = np.nan
+    answers = {"kind": rng.integers(0, 2, 40)}
+    aggregates = {"mean": mean_of(0), "kind_1": kind_1}
+    got = results.bootstrap(q, answers, aggregates, n_boot=300, seed=5)
+    idx = np.random.default_rng(5).integers(0, 40, size=(300, 40))
+    for i in range(7):
+        kinds = answers["kind"][idx] == 1
+        by_hand = {
+            "mean": q[i][idx][..., 0].mean(-1),
+            "kind_1": np.array([q[i][idx[b]][kinds[b], 1].mean() for b in range(300)]),
+        }
+        for name, samples in by_hand.items():
+            _, low, high = got[name]
+            if i == 4:
+                assert np.isnan(low[i]) and np.isnan(high[i])
+                continue
+            want = np.percentile(samples, [2.5, 97.5])
+            assert low[i] == pytest.approx(want[0], abs=1e-12) and high[i] == pytest.approx(want[1], abs=1e-12)
+
+
 def test_schema_order_dtypes_and_parquet_round_trip(tmp_path):
     df, _ = _table(per_prompt=True)
     assert list(df.columns[:15]) == results.LEADING and df.columns[15] == "prompt_id"

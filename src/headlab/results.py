@@ -103,6 +103,7 @@ DTYPES = {
     "ranking": "string",
 }
 TABLE, CSV, META = "results.parquet", "results.csv", "meta.json"
+BOOT_VALUES = 2**23  # the most resampled quantities bootstrap holds at once (64 MB in float64)
 
 
 def bootstrap(
@@ -113,20 +114,25 @@ def bootstrap(
     seed: int = 0,
     level: float = 0.95,
 ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Point estimate and percentile bootstrap interval over prompts, per row of quantities [k, n, Q]."""
+    """Point estimate and percentile bootstrap interval over prompts, per row of quantities [k, n, Q]: the
+    resamples of BOOT_VALUES values' worth of rows at once (an aggregate takes leading dimensions)."""
     k, n = quantities.shape[:2]
     idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
     boot_answers = {name: value[idx] for name, value in answers.items()}
-    out = {}
-    for metric, fn in aggregates.items():
-        point = np.asarray(fn(quantities, answers), dtype=float)
-        low, high = np.full(k, np.nan), np.full(k, np.nan)
-        if n_boot:
-            for i in range(k):
-                samples = np.asarray(fn(quantities[i][idx], boot_answers), dtype=float)
-                if np.isfinite(samples).any():
-                    low[i], high[i] = np.nanpercentile(samples, [50 * (1 - level), 50 * (1 + level)])
-        out[metric] = (point, low, high)
+    at_once = max(1, BOOT_VALUES // max(1, n_boot * quantities[0].size))
+    out = {
+        metric: (np.asarray(fn(quantities, answers), dtype=float), np.full(k, np.nan), np.full(k, np.nan))
+        for metric, fn in aggregates.items()
+    }
+    for first in range(0, k if n_boot else 0, at_once):
+        resampled = quantities[first : first + at_once][:, idx]  # [rows, n_boot, n, Q], once for every metric
+        for metric, fn in aggregates.items():
+            samples = np.asarray(fn(resampled, boot_answers), dtype=float)  # [rows, n_boot]
+            some = np.flatnonzero(np.isfinite(samples).any(1))
+            if len(some):
+                _, low, high = out[metric]
+                bounds = np.nanpercentile(samples[some], [50 * (1 - level), 50 * (1 + level)], axis=1)
+                low[first + some], high[first + some] = bounds
     return out
 
 

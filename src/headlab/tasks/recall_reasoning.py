@@ -74,10 +74,11 @@ class RecallReasoningConfig(TaskConfig):
 
 def _kind_mean(column: int, kind: int):
     def aggregate(q: np.ndarray, answers: dict[str, np.ndarray]) -> np.ndarray:
-        mask = answers["kind"] == kind
+        mask = answers["kind"] == kind  # [n], or [resamples, n] for the bootstrap's
         if mask.ndim == 1:
             return q[..., mask, column].mean(-1)
-        return np.stack([q[i][mask[i], column].mean() for i in range(len(mask))])  # bootstrap resamples
+        with np.errstate(invalid="ignore"):  # a resample without this kind: NaN
+            return np.where(mask, q[..., column], 0).sum(-1) / mask.sum(-1)
 
     return aggregate
 
