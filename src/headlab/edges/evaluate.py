@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..models.hooked import HookedModel, Trace
+from ..models.projections import heads_alone
 from ..tasks import Task, TaskData
 from .graph import QKV, EdgeGraph
 from .postnorm import attn_output, mlp_output, received
@@ -271,6 +272,8 @@ def _circuit_layer(
             stack.enter_context(mlp_output(model, graph, layer, keep_mlp))
         if graph.post_norm is not None:
             stack.enter_context(attn_output(model, layer, keep_attn))
+        # the q, k and v hooks hand the attention the assembled ones: its own projections compute nothing
+        stack.enter_context(heads_alone(model.sites, layer, [], h.shape[0]))
         out = model.run_blocks(h, layer, trace, stop=layer + 1)
     if not has_mlp:  # else the MLP's input hook set them
         patches.set(heads, heads_now())
