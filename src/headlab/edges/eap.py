@@ -182,6 +182,11 @@ def stacks(runs: list[Interpolation]) -> list[list[Interpolation]]:
     return out
 
 
+def _between(old: Tensor, new: Tensor, stack: list[Interpolation]) -> Tensor:
+    """old + alpha * (new - old) at each run's alpha, the copies stacked along the first dimension."""
+    return torch.cat([old + run.alpha * (new - old) for run in stack])
+
+
 def _copies_summed(t: Tensor, copies: int, dim: int = 0) -> Tensor:
     """t with its `copies` stacked copies along `dim` summed (in float32 at least: a half-precision sum
     would lose the digits each copy's own product kept)."""
@@ -213,8 +218,7 @@ def _accumulate(
         cache = list(trace.resid_pre[:first])
         h = trace.resid_final if first == model.n_layers else trace.resid_pre[first]
         if node.what == "input":
-            start = corrupt.trace.resid_pre[0]
-            h = torch.cat([start + run.alpha * (h - start) for run in stack])  # [copies * n, pos, d]
+            h = _between(corrupt.trace.resid_pre[0], h, stack)  # [copies * n, pos, d]
         elif copies > 1:
             h = h.repeat(copies, 1, 1)
         for layer in range(first, model.n_layers):
@@ -382,17 +386,14 @@ def _interpolated(
         yield
         return
 
-    def between(old: Tensor, new: Tensor) -> Tensor:
-        return torch.cat([old + run.alpha * (new - old) for run in stack])
-
     if node.what == "mlp":
-        value = between(corrupt.mlp[layer], clean.mlp[layer])
+        value = _between(corrupt.mlp[layer], clean.mlp[layer], stack)
         context = mlp_output(model, graph, layer, lambda _t: value)
     elif graph.post_norm == "shares":  # the node's output is its layer's normalised output
-        value = between(corrupt.attn[layer][1], clean.attn[layer][1])
+        value = _between(corrupt.attn[layer][1], clean.attn[layer][1], stack)
         context = attn_output(model, layer, lambda _a, _out: value)
     else:  # z, as MIB's hook_result: linear in z, before any norm
-        value = between(corrupt.z[layer], clean.z[layer])
+        value = _between(corrupt.z[layer], clean.z[layer], stack)
         context = model.hooks(layer, **{Site.z: lambda _t: value})
     with context:
         yield
