@@ -18,9 +18,10 @@ import headlab
 from conftest import error_line, run_headlab
 from headlab import planning
 from headlab.analysis.head_composition import composition
+from headlab.edges import eap
 from headlab.edges.faithfulness import measure
+from headlab.flops import BACKWARD_RUNS, circuit_gflop, sweep_gflop
 from headlab.flops import block_flops as planning_block
-from headlab.flops import circuit_gflop, sweep_gflop
 from headlab.planning import shape_of_model, working_mb
 from headlab.runtime import LIVE_ACTIVATIONS, chunk_budget_mb
 from headlab.studies import circuit as circuit_study
@@ -156,14 +157,35 @@ def test_attribution_patchings_flops_are_what_it_executes(llama_dir):
 
 @pytest.mark.parametrize("method", ["eap", "eap_ig", "eap_ig_activations", "exact"])
 def test_the_circuit_flops_are_what_scoring_and_the_curve_execute(llama_dir, method, monkeypatch):
-    """Scoring's count is what it executes; the curve's counts every receiver's mixture, the most a circuit
-    keeps, so it bounds what the curve's circuits execute from above."""
+    """Scoring's count is what it executes, and so is its count of the blocks it runs one at a time; the
+    curve's counts every receiver's mixture, the most a circuit keeps, so it bounds what the curve's circuits
+    execute from above."""
     model = headlab.load_model(str(llama_dir))
     task = headlab.load_task("ioi", n_prompts=8)
+    blocks = {"forward": 0, "backward": 0}  # blocks run one at a time: forward, and backward layers
+    run_blocks, layer_gradients, recorded = model.run_blocks, eap._layer_gradients, eap.record
+
+    def forward(h, layer, *args, stop=None, **kwargs):
+        blocks["forward"] += (model.n_layers if stop is None else stop) - layer
+        return run_blocks(h, layer, *args, stop=stop, **kwargs)
+
+    def backward(*args, **kwargs):
+        blocks["backward"] += 1
+        blocks["forward"] -= 1  # its block run again under autograd: a part of the backward layer's count
+        return layer_gradients(*args, **kwargs)
+
+    def recording(*args, **kwargs):
+        blocks["forward"] += model.n_layers
+        return recorded(*args, **kwargs)
+
+    monkeypatch.setattr(model, "run_blocks", forward)
+    monkeypatch.setattr(eap, "_layer_gradients", backward)
+    monkeypatch.setattr(eap, "record", recording)
     # scoring under torch's profiler (FlopCounterMode cannot sit under autograd.grad)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
         headlab.study(model, task, "circuit", method=method, faithfulness=False, n_boot=0)
     scoring = _profiled_gflop(prof)
+    monkeypatch.undo()
     # the curve alone under FlopCounterMode: it takes no gradient, and the profiler's cost per op is minutes here
     curve = FlopCounterMode(display=False)
 
@@ -176,6 +198,8 @@ def test_the_circuit_flops_are_what_scoring_and_the_curve_execute(llama_dir, met
     cfg = headlab.compose("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=8", f"circuit={method}")
     flops = circuit_gflop(cfg, shape_of_model(model), task.build(8, EVAL_SEED_OFFSET, model))
     assert flops is not None and (flops.products > 0) == (method != "exact")
+    if method != "exact":  # a sweep's stacked chunks: no fixed cost a block in the plan
+        assert flops.block_runs == blocks["forward"] + BACKWARD_RUNS * blocks["backward"], (flops.block_runs, blocks)
     ratios = (flops.scoring / scoring, curve.get_total_flops() / 1e9 / flops.curve)
     assert 0.85 < ratios[0] < 1.2 and 0.5 < ratios[1] <= 1.0, ratios
 
@@ -226,7 +250,8 @@ def test_a_budget_the_faithfulness_curve_exceeds_holds_fewer_prompts_recordings_
     # `headlab plan` with the budget: the run's settings and its peak, as the run planned them
     planned = headlab.plan(*args, f"engine.max_memory={budget}MB")
     assert planned.peak_host_mb == pytest.approx(meta["budget"]["planned_peak_host_mb"], abs=0.1)
-    assert f"study.curve_prompts={held}" in planned.lines()[-1] and planned.seconds > plan.seconds
+    # its curve records the prompts again at each bisection step: more work than the same run without a budget
+    assert f"study.curve_prompts={held}" in planned.lines()[-1] and planned.gflop > headlab.plan(*args).gflop
     free = run_headlab("run", *args, f"hydra.run.dir={tmp_path / 'free'}", cwd=tmp_path)
     assert free.returncode == 0, free.stderr
     tables = [pd.read_parquet(tmp_path / d / "results.parquet") for d in ("in", "free")]

@@ -15,6 +15,11 @@ from torch import Tensor
 
 from .config import Config, option
 
+# a gradient pass's backward layer in block runs: the block run again under autograd, then its backward (about
+# twice a forward pass's work)
+BACKWARD_RUNS = 3
+RATE_WINDOWS = 5  # product_rate's windows, the best of which it keeps
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -162,16 +167,21 @@ def matmul_gflops(
 
 
 def product_rate(a: Tensor, b: Tensor, seconds: float) -> float:
-    """GFLOP/s of a @ b, repeated for `seconds` after one product to warm up, each waited for on a GPU."""
+    """GFLOP/s of a @ b over `seconds`, after one product to warm up, each waited for on a GPU: the best of
+    RATE_WINDOWS windows, since a window that other work (or the threads waking) slowed tells the rate of that
+    moment, not of the run (one 0.3 s window gave 50 and 171 GFLOP/s in two plans a minute apart)."""
     wait = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     torch.matmul(a, b)
     wait()
-    count, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        torch.matmul(a, b)
-        wait()
-        count += 1
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1] * count / elapsed / 1e9
+    best = 0.0
+    for _ in range(RATE_WINDOWS):
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds / RATE_WINDOWS:
+            torch.matmul(a, b)
+            wait()
+            count += 1
+        best = max(best, 2 * a.shape[0] * a.shape[1] * b.shape[1] * count / elapsed / 1e9)
+    return best
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,9 @@ class CircuitFlops:
     passes: float
     products: float
     curve: float
+    # scoring's blocks run one at a time, each a fixed cost beside its FLOPs (planning.BLOCK_RUN_S): a forward
+    # block counts one, a backward layer BACKWARD_RUNS (the block run again under autograd, then its backward)
+    block_runs: int = 0
 
     @property
     def scoring(self) -> float:
@@ -200,9 +213,10 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
 
     Scoring, per pass of `study.prompts_per_pass` prompts: two recordings (a forward pass each) and, per gradient
     run (EAP one, EAP-IG `steps`, EAP-IG over activations `steps` per node; with study.convergence the `steps` odd
-    alphas of twice the steps again), a forward pass (over activations: from the node's layer on), each block run
-    again and its backward pass (two more), and, once per node for all its alphas, each layer's receivers' gradients
-    times the differences of the senders upstream of them (edges/eap.py). Exact patching (edges/exact.py): the two
+    alphas of twice the steps again), a forward pass (over activations: from the node's layer on; EAP: none, its
+    gradient run is the clean recording), each block run again and its backward pass (two more), and, once per
+    node for all its alphas, each layer's receivers' gradients times the differences of the senders upstream of
+    them (edges/eap.py). Exact patching (edges/exact.py): the two
     recordings, then per edge into a layer's receivers the blocks from that layer on over its prompts (edges into
     the logits read out alone). The curve: the two recordings (again for each bisection step where
     study.curve_prompts holds fewer prompts than the run's), then per circuit measured (two per fraction, and the
@@ -221,9 +235,15 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
     edges = sum(u * attention + u + s.n_heads for u in upstream) + senders
     curve_circuits = 2 * len(c.fractions) + math.ceil(math.log2(edges)) if c.faithfulness else 0
 
-    # where each gradient run's forward pass starts: the input (EAP, EAP-IG), or each node's layer (over
-    # activations: the input, every layer's attention and MLP; edges/eap.runs_at)
+    # where each gradient run's forward pass starts: the input (EAP-IG), each node's layer (over activations:
+    # the input, every layer's attention and MLP; edges/eap.runs_at), or nowhere (EAP's gradient run is the
+    # clean run, whose recording it reads)
     starts = [0] + [layer for layer in range(s.n_layers) for _ in range(2)] if method == "eap_ig_activations" else [0]
+    starts = [s.n_layers] if method == "eap" else starts
+
+    # each node's alphas run stacked (edges/eap.stacks): per set of alphas, a node's forward blocks from its
+    # start and every layer's backward, whatever the steps
+    stack_runs = sum(s.n_layers - start + BACKWARD_RUNS * s.n_layers for start in starts)
 
     def per_pass(n: int, tokens: int) -> tuple[float, float]:
         blocks = [sum(block_flops(s, n, tokens, layer)) for layer in range(s.n_layers)]
@@ -248,13 +268,15 @@ def circuit_gflop(cfg: Config, s: Shape, data: Any) -> CircuitFlops | None:
         return 2 * sum(blocks) + sum(e * (sum(blocks[layer:-1]) + last) for layer, e in enumerate(into))
 
     per = int(c.prompts_per_pass)
+    block_runs = 0
     if method == "exact":
         scoring = (exact(*part_size(data)), 0.0)  # all prompts at once, padded to the longest (edges/exact.py)
     else:
         each = [per_pass(*part_size(part)) for part in passes(data, per)]
         scoring = (sum(e[0] for e in each), sum(e[1] for e in each))
+        block_runs = len(each) * (2 * s.n_layers + len(runs) * stack_runs)  # the two recordings, then the stacks
     faithfulness = sum(curve(*part_size(part)) for _, part in parts(data)) if curve_circuits else 0.0
-    return CircuitFlops(scoring[0] / 1e9, scoring[1] / 1e9, faithfulness / 1e9)
+    return CircuitFlops(scoring[0] / 1e9, scoring[1] / 1e9, faithfulness / 1e9, block_runs)
 
 
 def part_size(part: Any) -> tuple[int, int]:

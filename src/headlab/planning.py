@@ -33,7 +33,8 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
             model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG over inputs and
             activations): its scoring's passes and its faithfulness curve's FLOPs (flops.circuit_gflop) at
-            PASSES_EFFICIENCY of the rate at a pass's rows and CURVE_EFFICIENCY of the rate at every prompt's
+            PASSES_EFFICIENCY of the rate at a pass's rows (and BLOCK_RUN_S for each block its passes run one at a
+            time) and CURVE_EFFICIENCY of the rate at every prompt's
             (exact patching's scoring, stacked copies of the blocks as a sweep's, at SWEEP_EFFICIENCY), its
             sender-by-receiver products at PRODUCTS_EFFICIENCY of the rate measured at their own shape
             (flops.product_gflops), plus loading; patch=attribution: its passes
@@ -92,6 +93,11 @@ TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-
 # prompt's rows, 0.34 on smollm2-135m and 0.22 on gemma3-270m (its forward passes, on 4 wide heads; on the
 # machine of the fit before, 0.58 and 0.33: this share moves with the machine more than the others)
 PASSES_EFFICIENCY, PRODUCTS_EFFICIENCY, CURVE_EFFICIENCY = 0.45, 0.9, 0.3
+# and, beside those FLOPs, each block a scoring pass runs one at a time costs a fixed time (its hooks, its
+# small products' launch, its weights read again): a forward block of smollm2-135m on one IOI prompt takes
+# 2.6 ms on 2 cores, its backward layer 8 ms (flops.BACKWARD_RUNS forward blocks), whatever few rows it has;
+# with 61 nodes and few prompts (EAP-IG over activations) this is most of the scoring's time
+BLOCK_RUN_S = 0.0027
 # the share of the measured matmul rate study=ioi_classes keeps on a CPU in flops.ioi_classes_gflop's count
 # (its receiver rounds counted with their receivers at the costliest single layer: receivers the run finds
 # over several layers cost somewhat more), smollm2-135m's 64 IOI prompts at 2 threads
@@ -395,6 +401,7 @@ def host_plan(
         plan.matmul_gflops = rate or matmul_gflops(s, scoring_rows, dtype=dtype)
         curve_rate = rate or (matmul_gflops(s, rows * tokens, dtype=dtype) if flops.curve else plan.matmul_gflops)
         seconds = flops.passes / (plan.matmul_gflops * (SWEEP_EFFICIENCY if exact else PASSES_EFFICIENCY))
+        seconds += flops.block_runs * BLOCK_RUN_S
         seconds += flops.curve / (curve_rate * CURVE_EFFICIENCY)
         if flops.products:  # a shape of their own: every sender by one layer's receivers
             senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
