@@ -28,21 +28,20 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             vocabulary entry; Gemma's 262,144 entries hold about 300 MB)
   time      study=sweep: the matrix-product FLOPs of its stacked passes (each intervention runs the blocks
             from its layer on, the clean run all of them, a path-patching sender its two passes, each reads
-            the logits at the read positions)
-            over this machine's matmul rate in the run's dtype at the blocks' shape (measured now, SWEEP_EFFICIENCY of
-            it: the share the engine reaches on 2 cores, benchmarks/smollm2_speed.py), plus loading the
-            model (LOAD_FIXED_S and the weights at LOAD_MB_S); study=circuit (EAP, EAP-IG over inputs and
+            the logits at the read positions) over this machine's matmul rate in the run's dtype at the
+            blocks' shape (measured now, SWEEP_EFFICIENCY of it: the share the engine reaches on 2 cores,
+            benchmarks/smollm2_speed.py), plus loading the model (loading_s: LOAD_FIXED_S, the weights at
+            LOAD_MB_S, the tokenizer at TOKENIZER_S an entry); study=circuit (EAP, EAP-IG over inputs and
             activations): its scoring's passes and its faithfulness curve's FLOPs (flops.circuit_gflop) at
-            PASSES_EFFICIENCY of the rate at a pass's rows (and BLOCK_RUN_S for each block its passes run one at a
-            time) and CURVE_EFFICIENCY of the rate at every prompt's
-            (exact patching's scoring, stacked copies of the blocks as a sweep's, at SWEEP_EFFICIENCY), its
-            sender-by-receiver products at PRODUCTS_EFFICIENCY of the rate measured at their own shape
-            (flops.product_gflops), plus loading; patch=attribution: its passes
-            (flops.attribution_gflop) at SWEEP_EFFICIENCY; study=ioi_classes: its head scores' and five
-            path-patching rounds' FLOPs (flops.ioi_classes_gflop: the rounds into receiver heads at their
-            costliest layer, since the classes the earlier rounds find are unknown before the run) at
-            IOI_CLASSES_EFFICIENCY of that rate, plus loading; study=atlas: studies/atlas_plan.py. Other
-            studies: no time model yet, said so.
+            PASSES_EFFICIENCY of the rate at a pass's rows (and BLOCK_RUN_S for each block its passes run one
+            at a time) and CURVE_EFFICIENCY of the rate at every prompt's (exact patching's scoring, stacked
+            copies of the blocks as a sweep's, at SWEEP_EFFICIENCY), its sender-by-receiver products at
+            PRODUCTS_EFFICIENCY of the rate measured at their own shape (flops.product_gflops), plus loading;
+            patch=attribution: its passes (flops.attribution_gflop) at SWEEP_EFFICIENCY; study=ioi_classes:
+            its head scores' and five path-patching rounds' FLOPs (flops.ioi_classes_gflop: the rounds into
+            receiver heads at their costliest layer, since the classes the earlier rounds find are unknown
+            before the run) at IOI_CLASSES_EFFICIENCY of that rate, plus loading; study=atlas:
+            studies/atlas_plan.py. Other studies: no time model yet, said so.
 Every sweep, circuit, IOI-classes and atlas run writes its plan beside what it measured (meta.json `plan`,
 `measured`), so each run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
 """
@@ -82,8 +81,10 @@ MB = 2**20
 # fitted to the sweeps of benchmarks/plan_accuracy.py (smollm2-135m and gemma3-270m, IOI and text)
 WORKING_COPIES = 7
 SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine keeps on a CPU
-# loading: building the model and reading its float32 weights (a GGUF model's copy in the cache)
-LOAD_FIXED_S, LOAD_MB_S = 2.0, 400.0
+# loading: building the model, reading its float32 weights (a GGUF model's copy in the cache) and its
+# tokenizer, whose time goes with its vocabulary (parsing tokenizer.json: 4.5 s of gemma3-270m's 262,144
+# entries, 0.9 s of smollm2-135m's 49,152)
+LOAD_FIXED_S, LOAD_MB_S, TOKENIZER_S = 1.2, 400.0, 1.7e-5
 TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
 # the shares of the measured matmul rates EAP / EAP-IG's scoring and the faithfulness curve keep on a CPU in
 # circuit_gflop's count, at 2 threads, from the phases' own clocks (meta.json seconds): scoring's passes
@@ -386,7 +387,7 @@ def host_plan(
     if study == "ioi_classes":
         plan.gflop, rounds = ioi_classes_gflop(s, data)
         plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
-        plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
+        plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + loading_s(s, weights)
         plan.efficiency = IOI_CLASSES_EFFICIENCY
         plan.work = f"the q, v and k rounds ({rounds:,.0f} GFLOP) with their receivers at the costliest layer"
         return plan
@@ -407,7 +408,7 @@ def host_plan(
             senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
             product = product_gflops(senders, attention + 1, device=measure_on, dtype=dtype)
             seconds += flops.products / (product * PRODUCTS_EFFICIENCY)
-        plan.seconds = seconds + LOAD_FIXED_S + weights / LOAD_MB_S
+        plan.seconds = seconds + loading_s(s, weights)
         plan.efficiency = plan.gflop / (seconds * plan.matmul_gflops)
         plan.work = (
             f"scoring: passes {flops.passes:,.0f} GFLOP, sender-by-receiver products {flops.products:,.0f}; "
@@ -418,9 +419,15 @@ def host_plan(
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data, sweep)
     plan.chunk_interventions = most_in_one_layer(sweep)
     plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
-    plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + LOAD_FIXED_S + weights / LOAD_MB_S
+    plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + loading_s(s, weights)
     plan.work = f"{plan.interventions} interventions"
     return plan
+
+
+def loading_s(s: Shape, weights_mb: float) -> float:
+    """Seconds to load the model: LOAD_FIXED_S, its `weights_mb` at LOAD_MB_S and its tokenizer's vocabulary
+    at TOKENIZER_S an entry."""
+    return LOAD_FIXED_S + weights_mb / LOAD_MB_S + s.vocab * TOKENIZER_S
 
 
 def pass_rows(data: Any, prompts_per_pass: int) -> int:
