@@ -327,13 +327,16 @@ class EdgeGraph:
             cfg["post_norm"] = self.post_norm
         nodes = {s.name: {"in_graph": bool(in_graph[i])} for i, s in enumerate(self.senders)}
         nodes["logits"] = {"in_graph": True}
+        # every edge's values gathered at once (row-major, as nonzero lists them): a tensor indexed per edge
+        # costs seconds a million edges (an 8B model has 1.6 million)
         rows, cols = self.real.nonzero(as_tuple=True)
+        sender_names = [s.name for s in self.senders]
+        receiver_names = [r.name for r in self.receivers]
         edges = {
-            f"{self.senders[s].name}->{self.receivers[r].name}": {
-                "score": float(scores[s, r]),
-                "in_graph": bool(mask[s, r]),
-            }
-            for s, r in zip(rows.tolist(), cols.tolist())
+            f"{sender_names[s]}->{receiver_names[r]}": {"score": score, "in_graph": kept}
+            for s, r, score, kept in zip(
+                rows.tolist(), cols.tolist(), scores[self.real].double().tolist(), mask[self.real].tolist()
+            )
         }
         return {"cfg": cfg, "nodes": nodes, "edges": edges}
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 
 def pyplot() -> Any:
@@ -26,3 +29,10 @@ def save(fig: Any, path: Path, dpi: int = 120, tight: bool = True, **savefig: An
     fig.savefig(path, dpi=dpi, **savefig)
     pyplot().close(fig)
     return path
+
+
+def ordered(values: pd.Series, first: Sequence[str]) -> list[str]:
+    """The distinct values present (as text, missing ones left out): those of `first` in its order, then the
+    rest sorted. Unique before text: a million edge rows name a few methods."""
+    present = {str(v) for v in values.dropna().unique()}
+    return [v for v in first if v in present] + sorted(present - set(first))

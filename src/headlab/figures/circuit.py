@@ -26,7 +26,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
-from .canvas import save
+from .canvas import ordered, save
 
 MAX_DRAWN = 300
 METHODS = ("eap", "eap_ig", "eap_ig_activations", "exact")
@@ -36,11 +36,6 @@ SKIP_BEND = 0.4  # edges past a layer bend around the nodes in between (heads of
 REACH = 2.0  # edges longer than this (in node spacings) bend less, so that their bulge stays below ~REACH * rad / 2
 FILL = {"input": "#dddddd", "head": "#fff3c4", "mlp": "#d4efd4", "logits": "#dddddd"}
 MLP_RISE = 0.4  # an MLP sits this far above its layer's heads
-
-
-def _ordered(values, first) -> list[str]:
-    present = {str(v) for v in values if pd.notna(v)}
-    return [v for v in first if v in present] + sorted(present - set(first))
 
 
 def _node(name: str) -> tuple[str, int, int]:
@@ -118,7 +113,7 @@ def _draw_circuit(edges: pd.DataFrame, n_total: int, title: str, path: Path) -> 
     ax.set_title(f"{title}{capped}", fontsize=9)
     handles = [Line2D([], [], color=c, lw=2, label=f"score {s} 0") for c, s in (("tab:blue", ">"), ("tab:red", "<"))]
     styles: dict[str, list[str]] = {}  # q and logits edges share the solid line
-    for inp in _ordered(edges["input"], ("q", "k", "v", "mlp", "logits")):
+    for inp in ordered(edges["input"], ("q", "k", "v", "mlp", "logits")):
         styles.setdefault(STYLE.get(inp, "-"), []).append(inp)
     handles += [Line2D([], [], color="0.3", lw=1.5, ls=ls, label=f"into {' / '.join(v)}") for ls, v in styles.items()]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
@@ -161,8 +156,8 @@ def _draw_faithfulness(curve: pd.DataFrame, summary: pd.DataFrame, path: Path, n
     )
     curve = curve[(curve["fraction"] > 0) & np.isfinite(curve["value"].astype(float))]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for k, method in enumerate(_ordered(curve["method"], METHODS)):
-        for ranking in _ordered(curve.loc[curve["method"] == method, "ranking"], ("signed", "absolute")):
+    for k, method in enumerate(ordered(curve["method"], METHODS)):
+        for ranking in ordered(curve.loc[curve["method"] == method, "ranking"], ("signed", "absolute")):
             sel = curve[(curve["method"] == method) & (curve["ranking"] == ranking)]
             line = sel.groupby("fraction")["value"].mean().sort_index()
             label = f"{method} ({ranking})"
@@ -192,11 +187,13 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
     df = table[table["prompt_id"].isna()] if "prompt_id" in table else table
     edge_rows = df[df["intervention"] == "edge"]
     if "in_circuit" in edge_rows and len(edge_rows):
-        for method in _ordered(edge_rows["method"], METHODS):
+        for method in ordered(edge_rows["method"], METHODS):
             rows = edge_rows[edge_rows["method"] == method]
-            metric = next(iter(_ordered(rows["metric"], ("logit_diff",))), "")
+            metric = next(iter(ordered(rows["metric"], ("logit_diff",))), "")
             rows = rows[(rows["metric"] == metric).fillna(False)] if metric else rows
-            edges = _edges(rows)
+            # the circuit's edges alone (all their rows): a million-edge graph's table parses in seconds
+            kept = rows["in_circuit"].astype("boolean").fillna(False).astype(bool)
+            edges = _edges(rows[rows["edge"].isin(rows.loc[kept, "edge"].unique())])
             circuit = edges[edges["in_circuit"]]
             if circuit.empty:
                 continue

@@ -31,7 +31,7 @@ import pandas as pd  # noqa: E402
 
 from ..vocabulary import HEAD_SITES  # noqa: E402
 from . import circuit, ioi_classes  # noqa: E402
-from .canvas import save
+from .canvas import ordered, save
 
 METRICS = {"logit_diff": "logit diff (IO - S)", "io_prob": "P(IO)", "accuracy": "accuracy"}
 SCORES = (
@@ -155,11 +155,6 @@ def _save(fig, out: Path, name: str, numbers: dict) -> None:
     numbers["figures"].append(name)
 
 
-def _ordered(values, first) -> list[str]:
-    present = set(values)
-    return [v for v in first if v in present] + sorted(present - set(first))
-
-
 def _head_sweep(df, rows, what: str, name: str, out: Path, shape, numbers: dict) -> dict[str, np.ndarray]:
     """A grid of heatmaps over (site, position) for one kind of per-head sweep; returns label -> grid."""
     rows = rows.dropna(subset=["layer", "head"])
@@ -170,7 +165,7 @@ def _head_sweep(df, rows, what: str, name: str, out: Path, shape, numbers: dict)
     if not np.isfinite(rows["effect"].astype(float)).any():
         numbers["skipped"].append(f"{what}: no clean baseline for {metric}")
         return {}
-    sites, wheres = _ordered(rows["site"], SITES), _ordered(rows["where"], WHERE)
+    sites, wheres = ordered(rows["site"], SITES), ordered(rows["where"], WHERE)
     fig, axes = _figure(len(sites), len(wheres), shape)
     grids = {}
     for i, site in enumerate(sites):
@@ -216,7 +211,7 @@ def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
     numbers["clean_n_prompts"] = int(clean["n"].max()) if len(clean) else None
 
     kind = df["intervention"]
-    for method in _ordered(df.loc[kind == "ablate_head", "method"], ("mean", "zero", "resample")):
+    for method in ordered(df.loc[kind == "ablate_head", "method"], ("mean", "zero", "resample")):
         rows = df[(kind == "ablate_head") & (df["method"] == method)]
         _head_sweep(df, rows, f"{method} ablation", f"ioi_ablation_{method}.png", out, shape, numbers)
 
@@ -225,7 +220,7 @@ def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
     if metric is not None:
         comp = _effects(df, comp, metric)
         labels, vectors = [], []
-        for method in _ordered(comp["method"], ("mean", "zero", "resample")):
+        for method in ordered(comp["method"], ("mean", "zero", "resample")):
             for iv, part in (("ablate_layer", "attn"), ("ablate_mlp", "mlp")):
                 sel = comp[(comp["intervention"] == iv) & (comp["method"] == method)]
                 if len(sel):
@@ -292,7 +287,7 @@ def draw(table: pd.DataFrame, out: Path, model: str | None = None) -> dict:
         knocked = (path["group"] if "group" in path else pd.Series(pd.NA, index=path.index)).astype("string")
         knocked = knocked.fillna("").map(lambda g: f", {g}" if g else "")
         path = path.assign(group=path["receivers"].fillna("logits") + site + knocked)
-        groups = _ordered(path["group"], ("logits",))
+        groups = ordered(path["group"], ("logits",))
         grids = {g: _grid(path[path["group"] == g], "effect", shape) for g in groups}
         grids = {g: m for g, m in grids.items() if np.isfinite(m).any()}
         if grids:

@@ -181,7 +181,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
             clean=f.clean,
             corrupted=f.corrupted,
         )
-    tables[0]["in_circuit"] = [bool(circuit[s, r]) for s, r in graph.real.nonzero().tolist()]
+    tables[0]["in_circuit"] = circuit[graph.real].tolist()  # edge_rows's order: the edges row-major
     if ctx.run_dir is not None:
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(ctx.run_dir / CIRCUIT_FILE, graph.to_json(torch.nan_to_num(scores), circuit))
