@@ -193,6 +193,8 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
             rows = rows[(rows["metric"] == metric).fillna(False)] if metric else rows
             # the circuit's edges alone (all their rows): a million-edge graph's table parses in seconds
             kept = rows["in_circuit"].astype("boolean").fillna(False).astype(bool)
+            if not kept.any():
+                continue
             edges = _edges(rows[rows["edge"].isin(rows.loc[kept, "edge"].unique())])
             circuit = edges[edges["in_circuit"]]
             if circuit.empty:
