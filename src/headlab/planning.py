@@ -31,23 +31,24 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             the logits at the read positions) over this machine's matmul rate in the run's dtype at the
             blocks' shape (measured now, SWEEP_EFFICIENCY of it: the share the engine reaches on 2 cores,
             benchmarks/smollm2_speed.py), plus loading the model (loading_s: LOAD_FIXED_S, the weights at
-            LOAD_MB_S, the tokenizer at TOKENIZER_S an entry); study=circuit (EAP, EAP-IG over inputs and
-            activations): its scoring's passes and its faithfulness curve's FLOPs (flops.circuit_gflop) at
-            PASSES_EFFICIENCY of the rate at a pass's rows (and BLOCK_RUN_S for each block its passes run one
-            at a time) and CURVE_EFFICIENCY of the rate at every prompt's (exact patching's scoring, stacked
-            copies of the blocks as a sweep's, at SWEEP_EFFICIENCY), its sender-by-receiver products at
-            PRODUCTS_EFFICIENCY of the rate measured at their own shape (flops.product_gflops), plus loading;
-            patch=attribution: its passes (flops.attribution_gflop) at SWEEP_EFFICIENCY; study=ioi_classes:
-            its head scores' and five path-patching rounds' FLOPs (flops.ioi_classes_gflop: the rounds into
-            receiver heads at their costliest layer, since the classes the earlier rounds find are unknown
-            before the run) at IOI_CLASSES_EFFICIENCY of that rate, plus loading; study=atlas:
-            studies/atlas_plan.py. Other studies: no time model yet, said so.
+            LOAD_MB_S, or MAPPED_MB_S where mapped, the tokenizer at TOKENIZER_S an entry); study=circuit
+            (EAP, EAP-IG over inputs and activations): its scoring's passes and its faithfulness curve's FLOPs
+            (flops.circuit_gflop) at PASSES_EFFICIENCY of the rate at a pass's rows (and BLOCK_RUN_S for each
+            block its passes run one at a time) and CURVE_EFFICIENCY of the rate at every prompt's (exact
+            patching's scoring, stacked copies of the blocks as a sweep's, at SWEEP_EFFICIENCY), its sender-
+            by-receiver products at PRODUCTS_EFFICIENCY of the rate measured at their own shape
+            (flops.product_gflops), plus loading; patch=attribution: its passes (flops.attribution_gflop) at
+            SWEEP_EFFICIENCY; study=ioi_classes: its head scores' and five path-patching rounds' FLOPs
+            (flops.ioi_classes_gflop: the rounds into receiver heads at their costliest layer, since the
+            classes the earlier rounds find are unknown before the run) at IOI_CLASSES_EFFICIENCY of that
+            rate, plus loading; study=atlas: studies/atlas_plan.py. Other studies: no time model yet, said so.
 Every sweep, circuit, IOI-classes and atlas run writes its plan beside what it measured (meta.json `plan`,
 `measured`), so each run checks the prediction; benchmarks/plan_accuracy.py prints the ratios.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import sys
@@ -81,10 +82,12 @@ MB = 2**20
 # fitted to the sweeps of benchmarks/plan_accuracy.py (smollm2-135m and gemma3-270m, IOI and text)
 WORKING_COPIES = 7
 SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine keeps on a CPU
-# loading: building the model, reading its float32 weights (a GGUF model's copy in the cache) and its
-# tokenizer, whose time goes with its vocabulary (parsing tokenizer.json: 4.5 s of gemma3-270m's 262,144
-# entries, 0.9 s of smollm2-135m's 49,152)
-LOAD_FIXED_S, LOAD_MB_S, TOKENIZER_S = 1.2, 400.0, 1.7e-5
+# loading: building the model (transformers' modules imported: 2.6 s), its weights and its tokenizer, whose
+# time goes with its vocabulary (parsing tokenizer.json: 4.5 s of gemma3-270m's 262,144 entries, 0.9 s of
+# smollm2-135m's 49,152). Weights stored in the run's dtype are mapped, their pages read as the passes reach
+# them (the Llama-3.1-8B shape's 15 GB of bfloat16 load in 4 s); others are read and converted
+LOAD_FIXED_S, LOAD_MB_S, MAPPED_MB_S, TOKENIZER_S = 2.6, 400.0, 8000.0, 1.7e-5
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
 # the shares of the measured matmul rates EAP / EAP-IG's scoring and the faithfulness curve keep on a CPU in
 # circuit_gflop's count, at 2 threads, from the phases' own clocks (meta.json seconds): scoring's passes
@@ -387,7 +390,7 @@ def host_plan(
     if study == "ioi_classes":
         plan.gflop, rounds = ioi_classes_gflop(s, data)
         plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
-        plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + loading_s(s, weights)
+        plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + loading_s(cfg, s, weights)
         plan.efficiency = IOI_CLASSES_EFFICIENCY
         plan.work = f"the q, v and k rounds ({rounds:,.0f} GFLOP) with their receivers at the costliest layer"
         return plan
@@ -408,7 +411,7 @@ def host_plan(
             senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
             product = product_gflops(senders, attention + 1, device=measure_on, dtype=dtype)
             seconds += flops.products / (product * PRODUCTS_EFFICIENCY)
-        plan.seconds = seconds + loading_s(s, weights)
+        plan.seconds = seconds + loading_s(cfg, s, weights)
         plan.efficiency = plan.gflop / (seconds * plan.matmul_gflops)
         plan.work = (
             f"scoring: passes {flops.passes:,.0f} GFLOP, sender-by-receiver products {flops.products:,.0f}; "
@@ -419,15 +422,35 @@ def host_plan(
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data, sweep)
     plan.chunk_interventions = most_in_one_layer(sweep)
     plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
-    plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + loading_s(s, weights)
+    plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + loading_s(cfg, s, weights)
     plan.work = f"{plan.interventions} interventions"
     return plan
 
 
-def loading_s(s: Shape, weights_mb: float) -> float:
-    """Seconds to load the model: LOAD_FIXED_S, its `weights_mb` at LOAD_MB_S and its tokenizer's vocabulary
-    at TOKENIZER_S an entry."""
-    return LOAD_FIXED_S + weights_mb / LOAD_MB_S + s.vocab * TOKENIZER_S
+def loading_s(cfg: Config, s: Shape, weights_mb: float) -> float:
+    """Seconds to load the model: LOAD_FIXED_S, its `weights_mb` at MAPPED_MB_S where they are mapped
+    (maps_weights) else at LOAD_MB_S, and its tokenizer's vocabulary at TOKENIZER_S an entry."""
+    return LOAD_FIXED_S + weights_mb / (MAPPED_MB_S if maps_weights(cfg) else LOAD_MB_S) + s.vocab * TOKENIZER_S
+
+
+def maps_weights(cfg: Config) -> bool:
+    """Whether loading maps the weights' files instead of reading and converting them: safetensors files
+    (a model's directory, or a GGUF model's float32 copy in the cache once made) whose tensors are in the
+    run's dtype, read from the first file's header."""
+    try:
+        where, extra = hf_source(cfg)
+    except HeadlabError:  # no files of its own (a hub name is fetched, a model trained here is made)
+        return False
+    files = sorted(Path(where).glob("*.safetensors")) if not extra else []
+    if not files:
+        return False
+    try:
+        with files[0].open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError):
+        return False
+    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    return {SAFETENSORS_DTYPES.get(d) for d in dtypes} == {str(cfg.model.dtype)}
 
 
 def pass_rows(data: Any, prompts_per_pass: int) -> int:
