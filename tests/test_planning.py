@@ -406,3 +406,19 @@ def test_the_atlas_is_planned_probe_by_probe_and_its_run_checks_it(llama_dir, tm
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
     assert meta["plan"]["study"] == "atlas" and meta["plan"]["gflop"] == pytest.approx(plan.gflop, abs=0.06)
     assert 0.3 < meta["measured"]["peak_host_ratio"] < 3
+
+
+def test_loading_counts_weights_in_the_runs_dtype_as_mapped_and_others_as_read(llama_dir, tmp_path):
+    """transformers maps safetensors stored in the run's dtype, and reads and converts the others: the plan
+    reads the stored dtype from the first file's header."""
+    base = ("model=hf", f"model.path={llama_dir}", "task=ioi", "ablate=heads")
+    assert planning.maps_weights(headlab.compose(*base))  # stored and run in float32
+    assert not planning.maps_weights(headlab.compose(*base, "model.dtype=bfloat16"))
+    halved = tmp_path / "bf16"
+    shutil.copytree(llama_dir, halved)
+    model = headlab.load_model(str(llama_dir))
+    for f in halved.glob("*.safetensors"):
+        f.unlink()
+    model.module.to(torch.bfloat16).save_pretrained(halved)
+    assert planning.maps_weights(headlab.compose("model=hf", f"model.path={halved}", "model.dtype=bfloat16"))
+    assert not planning.maps_weights(headlab.compose("model=hf", f"model.path={halved}"))
