@@ -133,6 +133,7 @@ class Plan:
     gflop: float | None = None
     matmul_gflops: float | None = None
     seconds: float | None = None
+    load_seconds: float = 0.0  # loading the model (loading_s), counted in seconds
     efficiency: float = SWEEP_EFFICIENCY  # the share of matmul_gflops the time assumes
     work: str = ""  # what the time counts
     per_prompt_mb: float = 0.0  # study=circuit: what a gradient pass holds per prompt
@@ -381,6 +382,7 @@ def host_plan(
         baseline_mb + tokenizer_mb + weights + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
     plan.mask_mb, plan.copy_mb = mask, copy
+    plan.load_seconds = loading_s(cfg, s, weights)
     if study == "circuit":
         plan.per_prompt_mb, plan.curve_mb, plan.curve_prompt_mb = per_prompt, curve, curve_prompt
     if study not in TIMED:
@@ -390,7 +392,7 @@ def host_plan(
     if study == "ioi_classes":
         plan.gflop, rounds = ioi_classes_gflop(s, data)
         plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
-        plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + loading_s(cfg, s, weights)
+        plan.seconds = plan.gflop / (plan.matmul_gflops * IOI_CLASSES_EFFICIENCY) + plan.load_seconds
         plan.efficiency = IOI_CLASSES_EFFICIENCY
         plan.work = f"the q, v and k rounds ({rounds:,.0f} GFLOP) with their receivers at the costliest layer"
         return plan
@@ -411,7 +413,7 @@ def host_plan(
             senders, attention = edge_nodes(s, option(cfg.study.kv_edges))
             product = product_gflops(senders, attention + 1, device=measure_on, dtype=dtype)
             seconds += flops.products / (product * PRODUCTS_EFFICIENCY)
-        plan.seconds = seconds + loading_s(cfg, s, weights)
+        plan.seconds = seconds + plan.load_seconds
         plan.efficiency = plan.gflop / (seconds * plan.matmul_gflops)
         plan.work = (
             f"scoring: passes {flops.passes:,.0f} GFLOP, sender-by-receiver products {flops.products:,.0f}; "
@@ -422,7 +424,7 @@ def host_plan(
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data, sweep)
     plan.chunk_interventions = most_in_one_layer(sweep)
     plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
-    plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + loading_s(cfg, s, weights)
+    plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + plan.load_seconds
     plan.work = f"{plan.interventions} interventions"
     return plan
 

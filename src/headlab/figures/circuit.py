@@ -197,8 +197,6 @@ def draw(table: pd.DataFrame, out: Path) -> dict:
                 continue
             edges = _edges(rows[rows["edge"].isin(rows.loc[kept, "edge"].unique())])
             circuit = edges[edges["in_circuit"]]
-            if circuit.empty:
-                continue
             numbers[f"circuit_edges_{method}"] = len(circuit)
             shown = circuit.assign(mag=circuit["value"].abs().fillna(0)).nlargest(MAX_DRAWN, "mag")
             title = f"{method}: {len(circuit)} edges, {metric}"

@@ -28,7 +28,6 @@ from ..planning import (
     Plan,
     Shape,
     hf_shape,
-    loading_s,
     predict,
     reads_at_once,
     rss_mb,
@@ -114,14 +113,14 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
             continue
         assert plan.gflop is not None and plan.seconds is not None
         gflop += plan.gflop
-        seconds[probe.name] = plan.seconds - loading_s(cfg, shape, plan.weights_mb)
+        seconds[probe.name] = plan.seconds - plan.load_seconds
         if probe_cfg.study.head_scores:  # the copy scores: a slice of the vocabulary a head, prompt and sign
             rows = 2 * shape.n_layers * shape.n_heads * data.n
             work = 2 * rows * shape.d_model * min(VOCAB_COLUMNS, shape.vocab) / 1e9
             gflop += work
             seconds[probe.name] += work / (rate * SWEEP_EFFICIENCY)
     largest = max(plans, key=lambda p: p.peak_host_mb) if plans else predict(cfg, shape, text, 0, baseline, loaded)
-    total = sum(seconds.values()) + loading_s(cfg, shape, largest.weights_mb)
+    total = sum(seconds.values()) + largest.load_seconds
     top = sorted(seconds.items(), key=lambda kv: -kv[1])
     return dataclasses.replace(
         largest,
