@@ -420,3 +420,21 @@ def test_loading_counts_weights_in_the_runs_dtype_as_mapped_and_others_as_read(l
     save_file({"weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, halved / "model.safetensors")
     assert planning.maps_weights(headlab.compose("model=hf", f"model.path={halved}", "model.dtype=bfloat16"))
     assert not planning.maps_weights(headlab.compose("model=hf", f"model.path={halved}"))
+
+
+def test_mapped_embeddings_no_pass_reads_are_left_out_of_the_peak(llama_dir):
+    """A CPU run holds of mapped weights only the pages its passes read: the embedding's lookup reads its token
+    rows, and a readout of named vocabulary rows (an IOI circuit's logit difference) none of the unembedding;
+    IOI's sweep reads io_prob's normaliser, the whole unembedding (benchmarks: RssFile of gemma3-270m's and the
+    Llama-3.2-1B shape's EAP-IG)."""
+    config = json.loads((Path(llama_dir) / "config.json").read_text())
+    matrix = config["vocab_size"] * config["hidden_size"] * 4 / 2**20
+    tied = config.get("tie_word_embeddings", False)
+    base = ("model=hf", f"model.path={llama_dir}", "task=ioi", "task.n_prompts=4")
+    circuit, sweep = headlab.plan(*base, "circuit=eap_ig"), headlab.plan(*base, "ablate=heads")
+    assert circuit.unread_mb == pytest.approx(matrix * (1 if tied else 2))
+    assert sweep.unread_mb == pytest.approx(0 if tied else matrix)
+    parts = sweep.baseline_mb + sweep.tokenizer_mb + sweep.weights_mb + sweep.caches_mb + sweep.working_mb
+    assert sweep.peak_host_mb == pytest.approx(parts - sweep.unread_mb)
+    halved = headlab.plan(*base, "circuit=eap_ig", "model.dtype=bfloat16")  # read and converted: all resident
+    assert halved.unread_mb == 0

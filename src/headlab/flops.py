@@ -37,6 +37,7 @@ class Shape:
     itemsize: int  # bytes per parameter as the run holds them
     window: int | None = None  # the sliding window of the layers that have one
     sliding: tuple[bool, ...] = ()  # per layer: has a sliding window
+    tied: bool = True  # the unembedding is the embedding's matrix (one [vocab, d_model] matrix, not two)
 
 
 def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, float]:

@@ -2,7 +2,8 @@
 
 From the shapes alone (the model's config, its parameters counted on torch's meta device, the run's own
 prompts built with the model's tokenizer) and a fraction of a second measuring this machine:
-  weights   parameters x the run's dtype (a GGUF model runs dequantised to float32); with
+  weights   parameters x the run's dtype (a GGUF model runs dequantised to float32), less on a CPU the
+            embedding and unembedding matrices of mapped weights where no pass reads them (unread_mb); with
             model.layers_on_disk, those blocks' weights are read from disk as a pass reaches them (one at a
             time, counted twice: accelerate reads it through a memory map into a tensor)
   caches    what a sweep keeps of the clean run: every block's input, the final residual stream
@@ -24,8 +25,8 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
   dtype     activations, caches and chunks are in the run's dtype (model.dtype), as the engine holds them;
             the logits float32
   baseline  this process before the model loads (Python, torch, transformers), measured
-  tokenizer the model's tokenizer, measured as `headlab plan` loads it (a run's own plan: TOKENIZER_KB a
-            vocabulary entry; Gemma's 262,144 entries hold about 300 MB)
+  tokenizer the model's tokenizer, TOKENIZER_KB a vocabulary entry (Gemma's 262,144 entries hold about 300
+            MB), in `headlab plan` as in the run's own plan
   time      study=sweep: the matrix-product FLOPs of its stacked passes (each intervention runs the blocks
             from its layer on, the clean run all of them, a path-patching sender its two passes, each reads
             the logits at the read positions) over this machine's matmul rate in the run's dtype at the
@@ -118,7 +119,7 @@ class Plan:
     params: int
     prompts: int
     tokens: int
-    weights_mb: float
+    weights_mb: float  # all of them, in the run's dtype
     caches_mb: float
     working_mb: float
     baseline_mb: float
@@ -147,13 +148,15 @@ class Plan:
     peak_device_mb: float = 0.0  # a GPU run: its tensors' peak on the device
     device_working_mb: float = 0.0  # a GPU run: the engine's working memory on the device (in peak_device_mb)
     device_free_mb: float | None = None  # a GPU run: the device's free memory before loading, where seen here
+    unread_mb: float = 0.0  # a CPU run's mapped weights that no pass reads (unread_mb): in no peak
 
     def lines(self) -> list[str]:
         # on a GPU the caches and the engine's work are the device's, the weights the host's as they load
+        unread = f" less {self.unread_mb:,.0f} mapped and never read" if self.unread_mb else ""
         held = (
             f"the weights as they load {self.weights_mb:,.0f}"
             if self.peak_device_mb
-            else f"weights {self.weights_mb:,.0f}, caches {self.caches_mb:,.0f}, working {self.working_mb:,.0f}"
+            else f"weights {self.weights_mb:,.0f}{unread}, caches {self.caches_mb:,.0f}, working {self.working_mb:,.0f}"
         )
         out = [
             f"plan: study={self.study} on {self.model} ({self.params / 1e6:.1f}M parameters), "
@@ -228,6 +231,7 @@ def shape_of_config(config: Any, params: int, itemsize: int) -> Shape:
         itemsize=itemsize,
         window=getattr(config, "sliding_window", None),
         sliding=tuple(kind == "sliding_attention" for kind in kinds),
+        tied=bool(getattr(config, "tie_word_embeddings", True)),
     )
 
 
@@ -266,17 +270,25 @@ def hf_shape(cfg: Config) -> tuple[Shape, Any]:
 
 
 def predict(
-    cfg: Config, s: Shape, data: Any, reads: int, baseline_mb: float, tokenizer_mb: float, rate: float | None = None
+    cfg: Config,
+    s: Shape,
+    data: Any,
+    reads: int,
+    baseline_mb: float,
+    tokenizer_mb: float,
+    rate: float | None = None,
+    vocabulary: bool = True,
 ) -> Plan:
     """The plan of `cfg` on a model of shape `s` and these prompts (TaskData); `rate`: this machine's matmul
-    rate measured already (GFLOP/s), else measured here at the run's shape (on the run's device)."""
+    rate measured already (GFLOP/s), else measured here at the run's shape (on the run's device);
+    `vocabulary`: whether a pass unembeds the whole vocabulary (reads_vocabulary)."""
     device = str(cfg.device)
     try:
         torch.device(device)
     except (RuntimeError, ValueError):
         raise UsageError(f"device={device}: not a device torch knows (cpu, cuda, cuda:1, mps)") from None
     if not device.startswith("cuda"):
-        return host_plan(cfg, s, data, reads, baseline_mb, tokenizer_mb, rate)
+        return host_plan(cfg, s, data, reads, baseline_mb, tokenizer_mb, rate, vocabulary=vocabulary)
     free = device_free_mb(device)
     if rate is None and free is not None:
         rows = data.inputs["input_ids"].numel()
@@ -344,6 +356,7 @@ def host_plan(
     tokenizer_mb: float,
     rate: float | None = None,
     measure_on: str = "cpu",
+    vocabulary: bool = True,
 ) -> Plan:
     """The plan of `cfg` with everything in host memory (predict's, for a CPU run); rates not given are
     measured on `measure_on` (the run's GPU where one is visible)."""
@@ -353,6 +366,8 @@ def host_plan(
     block = layer_mb(s)
     on_disk = min(int(getattr(cfg.model, "layers_on_disk", 0) or 0), s.n_layers)
     weights = s.params * s.itemsize / MB - on_disk * block + (2 * block if on_disk else 0.0)
+    mapped = maps_weights(cfg)
+    unread = unread_mb(s, vocabulary) if mapped and not on_disk else 0.0
     activation = rows * tokens * s.d_model * s.itemsize
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * s.itemsize) / MB
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * s.itemsize)))
@@ -379,10 +394,10 @@ def host_plan(
     caches += mask
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
-        baseline_mb + tokenizer_mb + weights + caches + working, logits, block, s.n_layers, on_disk,
+        baseline_mb + tokenizer_mb + weights - unread + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
-    plan.mask_mb, plan.copy_mb = mask, copy
-    plan.load_seconds = loading_s(cfg, s, weights)
+    plan.mask_mb, plan.copy_mb, plan.unread_mb = mask, copy, unread
+    plan.load_seconds = loading_s(s, weights, mapped)
     if study == "circuit":
         plan.per_prompt_mb, plan.curve_mb, plan.curve_prompt_mb = per_prompt, curve, curve_prompt
     if study not in TIMED:
@@ -429,10 +444,30 @@ def host_plan(
     return plan
 
 
-def loading_s(cfg: Config, s: Shape, weights_mb: float) -> float:
-    """Seconds to load the model: LOAD_FIXED_S, its `weights_mb` at MAPPED_MB_S where they are mapped
+def loading_s(s: Shape, weights_mb: float, mapped: bool) -> float:
+    """Seconds to load the model: LOAD_FIXED_S, its `weights_mb` at MAPPED_MB_S where they are `mapped`
     (maps_weights) else at LOAD_MB_S, and its tokenizer's vocabulary at TOKENIZER_S an entry."""
-    return LOAD_FIXED_S + weights_mb / (MAPPED_MB_S if maps_weights(cfg) else LOAD_MB_S) + s.vocab * TOKENIZER_S
+    return LOAD_FIXED_S + weights_mb / (MAPPED_MB_S if mapped else LOAD_MB_S) + s.vocab * TOKENIZER_S
+
+
+def unread_mb(s: Shape, vocabulary: bool) -> float:
+    """Of mapped weights, what no pass reads, MB: a page of the file is read (and resident) only once a pass
+    touches it, and the embedding's lookup touches its prompts' token rows alone; the unembedding (the same
+    matrix where tied) is read whole where a pass unembeds the whole `vocabulary`, else at the rows a
+    readout names (Task.vocab_rows). Seen on the resident file pages (RssFile) of gemma3-270m's and the
+    Llama-3.2-1B shape's EAP-IG: their tied embedding (640 and 1,002 MB) never resident."""
+    matrix = s.vocab * s.d_model * s.itemsize / MB
+    return (0.0 if vocabulary else matrix) + (0.0 if s.tied else matrix)
+
+
+def reads_vocabulary(cfg: Config, task: Any, data: Any) -> bool:
+    """Whether some pass of the run unembeds the whole vocabulary: unless its task names the vocabulary rows
+    its quantities need and no normaliser (Task.vocab_rows, needs_normaliser); a circuit reads its task's
+    smooth quantity alone (edges/record.metric), other studies every quantity."""
+    columns: Any = range(len(task.quantities))
+    if cfg.study.name == "circuit" and task.smooth_quantity is not None:
+        columns = [task.quantities.index(task.smooth_quantity)]
+    return task.vocab_rows(data, columns) is None or task.needs_normaliser(columns)
 
 
 def maps_weights(cfg: Config) -> bool:
@@ -584,10 +619,10 @@ def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:
         raise UsageError(f"plan: model {cfg.model.name} is built here ({kind}): plan a pretrained one")
     baseline = rss_mb()
     shape, tokenizer = hf_shape(cfg)
-    loaded = rss_mb() - baseline  # the tokenizer (the model on the meta device holds nothing)
     stand_in = SimpleNamespace(tokenizer=tokenizer, vocab_size=shape.vocab, module=None, name=cfg.model.name)
     data = task.build(cfg.task.n_prompts, seed=seed, model=stand_in)
-    return predict(cfg, shape, data, reads_at_once(task, data), baseline, loaded)
+    reads, vocabulary = reads_at_once(task, data), reads_vocabulary(cfg, task, data)
+    return predict(cfg, shape, data, reads, baseline, tokenizer_mb(stand_in), vocabulary=vocabulary)
 
 
 def measured(plan: Plan, seconds: float) -> dict[str, Any]:

@@ -67,9 +67,9 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
             raise UsageError(f"plan: model {cfg.model.name} is built here ({kind}): plan a pretrained one")
         baseline = rss_mb()
         shape, tokenizer = hf_shape(cfg)
-        loaded = rss_mb() - baseline
         name = cfg.model.name
         stand_in: object = SimpleNamespace(tokenizer=tokenizer, vocab_size=shape.vocab, module=None, name=name)
+        loaded = tokenizer_mb(stand_in)
     else:
         shape, baseline, loaded, stand_in = shape_of_model(model), baseline_mb, tokenizer_mb(model), model
     options = fitted(cfg.study, cfg)  # composed with study=atlas: its AtlasOptions

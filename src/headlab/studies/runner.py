@@ -31,6 +31,7 @@ from ..planning import (
     plan_prompts,
     predict,
     reads_at_once,
+    reads_vocabulary,
     rss_mb,
     shape_of_model,
     tokenizer_mb,
@@ -127,8 +128,15 @@ def _plan_in_run(name: str, ctx: RunContext, baseline_mb: float) -> tuple[Plan, 
         return atlas_plan(ctx.cfg, model, baseline_mb), time.perf_counter() - started
     data = ctx.get_data()
     model, started = ctx.get_model(), time.perf_counter()
+    task = ctx.get_task()
     plan = predict(
-        ctx.cfg, shape_of_model(model), data, reads_at_once(ctx.get_task(), data), baseline_mb, tokenizer_mb(model)
+        ctx.cfg,
+        shape_of_model(model),
+        data,
+        reads_at_once(task, data),
+        baseline_mb,
+        tokenizer_mb(model),
+        vocabulary=reads_vocabulary(ctx.cfg, task, data),
     )
     return plan, time.perf_counter() - started
 
