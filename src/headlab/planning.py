@@ -391,6 +391,8 @@ def host_plan(
         curve = curve_prompt * min(rows, cfg.study.curve_prompts or rows)
         caches = max(per_prompt * min(int(cfg.study.prompts_per_pass), rows), curve)
         working = (3 * s.n_heads + 1) * 3 * activation / MB
+        if option(cfg.study.method) == "exact":  # its stacked copies of the blocks, a chunk at a time, as a sweep's
+            working = max(working, working_mb(cfg.engine.chunk_mb, logits, copy))
     caches += mask
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
