@@ -16,7 +16,7 @@ SWEEP = [
     "run",
     "-m",
     "hydra/launcher=local",
-    "train.steps=150,800,150",
+    "train.steps=150,500,150",
     "train.eval_every=150",
     "task.n_prompts=64",
     "output.n_boot=50",
@@ -64,12 +64,12 @@ def test_killed_sweep_resumes_skipping_finished_jobs_and_matches_an_uninterrupte
     assert status == {"0": "skipped", "1": "done", "2": "skipped"}
 
     # the killed job's rows equal those of the same job run alone, uninterrupted, in a fresh root
-    clean, alone = tmp_path / "clean", [a.replace("150,800,150", "800") for a in SWEEP]
+    clean, alone = tmp_path / "clean", [a.replace("150,500,150", "500") for a in SWEEP]
     proc = start_headlab([*alone, f"output.root={tmp_path / 'fresh'}", f"hydra.sweep.dir={clean}"], tmp_path)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr
     whole = collected_table(sweep)
-    resumed = whole[whole["train.steps"].astype(str) == "800"].reset_index(drop=True)
+    resumed = whole[whole["train.steps"].astype(str) == "500"].reset_index(drop=True)
     assert len(resumed) and len(resumed) * 3 == len(whole)
     pd.testing.assert_frame_equal(resumed, collected_table(clean), check_dtype=False)
 
