@@ -108,6 +108,13 @@ LONG = ("gemma3_text_32k_layers", *WEIGHTS_8B)  # run where named
 GPU_CASES = ("llama8b_ioi_heads", "llama8b_ioi_eap_ig")  # --device cuda: the study-sized 8B cases, run
 
 
+def case_of(line: str) -> str | None:
+    """The case a line of the output is about: the longest case name its key starts with (llama8b_ioi_eap_ig_small's
+    lines are not llama8b_ioi_eap_ig's)."""
+    key = line.split(":")[0]
+    return max((c for c in CASES if key.startswith(f"{c}_")), key=len, default=None)
+
+
 def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "headlab", *args], cwd=cwd, capture_output=True, text=True, env=os.environ.copy()
@@ -127,8 +134,7 @@ def main(argv: list[str]) -> int:
     lines = [f"cpus: {os.cpu_count()}", f"load_1min_before: {os.getloadavg()[0]:.2f}"]
     kept: list[str] = []
     if args.update and args.out and args.out.exists():
-        updated = tuple(f"{c}_" for c in args.cases)
-        kept = [line for line in args.out.read_text().splitlines() if not line.startswith(updated)]
+        kept = [line for line in args.out.read_text().splitlines() if case_of(line) not in args.cases]
         lines = []
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as scratch:

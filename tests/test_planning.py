@@ -23,7 +23,7 @@ from headlab.edges import eap
 from headlab.edges.faithfulness import measure
 from headlab.flops import BACKWARD_RUNS, circuit_gflop, sweep_gflop
 from headlab.flops import block_flops as planning_block
-from headlab.planning import shape_of_model, working_mb
+from headlab.planning import shape_of_model
 from headlab.runtime import LIVE_ACTIVATIONS, chunk_budget_mb
 from headlab.studies import circuit as circuit_study
 from headlab.studies.atlas_plan import composition_gflop
@@ -214,7 +214,7 @@ def test_a_circuit_run_under_a_budget_takes_fewer_prompts_a_pass_and_the_same_sc
     assert plan.caches_mb == pytest.approx(8 * plan.per_prompt_mb + plan.mask_mb)
     # room for a few prompts' recordings beside the weights, this process and the engine's least chunk
     fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
-    fixed += working_mb(1.0, plan.logits_mb, plan.copy_mb)
+    fixed += planning.least_working(plan)  # a circuit's passes hold their own working memory, whatever the chunk
     budget = int(fixed + 2.5 * plan.per_prompt_mb) + 1
     kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
     assert kept.returncode == 0, kept.stderr
@@ -239,7 +239,7 @@ def test_a_budget_the_faithfulness_curve_exceeds_holds_fewer_prompts_recordings_
     plan = headlab.plan(*args, "study.prompts_per_pass=1")
     assert plan.curve_mb == pytest.approx(8 * plan.curve_prompt_mb) and plan.curve_mb > plan.per_prompt_mb
     fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
-    fixed += working_mb(1.0, plan.logits_mb, plan.copy_mb)
+    fixed += planning.least_working(plan)  # a circuit's passes hold their own working memory, whatever the chunk
     budget = int(fixed + 3.5 * plan.curve_prompt_mb) + 1  # room for three prompts' curve recordings
     assert budget > fixed + plan.per_prompt_mb
     kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)

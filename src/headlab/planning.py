@@ -90,6 +90,10 @@ SWEEP_EFFICIENCY = 0.8  # the share of the measured matmul rate the sweep engine
 LOAD_FIXED_S, LOAD_MB_S, MAPPED_MB_S, TOKENIZER_S = 2.6, 400.0, 8000.0, 1.7e-5
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
+# the pages of torch's libraries a CPU run's kernels map beyond those its imports did: resident file pages
+# less the weights' grew 60-70 MB in smollm2-135m's head sweep and EAP-IG, gemma3-270m's EAP-IG and the
+# Llama-3.2-1B shape's EAP-IG (/proc's RssFile at their peaks); counted where a budget is kept (grown)
+CODE_MB = 70.0
 # the shares of the measured matmul rates EAP / EAP-IG's scoring and the faithfulness curve keep on a CPU in
 # circuit_gflop's count, at 2 threads, from the phases' own clocks (meta.json seconds): scoring's passes
 # (forward, each block again, backward) of the rate at a pass's rows, 0.41 on smollm2-135m, 0.52 on
@@ -151,6 +155,9 @@ class Plan:
     device_working_mb: float = 0.0  # a GPU run: the engine's working memory on the device (in peak_device_mb)
     device_free_mb: float | None = None  # a GPU run: the device's free memory before loading, where seen here
     unread_mb: float = 0.0  # a CPU run's mapped weights that no pass reads (unread_mb): in no peak
+    # its working memory is the engine's chunk (working_mb); False: its own whatever the chunk (a circuit's
+    # gradient passes and curve: each layer's copies of the stream)
+    chunked: bool = True
 
     def lines(self) -> list[str]:
         # on a GPU the caches and the engine's work are the device's, the weights the host's as they load
@@ -199,6 +206,15 @@ def rss_mb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / MB
+
+
+def grown(plan: Plan) -> Plan:
+    """The plan a budget is kept against (engine.max_memory, planned in the run's own process before it
+    loads): this process's memory now as its baseline (planning imports transformers' model code, reads a
+    tokenizer and builds the model on the meta device, and the run loads on top of that), and on a CPU the
+    pages of torch's libraries its kernels will map, CODE_MB, which no baseline measured before loading holds."""
+    now = max(rss_mb(), plan.baseline_mb) + (0.0 if plan.peak_device_mb else CODE_MB)
+    return replace(plan, baseline_mb=now, peak_host_mb=plan.peak_host_mb + now - plan.baseline_mb)
 
 
 def peak_rss_mb() -> float:
@@ -401,6 +417,7 @@ def host_plan(
         baseline_mb + tokenizer_mb + weights - unread + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
     plan.mask_mb, plan.copy_mb, plan.unread_mb = mask, copy, unread
+    plan.chunked = study != "circuit" or option(cfg.study.method) == "exact"
     plan.load_seconds = loading_s(s, weights, mapped)
     if study == "circuit":
         plan.per_prompt_mb, plan.curve_mb, plan.curve_prompt_mb = per_prompt, curve, curve_prompt
@@ -536,7 +553,7 @@ def fitted_passes(plan: Plan, per_pass: int, size: str) -> tuple[int, int | None
     names the least it needs: planning.fitted)."""
     held = plan.caches_mb - plan.mask_mb  # a pass's recordings or the curve's
     # the least a run holds beside them: a 1 MB chunk
-    least = plan.peak_host_mb - held - plan.working_mb + working_mb(1.0, plan.logits_mb, plan.copy_mb)
+    least = plan.peak_host_mb - held - plan.working_mb + least_working(plan)
     room = budget_mb(size) - least
     fits = int(room // plan.per_prompt_mb) if plan.per_prompt_mb else per_pass
     chosen = max(1, min(per_pass, fits, plan.prompts))
@@ -569,7 +586,7 @@ def fitted(plan: Plan, chunk_mb: float, size: str) -> tuple[float, Plan]:
     """(the chunk, the plan) that keep the budget `size`: the largest chunk (fitted_chunk) with every block's
     weights in memory, else with as few of the last blocks' weights on disk as let a 1 MB chunk fit;
     refused in one line naming the least budget where even all of them on disk do not."""
-    least = working_mb(1.0, plan.logits_mb, plan.copy_mb)
+    least = least_working(plan)
     budget = budget_mb(size)
     layers = plan.layers_on_disk
     while (
@@ -580,6 +597,12 @@ def fitted(plan: Plan, chunk_mb: float, size: str) -> tuple[float, Plan]:
         layers += 1
     moved = on_disk(plan, layers)
     return fitted_chunk(moved, chunk_mb, size), moved
+
+
+def least_working(plan: Plan) -> float:
+    """The least working memory the run can hold: a 1 MB chunk's where it works in the engine's chunks, else
+    its own (Plan.chunked)."""
+    return working_mb(1.0, plan.logits_mb, plan.copy_mb) if plan.chunked else plan.working_mb
 
 
 def working_mb(chunk_mb: float, logits_mb: float, copy_mb: float = 0.0) -> float:
@@ -596,18 +619,19 @@ def budget_mb(size: str) -> float:
 
 
 def fitted_chunk(plan: Plan, chunk_mb: float, size: str) -> float:
-    """The largest chunk (MB, at most `chunk_mb`, at least 1) whose predicted peak fits the budget `size`;
-    refused in one line, naming the least budget the run needs, where even a 1 MB chunk does not fit."""
+    """The largest chunk (MB, at most `chunk_mb`, at least 1) whose predicted peak fits the budget `size`
+    (`chunk_mb` where the run's working memory is not the chunk's: Plan.chunked); refused in one line, naming
+    the least budget the run needs, where even a 1 MB chunk (its own working memory) does not fit."""
     fixed = plan.peak_host_mb - plan.working_mb
     room = budget_mb(size) - fixed
-    if room < working_mb(1.0, plan.logits_mb, plan.copy_mb):
-        need = fixed + working_mb(1.0, plan.logits_mb, plan.copy_mb)
+    if room < least_working(plan):
+        need = fixed + least_working(plan)
         raise UsageError(
             f"engine.max_memory={size}: this run needs at least {need:,.0f}MB (weights {plan.weights_mb:,.0f}, "
             f"caches {plan.caches_mb:,.0f}, this process {plan.baseline_mb + plan.tokenizer_mb:,.0f}): headlab plan"
         )
     low, high = 1.0, chunk_mb
-    if working_mb(high, plan.logits_mb, plan.copy_mb) <= room:
+    if not plan.chunked or working_mb(high, plan.logits_mb, plan.copy_mb) <= room:
         return high
     for _ in range(30):  # working_mb grows with the chunk: bisect
         middle = (low + high) / 2

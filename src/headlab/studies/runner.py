@@ -10,6 +10,7 @@ it is run again, and is still skipped.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from ..planning import (
     Plan,
     fitted,
     fitted_passes,
+    grown,
     measured,
     plan_prompts,
     predict,
@@ -99,6 +101,10 @@ def execute_run(
     if plan is not None:
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
     results.write(df, run_dir, results.run_meta(key, ctx.timings, {"study": study.name, **ctx.meta}))
+    # the model (its mapped weights, a cycle of modules) goes before the figures are drawn: matplotlib then
+    # takes the memory it held, and a run under engine.max_memory stays there to its end
+    del ctx
+    gc.collect()
     draw_all(figure_sets(study, cfg), df, Path(run_dir))
     return df
 
@@ -168,7 +174,7 @@ def within_budget(cfg: Config) -> tuple[dict, Plan]:
     if option(cfg.model.kind) != "hf":
         raise UsageError(f"engine.max_memory plans a pretrained model's run; {cfg.model.name} is built here")
     budget = str(cfg.engine.max_memory)
-    plan = plan_of(cfg)
+    plan = grown(plan_of(cfg))  # the run loads on top of what planning left in this process
     passes = {}
     if plan.study == "circuit":  # fewer prompts per gradient pass first: the same scores, summed in more parts
         cfg.study.prompts_per_pass, curve_prompts, plan = fitted_passes(plan, int(cfg.study.prompts_per_pass), budget)
@@ -178,8 +184,9 @@ def within_budget(cfg: Config) -> tuple[dict, Plan]:
             passes["curve_prompts"] = cfg.study.curve_prompts
     chunk, plan = fitted(plan, cfg.engine.chunk_mb, budget)
     cfg.engine.chunk_mb, cfg.model.layers_on_disk = chunk, plan.layers_on_disk
-    working = working_mb(chunk, plan.logits_mb, plan.copy_mb)
-    plan = replace(plan, peak_host_mb=plan.peak_host_mb - plan.working_mb + working, working_mb=working)
+    if plan.chunked:
+        working = working_mb(chunk, plan.logits_mb, plan.copy_mb)
+        plan = replace(plan, peak_host_mb=plan.peak_host_mb - plan.working_mb + working, working_mb=working)
     chosen = {
         "max_memory": budget,
         "chunk_mb": round(chunk, 2),
