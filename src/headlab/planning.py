@@ -380,6 +380,8 @@ def host_plan(
     measured on `measure_on` (the run's GPU where one is visible)."""
     rows, tokens = data.inputs["input_ids"].shape
     study = cfg.study.name
+    # exact edge patching runs stacked copies of the prompts a chunk at a time, as sweeps do
+    exact = study == "circuit" and option(cfg.study.method) == "exact"
     dtype = run_dtype(cfg)
     block = layer_mb(s)
     on_disk = min(int(getattr(cfg.model, "layers_on_disk", 0) or 0), s.n_layers)
@@ -409,7 +411,7 @@ def host_plan(
         curve = curve_prompt * min(rows, cfg.study.curve_prompts or rows)
         caches = max(per_prompt * min(int(cfg.study.prompts_per_pass), rows), curve)
         working = (3 * s.n_heads + 1) * 3 * activation / MB
-        if option(cfg.study.method) == "exact":  # its stacked copies of the blocks, a chunk at a time, as a sweep's
+        if exact:
             working = max(working, working_mb(cfg.engine.chunk_mb, logits, copy))
     caches += mask
     plan = Plan(
@@ -417,7 +419,7 @@ def host_plan(
         baseline_mb + tokenizer_mb + weights - unread + caches + working, logits, block, s.n_layers, on_disk,
     )  # fmt: skip
     plan.mask_mb, plan.copy_mb, plan.unread_mb = mask, copy, unread
-    plan.chunked = study != "circuit" or option(cfg.study.method) == "exact"
+    plan.chunked = study != "circuit" or exact
     plan.load_seconds = loading_s(s, weights, mapped)
     if study == "circuit":
         plan.per_prompt_mb, plan.curve_mb, plan.curve_prompt_mb = per_prompt, curve, curve_prompt
@@ -438,7 +440,6 @@ def host_plan(
             plan.note = f"time: no time model for circuit={option(cfg.study.method)} yet (memory above)"
             return plan
         plan.gflop = flops.total
-        exact = option(cfg.study.method) == "exact"  # stacked copies of the prompts, a chunk at a time, as sweeps
         scoring_rows = chunk_rows * tokens if exact else pass_rows(data, int(cfg.study.prompts_per_pass)) * copies
         plan.matmul_gflops = rate or matmul_gflops(s, scoring_rows, dtype=dtype)
         curve_rate = rate or (matmul_gflops(s, rows * tokens, dtype=dtype) if flops.curve else plan.matmul_gflops)
