@@ -87,6 +87,16 @@ class _Part:
     b: TaskData
 
 
+def reference_z(model: HookedModel, data: TaskData, held: Sequence[Held] = (), seed: int = 0) -> Sources:
+    """The reference run's z, `held` in force: what path_patch's senders send. The same for every call on
+    these prompts with these held heads, so a study of several rounds records it once."""
+    data = data.paired_reference()
+    if held and data.reference is not None and next(iter(data.reference.values())).shape[0] != data.n:
+        raise ValueError("held heads need one reference prompt per prompt")
+    with torch.inference_mode(), holding(model, held, torch.arange(data.n), 1, 0):
+        return Sources(model, data, {(Source.reference, Site.z)}, seed)
+
+
 def path_patch(
     model: HookedModel,
     task: Task,
@@ -96,19 +106,30 @@ def path_patch(
     chunk_mb: float = 32.0,
     show_progress: bool = False,
     seed: int = 0,
+    sources: Sources | None = None,
 ) -> tuple[Float[Tensor, "n Q"], list[Float[Tensor, "n Q"]]]:
     """(the clean quantities [n, Q], each sender's [n, Q]), with `held` in every pass, the clean run's and
-    the reference run's included."""
+    the reference run's included. `sources`: reference_z's for these prompts and held heads, where the
+    caller keeps it across calls. The clean quantities are those the passes' own clean runs read (every
+    prompt is in one of them), not a run of their own."""
     data = data.paired_reference()
-    if held and data.reference is not None and next(iter(data.reference.values())).shape[0] != data.n:
-        raise ValueError("held heads need one reference prompt per prompt")
+    sources = sources or reference_z(model, data, held, seed)
+    read: list[tuple[Tensor, Tensor]] = []
     with torch.inference_mode():
-        with holding(model, held, torch.arange(data.n), 1, 0):
-            sources = Sources(model, data, {(Source.reference, Site.z)}, seed)
-            trace = model.trace(data.inputs, every_input=False)
-            clean = read_quantities(model, task, trace.resid_final, data.positions, data, chunk_mb)[0]
-        del trace
-        return clean, run_path(model, task, data, senders, sources, chunk_mb, show_progress, held)
+        patched = run_path(model, task, data, senders, sources, chunk_mb, show_progress, held, read)
+        if sum(len(rows) for rows, _ in read) < data.n:  # no pass ran some prompts
+            with holding(model, held, torch.arange(data.n), 1, 0):
+                trace = model.trace(data.inputs, every_input=False)
+                read = [
+                    (
+                        torch.arange(data.n),
+                        read_quantities(model, task, trace.resid_final, data.positions, data, chunk_mb)[0],
+                    )
+                ]
+    clean = read[0][1].new_empty(data.n, read[0][1].shape[1]).cpu()
+    for rows, quantities in read:
+        clean[rows] = quantities.cpu()
+    return clean, patched
 
 
 def run_path(
@@ -120,8 +141,10 @@ def run_path(
     chunk_mb: float = 32.0,
     show_progress: bool = False,
     held: Sequence[Held] = (),
+    clean: list[tuple[Tensor, Tensor]] | None = None,
 ) -> list[Tensor]:
-    """Each sender's task quantities [n, Q]."""
+    """Each sender's task quantities [n, Q]; `clean`, where given, takes (rows, their clean quantities) of
+    each group of prompts the passes run."""
     out: list[Tensor | None] = [None] * len(senders)
     work = []
     for (receivers, site, _, _), idx in _groups(senders).items():
@@ -134,6 +157,8 @@ def run_path(
         done = 0
         for part, receivers, site, chunks in work:
             run = _Run(model, task, sources, part, receivers, site, held, chunk_mb)
+            if clean is not None:
+                clean.append((part.rows, run.clean))
             for ids in chunks:
                 run.chunk(ids, [(senders[i].layer, senders[i].head) for i in ids])  # type: ignore[misc]
                 done += 1

@@ -51,7 +51,7 @@ from ..config_rules import OneOf, Range, setting
 from ..errors import UsageError
 from ..interventions import CLEAN, Intervention
 from ..interventions.edits import Sources
-from ..interventions.path import Held, path_patch
+from ..interventions.path import Held, path_patch, reference_z
 from ..models.hooked import HookedModel
 from ..runtime import chunk_budget_mb
 from ..tasks import Task, TaskData, mean_of
@@ -97,6 +97,7 @@ def run(ctx: RunContext) -> pd.DataFrame:
     found: dict[str, list[str]] = {}
     used: dict[str, str] = {}
     clean = np.zeros(data.n)
+    plain: Sources | None = None  # the reference run's z, which every round's senders send but the backup round's
     for round_ in ROUNDS:
         receivers = receivers_of(round_, found if round_.name != "backup" else {})
         held = _knockout(model, data, found.get("name mover", [])) if round_.name == "backup" else []
@@ -116,7 +117,11 @@ def run(ctx: RunContext) -> pd.DataFrame:
             for h in range(model.n_heads)
         ]
         with ctx.timed(f"path_patching_{round_.name}"):
-            base, patched = path_patch(model, task, data, senders, held, budget, ctx.show_progress, cfg.seed)
+            if not held and plain is None:
+                plain = reference_z(model, data, seed=cfg.seed)
+            base, patched = path_patch(
+                model, task, data, senders, held, budget, ctx.show_progress, cfg.seed, None if held else plain
+            )
         quantities = torch.stack(patched).numpy()
         if round_.name == "logits":
             clean = base[:, ld].numpy().astype(np.float64)
