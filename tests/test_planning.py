@@ -216,14 +216,14 @@ def test_a_circuit_run_under_a_budget_takes_fewer_prompts_a_pass_and_the_same_sc
     fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
     fixed += planning.least_working(plan)  # a circuit's passes hold their own working memory, whatever the chunk
     fixed += planning.CODE_MB  # the library code its kernels map, which a budget is kept with (planning.grown)
-    budget = int(fixed + 2.5 * plan.per_prompt_mb) + 1
+    budget = int((fixed + 2.5 * plan.per_prompt_mb) / planning.BUDGET_SHARE) + 1  # its plan fills BUDGET_SHARE
+    room = planning.kept_mb(f"{budget}MB")
     kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
     assert kept.returncode == 0, kept.stderr
     meta = json.loads((tmp_path / "in" / "meta.json").read_text())
     per_pass = meta["budget"]["prompts_per_pass"]  # the most whose recordings fit
     assert (
-        1 < per_pass < 8
-        and fixed + per_pass * plan.per_prompt_mb <= budget < fixed + (per_pass + 1) * plan.per_prompt_mb
+        1 < per_pass < 8 and fixed + per_pass * plan.per_prompt_mb <= room < fixed + (per_pass + 1) * plan.per_prompt_mb
     )
     assert meta["budget"]["planned_peak_host_mb"] <= budget
     free = run_headlab("run", *args, f"hydra.run.dir={tmp_path / 'free'}", cwd=tmp_path)
@@ -242,13 +242,15 @@ def test_a_budget_the_faithfulness_curve_exceeds_holds_fewer_prompts_recordings_
     fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
     fixed += planning.least_working(plan)  # a circuit's passes hold their own working memory, whatever the chunk
     fixed += planning.CODE_MB  # the library code its kernels map, which a budget is kept with (planning.grown)
-    budget = int(fixed + 3.5 * plan.curve_prompt_mb) + 1  # room for three prompts' curve recordings
-    assert budget > fixed + plan.per_prompt_mb
+    # room for three prompts' curve recordings in the share of the budget its plan fills
+    budget = int((fixed + 3.5 * plan.curve_prompt_mb) / planning.BUDGET_SHARE) + 1
+    room = planning.kept_mb(f"{budget}MB")
+    assert room > fixed + plan.per_prompt_mb
     kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
     assert kept.returncode == 0, kept.stderr
     meta = json.loads((tmp_path / "in" / "meta.json").read_text())
     held = meta["budget"]["curve_prompts"]  # the most prompts whose curve recordings fit
-    assert 1 < held < 8 and fixed + held * plan.curve_prompt_mb <= budget < fixed + (held + 1) * plan.curve_prompt_mb
+    assert 1 < held < 8 and fixed + held * plan.curve_prompt_mb <= room < fixed + (held + 1) * plan.curve_prompt_mb
     assert meta["budget"]["planned_peak_host_mb"] <= budget
     # `headlab plan` with the budget: the run's settings and its peak, as the run planned them
     planned = headlab.plan(*args, f"engine.max_memory={budget}MB")
@@ -297,13 +299,15 @@ def test_weights_that_do_not_fit_the_budget_wait_on_disk_as_few_blocks_as_needed
     # this process 510 MB, weights 1000 MB in 8 blocks of 100 MB (and 200 MB of embeddings), caches 50 MB
     plan = Plan("sweep", "m", 0, 8, 16, 1000.0, 50.0, work, 500.0, 10.0, 1560.0 + work, 1.0, 100.0, 8)
     chunk, moved = fitted(plan, 32, "1400MB")
-    # k blocks on disk hold 1000 - 100 k + 200 MB (one block read at a time, counted twice): k = 4 fits a
-    # 1 MB chunk's working memory (10 MB) under 1400 MB, 3 does not
-    assert moved.layers_on_disk == 4 and moved.weights_mb == 800.0
-    assert moved.peak_host_mb - moved.working_mb + working_mb(chunk, 1.0) <= 1400
+    # k blocks on disk hold 1000 - 100 k + 200 MB (one block read at a time, counted twice): k = 6 fits a
+    # 1 MB chunk's working memory (10 MB) in the 1260 MB the run plans to fill of 1400 (BUDGET_SHARE), 5 does not
+    assert planning.kept_mb("1400MB") == pytest.approx(1260)
+    assert moved.layers_on_disk == 6 and moved.weights_mb == 600.0
+    assert moved.peak_host_mb - moved.working_mb + working_mb(chunk, 1.0) <= 1260
     assert fitted(plan, 32, "4GB") == (32, plan)  # room enough: every block in memory, the chunk as asked
-    with pytest.raises(UsageError, match=r"needs at least 970MB \(weights 400"):
-        fitted(plan, 32, "900MB")  # every block on disk leaves the embeddings, one block twice and the rest
+    # every block on disk leaves the embeddings, one block twice and the rest: 970 MB, of which 1,078 is 90%
+    with pytest.raises(UsageError, match=r"needs at least 1,078MB \(weights 400"):
+        fitted(plan, 32, "900MB")
 
 
 def test_a_model_with_blocks_on_disk_sweeps_as_in_memory_and_its_copies_go_with_it(llama_dir):
@@ -402,7 +406,7 @@ def test_the_atlas_is_planned_probe_by_probe_and_its_run_checks_it(llama_dir, tm
     assert plan.peak_host_mb >= max(text.peak_host_mb, ioi.peak_host_mb) - 1  # the atlas's pieces: their largest
     with pytest.raises(headlab.UsageError, match="engine.max_memory=100MB: this run needs at least"):
         headlab.plan(*args, "engine.max_memory=100MB")
-    kept = headlab.plan(*args, f"engine.max_memory={int(plan.peak_host_mb) - 2}MB")
+    kept = headlab.plan(*args, f"engine.max_memory={int((plan.peak_host_mb - 2) / planning.BUDGET_SHARE)}MB")
     assert "engine.chunk_mb=" in kept.budget and kept.peak_host_mb <= plan.peak_host_mb - 2
     ran = run_headlab("run", *args, "output.n_boot=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr

@@ -70,7 +70,8 @@ class EngineConfig:
     gpu_memory_share: float = setting(0.5, Range(0, 1, low_open=True))
     naive: bool = False  # one full forward pass per intervention (the reference implementation)
     # a host-memory budget (512MB, 8GB) the run keeps (a pretrained model): its plan (planning.py) is made
-    # before loading, chunk_mb lowered until the predicted peak fits, and a run that cannot fit is refused
+    # before loading, chunk_mb lowered until the predicted peak fits planning.BUDGET_SHARE of it, and a run that
+    # cannot fit is refused
     # in one line naming the least budget it needs; null: no budget
     max_memory: str | None = setting(None, MEMORY)
 
