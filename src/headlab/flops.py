@@ -341,8 +341,9 @@ def ioi_classes_gflop(s: Shape, data: Any, n_seq: int = 100, seq_len: int = 20) 
     """(GFLOP of study=ioi_classes over the IOI prompts `data`, of which the rounds into receiver heads):
     the head scores (repeated random sequences, a forward pass of the prompts for the scores and one for the
     role attention, and every head's copy score: its value at IO read out through the whole vocabulary,
-    twice), and the five path-patching rounds, each with a clean and a reference run of the prompts and
-    every sender's logits (io_prob reads the whole vocabulary). The q, v and k
+    twice), and the five path-patching rounds, with the reference run of the prompts (one for the rounds
+    without a knockout, one for the backup round's) and every sender's logits (io_prob reads the whole
+    vocabulary); the clean quantities are read from the rounds' own clean traces. The q, v and k
     rounds' receivers are the classes the earlier rounds find, unknown before the run: each is counted with
     its receivers at the one layer that costs most (analysis/ioi_classes.py ROUNDS: q at END, v at S2, k at
     S1+1); receivers found over several layers cost somewhat more (pass A to the last, pass B from the
@@ -352,7 +353,7 @@ def ioi_classes_gflop(s: Shape, data: Any, n_seq: int = 100, seq_len: int = 20) 
     last = data.positions.max(1).values
     scores = forward_flops(s, n_seq, 2 * seq_len + 1) + 2 * forward_flops(s, rows, tokens)
     scores += 2 * s.n_layers * s.n_heads * rows * 2 * s.d_model * s.vocab
-    runs = 5 * 2 * forward_flops(s, rows, tokens)  # each round's clean run and its senders' reference run
+    runs = 2 * forward_flops(s, rows, tokens)  # the senders' reference run, and again with the knockout
     logits = 2 * path_round_flops(s, roles["END"], last, None)  # into the logits, again with the knockout
     heads = sum(
         max(path_round_flops(s, roles[role] + shift, last, layer) for layer in range(1, s.n_layers))
