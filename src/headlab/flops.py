@@ -317,7 +317,8 @@ def positions_flops(s: Shape, rows: int, first: int, last: int, layer: int) -> f
 def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None) -> float:
     """FLOPs of one path-patching round as interventions/path.py runs it, every head before the receivers'
     layer a sender (the logits: every head), prompts grouped by their round position `at` [n] and last read
-    position `last` [n]: per group its two clean traces, and per sender pass A from its layer at the round's
+    position `last` [n]: per group its clean traces (through the last read position, and for receiver heads
+    whose round position comes before it, through that), and per sender pass A from its layer at the round's
     position alone (through the receivers' layer; into the logits, to the last and read out) and pass B from
     the receivers' layer over the positions from the round's to the last read one."""
     groups: dict[tuple[int, int], int] = {}
@@ -327,7 +328,9 @@ def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None) -
     senders = s.n_layers if receiver_layer is None else receiver_layer
     total = 0.0
     for (a, b), rows in groups.items():
-        total += forward_flops(s, rows, a + 1) + forward_flops(s, rows, b + 1)
+        total += forward_flops(s, rows, b + 1)
+        if receiver_layer is not None and a < b:  # pass A's own trace, through the round's position
+            total += forward_flops(s, rows, a + 1)
         one = [positions_flops(s, rows, a, a, l) for l in range(s.n_layers)]
         suffix = [positions_flops(s, rows, a, b, l) for l in range(s.n_layers)]
         for layer in range(senders):

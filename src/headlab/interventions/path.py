@@ -197,7 +197,7 @@ def _parts(model: HookedModel, data: TaskData, sources: Sources, iv: Interventio
     for at, last in sorted(set(zip(at_each.tolist(), last_each.tolist()))):
         rows = torch.nonzero((at_each == at) & (last_each == last))[:, 0]
         b = _rows(data, rows, last + 1)
-        a = _rows(data, rows, at + 1) if to_heads and at <= last else b
+        a = _rows(data, rows, at + 1) if to_heads and at < last else b  # at == last: the same prompts
         parts.append(_Part(rows, at, at if model.runs_suffixes and at <= last else 0, a, b))
     return parts
 
