@@ -215,7 +215,6 @@ def test_a_circuit_run_under_a_budget_takes_fewer_prompts_a_pass_and_the_same_sc
     # room for a few prompts' recordings beside the weights, this process and the engine's least chunk
     fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
     fixed += planning.least_working(plan)  # a circuit's passes hold their own working memory, whatever the chunk
-    fixed += planning.CODE_MB  # the library code its kernels map, which a budget is kept with (planning.grown)
     budget = int((fixed + 2.5 * plan.per_prompt_mb) / planning.BUDGET_SHARE) + 1  # its plan fills BUDGET_SHARE
     room = planning.kept_mb(f"{budget}MB")
     kept = run_headlab("run", *args, f"engine.max_memory={budget}MB", f"hydra.run.dir={tmp_path / 'in'}", cwd=tmp_path)
@@ -241,7 +240,6 @@ def test_a_budget_the_faithfulness_curve_exceeds_holds_fewer_prompts_recordings_
     assert plan.curve_mb == pytest.approx(8 * plan.curve_prompt_mb) and plan.curve_mb > plan.per_prompt_mb
     fixed = plan.peak_host_mb - plan.caches_mb + plan.mask_mb - plan.working_mb
     fixed += planning.least_working(plan)  # a circuit's passes hold their own working memory, whatever the chunk
-    fixed += planning.CODE_MB  # the library code its kernels map, which a budget is kept with (planning.grown)
     # room for three prompts' curve recordings in the share of the budget its plan fills
     budget = int((fixed + 3.5 * plan.curve_prompt_mb) / planning.BUDGET_SHARE) + 1
     room = planning.kept_mb(f"{budget}MB")
@@ -442,6 +440,7 @@ def test_mapped_embeddings_no_pass_reads_are_left_out_of_the_peak(llama_dir, mon
     assert circuit.unread_mb == pytest.approx(matrix * (1 if tied else 2))
     assert sweep.unread_mb == pytest.approx(0 if tied else matrix)
     parts = sweep.baseline_mb + sweep.tokenizer_mb + sweep.weights_mb + sweep.caches_mb + sweep.working_mb
-    assert sweep.peak_host_mb == pytest.approx(parts - sweep.unread_mb)
+    assert sweep.code_mb == planning.CODE_MB  # the library code a CPU run's kernels map: in its peak
+    assert sweep.peak_host_mb == pytest.approx(parts + sweep.code_mb - sweep.unread_mb)
     halved = headlab.plan(*base, "circuit=eap_ig", "model.dtype=bfloat16")  # read and converted: all resident
     assert halved.unread_mb == 0

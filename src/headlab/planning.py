@@ -92,7 +92,7 @@ SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F
 TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-135m's and gemma3-270m's)
 # the pages of torch's libraries a CPU run's kernels map beyond those its imports did: resident file pages
 # less the weights' grew 60-70 MB in smollm2-135m's head sweep and EAP-IG, gemma3-270m's EAP-IG and the
-# Llama-3.2-1B shape's EAP-IG (/proc's RssFile at their peaks); counted where a budget is kept (grown)
+# Llama-3.2-1B shape's EAP-IG (/proc's RssFile at their peaks); in every CPU run's host peak (Plan.code_mb)
 CODE_MB = 70.0
 # the share of engine.max_memory a run plans to fill: the plan's peak has fallen short of the measured one by
 # up to 7% under a budget (smollm2-135m's EAP-IG under 1400MB) and by up to 16% without one
@@ -159,6 +159,7 @@ class Plan:
     device_working_mb: float = 0.0  # a GPU run: the engine's working memory on the device (in peak_device_mb)
     device_free_mb: float | None = None  # a GPU run: the device's free memory before loading, where seen here
     unread_mb: float = 0.0  # a CPU run's mapped weights that no pass reads (unread_mb): in no peak
+    code_mb: float = 0.0  # a CPU run: the library code its kernels map as they first run (CODE_MB)
     # its working memory is the engine's chunk (working_mb); False: its own whatever the chunk (a circuit's
     # gradient passes and curve: each layer's copies of the stream)
     chunked: bool = True
@@ -170,6 +171,7 @@ class Plan:
             f"the weights as they load {self.weights_mb:,.0f}"
             if self.peak_device_mb
             else f"weights {self.weights_mb:,.0f}{unread}, caches {self.caches_mb:,.0f}, working {self.working_mb:,.0f}"
+            f", library code {self.code_mb:,.0f}"
         )
         out = [
             f"plan: study={self.study} on {self.model} ({self.params / 1e6:.1f}M parameters), "
@@ -215,9 +217,8 @@ def rss_mb() -> float:
 def grown(plan: Plan) -> Plan:
     """The plan a budget is kept against (engine.max_memory, planned in the run's own process before it
     loads): this process's memory now as its baseline (planning imports transformers' model code, reads a
-    tokenizer and builds the model on the meta device, and the run loads on top of that), and on a CPU the
-    pages of torch's libraries its kernels will map, CODE_MB, which no baseline measured before loading holds."""
-    now = max(rss_mb(), plan.baseline_mb) + (0.0 if plan.peak_device_mb else CODE_MB)
+    tokenizer and builds the model on the meta device, and the run loads on top of that)."""
+    now = max(rss_mb(), plan.baseline_mb)
     return replace(plan, baseline_mb=now, peak_host_mb=plan.peak_host_mb + now - plan.baseline_mb)
 
 
@@ -366,6 +367,7 @@ def on_device(plan: Plan, cfg: Config, free_mb: float | None) -> Plan:
         device_working_mb=working,
         device_free_mb=free_mb,
         peak_host_mb=host,
+        code_mb=0.0,
     )
 
 
@@ -420,9 +422,10 @@ def host_plan(
     caches += mask
     plan = Plan(
         study, cfg.model.name, s.params, rows, tokens, weights, caches, working, baseline_mb, tokenizer_mb,
-        baseline_mb + tokenizer_mb + weights - unread + caches + working, logits, block, s.n_layers, on_disk,
+        baseline_mb + tokenizer_mb + weights - unread + caches + working + CODE_MB, logits, block, s.n_layers,
+        on_disk,
     )  # fmt: skip
-    plan.mask_mb, plan.copy_mb, plan.unread_mb = mask, copy, unread
+    plan.mask_mb, plan.copy_mb, plan.unread_mb, plan.code_mb = mask, copy, unread, CODE_MB
     plan.chunked = study != "circuit" or exact
     plan.load_seconds = loading_s(s, weights, mapped)
     if study == "circuit":
