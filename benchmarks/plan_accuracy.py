@@ -37,6 +37,9 @@ CASES = {
         "ablate=layers",
     ],
     "gemma3_ioi_heads": ["model=gemma3-270m", "task=ioi", "task.n_prompts=16", "ablate=heads"],
+    # a GGUF model's first run (FIRST: an empty cache), which de-quantises its weights once before loading them
+    "smollm2_ioi_heads_first": ["model=smollm2-135m", "task=ioi", "task.n_prompts=16", "ablate=heads"],
+    "gemma3_ioi_heads_first": ["model=gemma3-270m", "task=ioi", "task.n_prompts=16", "ablate=heads"],
     "gemma3_text_heads": [
         "model=gemma3-270m", "task=text", "task.path=data/alice.txt", "task.seq_len=128", "task.n_prompts=4",
         "ablate=heads",
@@ -106,6 +109,7 @@ MACHINE_GB = 24
 WEIGHTS_8B = ("llama8b_ioi_layers", "llama8b_ioi_eap_ig_small")  # the cases that read the 8B shape's weights
 LONG = ("gemma3_text_32k_layers", *WEIGHTS_8B)  # run where named
 GPU_CASES = ("llama8b_ioi_heads", "llama8b_ioi_eap_ig")  # --device cuda: the study-sized 8B cases, run
+FIRST = ("smollm2_ioi_heads_first", "gemma3_ioi_heads_first")  # planned and run with an empty HEADLAB_CACHE
 
 
 def case_of(line: str) -> str | None:
@@ -115,10 +119,9 @@ def case_of(line: str) -> str | None:
     return max((c for c in CASES if key.startswith(f"{c}_")), key=len, default=None)
 
 
-def headlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "headlab", *args], cwd=cwd, capture_output=True, text=True, env=os.environ.copy()
-    )
+def headlab(*args: str, cwd: Path, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = os.environ.copy() | ({"HEADLAB_CACHE": str(cache)} if cache else {})
+    return subprocess.run([sys.executable, "-m", "headlab", *args], cwd=cwd, capture_output=True, text=True, env=env)
 
 
 def main(argv: list[str]) -> int:
@@ -173,7 +176,8 @@ def main(argv: list[str]) -> int:
             overrides = [*CASES[name], "output.n_boot=0", f"output.root={root}", f"device={args.device}"]
             for mark, value in places.items():
                 overrides = [o.replace(mark, value) for o in overrides]
-            planned = headlab("plan", *overrides, cwd=root)
+            cache = root / f"cache-{name}" if name in FIRST else None
+            planned = headlab("plan", *overrides, cwd=root, cache=cache)
             if planned.returncode:
                 raise SystemExit(f"{name}: plan failed: {planned.stderr.strip().splitlines()[-1]}")
             if name in PLAN_ONLY and not gpu:
@@ -192,7 +196,7 @@ def main(argv: list[str]) -> int:
                 continue
             run_dir = root / name
             load = os.getloadavg()[0]
-            ran = headlab("run", *overrides, f"hydra.run.dir={run_dir}", cwd=root)
+            ran = headlab("run", *overrides, f"hydra.run.dir={run_dir}", cwd=root, cache=cache)
             if ran.returncode:
                 sys.stderr.write("\n".join(ran.stderr.strip().splitlines()[-20:]) + "\n")
                 raise SystemExit(f"{name}: run failed: {ran.stderr.strip().splitlines()[-1]}")
@@ -206,7 +210,7 @@ def main(argv: list[str]) -> int:
                     f"{name}_gflop: {plan['gflop']:.0f}",
                 ]
             said += [
-                f"{name}_planned_peak_host_mb: {plan['peak_host_mb']:.0f}",
+                f"{name}_planned_peak_host_mb: {max(plan['peak_host_mb'], plan.get('convert_mb', 0.0)):.0f}",
                 f"{name}_measured_peak_host_mb: {measured['peak_host_mb']:.0f}",
                 f"{name}_peak_host_ratio: {measured['peak_host_ratio']:.2f}",
                 f"{name}_threads: {meta['threads']['threads']}",

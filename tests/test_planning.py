@@ -444,3 +444,25 @@ def test_mapped_embeddings_no_pass_reads_are_left_out_of_the_peak(llama_dir, mon
     assert sweep.peak_host_mb == pytest.approx(parts + sweep.code_mb - sweep.unread_mb)
     halved = headlab.plan(*base, "circuit=eap_ig", "model.dtype=bfloat16")  # read and converted: all resident
     assert halved.unread_mb == 0
+
+
+def test_a_gguf_models_first_run_is_planned_with_its_conversion(tmp_path, monkeypatch):
+    """A GGUF model's first run de-quantises its weights to float32 once, into the cache, before it loads them:
+    the plan counts that time and the process's memory while it does; a run that finds the copy does not."""
+    monkeypatch.setenv("HEADLAB_CACHE", str(tmp_path / "empty"))
+    args = ("model=smollm2-135m", "task=ioi", "task.n_prompts=4", "ablate=heads")
+    cfg = headlab.compose(*args)
+    assert planning.converts(cfg)
+    first = headlab.plan(*args)
+    weights = first.params * 4 / 2**20  # float32
+    assert first.convert_seconds == pytest.approx(weights / planning.CONVERT_MB_S)
+    assert first.convert_mb == pytest.approx(first.baseline_mb + first.tokenizer_mb + planning.CONVERT_COPIES * weights)
+    assert first.highest_host_mb == max(first.peak_host_mb, first.convert_mb)
+    assert "de-quantised to float32 once" in first.lines()[1]
+    assert not list((tmp_path / "empty").glob("weights/*"))  # planned, not converted
+    from headlab.models import gguf
+
+    made = gguf.copy_dir(gguf.locate(cfg.model.gguf_file, package=cfg.model.package))
+    made.mkdir(parents=True)
+    (made / gguf.PROVENANCE).write_text("{}")
+    assert not planning.converts(cfg)  # the copy is there: loading reads it

@@ -94,6 +94,12 @@ TOKENIZER_KB = 1.2  # a loaded tokenizer's memory per vocabulary entry (smollm2-
 # less the weights' grew 60-70 MB in smollm2-135m's head sweep and EAP-IG, gemma3-270m's EAP-IG and the
 # Llama-3.2-1B shape's EAP-IG (/proc's RssFile at their peaks); in every CPU run's host peak (Plan.code_mb)
 CODE_MB = 70.0
+# a GGUF model's first run de-quantises its weights to float32 once, into the per-user cache (models/gguf.py),
+# before it loads them: CONVERT_MB_S of float32 weights a second, the process holding CONVERT_COPIES copies
+# of them at once beside itself and its tokenizer: smollm2-135m's first run peaked at 2.3 copies above those,
+# gemma3-270m's (a vocabulary five times as large) at 3.2 (benchmarks/plan_accuracy.py's *_first cases: an
+# empty cache; the conversion took about 12 and 23 s on 2 cores)
+CONVERT_MB_S, CONVERT_COPIES = 45.0, 2.8
 # the share of engine.max_memory a run plans to fill: the plan's peak has fallen short of the measured one by
 # up to 7% under a budget (smollm2-135m's EAP-IG under 1400MB) and by up to 16% without one
 # (docs/benchmarks/plan_accuracy.txt), so a budget planned to the last MB is not kept for certain
@@ -160,13 +166,26 @@ class Plan:
     device_free_mb: float | None = None  # a GPU run: the device's free memory before loading, where seen here
     unread_mb: float = 0.0  # a CPU run's mapped weights that no pass reads (unread_mb): in no peak
     code_mb: float = 0.0  # a CPU run: the library code its kernels map as they first run (CODE_MB)
+    convert_mb: float = 0.0  # a run that first converts its GGUF weights (converts): the process while it does
+    convert_seconds: float = 0.0  # ... and how long that takes (in seconds)
     # its working memory is the engine's chunk (working_mb); False: its own whatever the chunk (a circuit's
     # gradient passes and curve: each layer's copies of the stream)
     chunked: bool = True
 
+    @property
+    def highest_host_mb(self) -> float:
+        """The process's highest memory: the run's peak, or its GGUF conversion's where it converts first."""
+        return max(self.peak_host_mb, self.convert_mb)
+
     def lines(self) -> list[str]:
         # on a GPU the caches and the engine's work are the device's, the weights the host's as they load
         unread = f" less {self.unread_mb:,.0f} mapped and never read" if self.unread_mb else ""
+        converting = (
+            f"; first its GGUF weights de-quantised to float32 once, into the cache: {self.convert_mb:,.0f} MB, "
+            f"{self.convert_seconds:,.0f} s"
+            if self.convert_mb
+            else ""
+        )
         held = (
             f"the weights as they load {self.weights_mb:,.0f}"
             if self.peak_device_mb
@@ -176,8 +195,8 @@ class Plan:
         out = [
             f"plan: study={self.study} on {self.model} ({self.params / 1e6:.1f}M parameters), "
             f"{self.prompts} prompts of {self.tokens} tokens",
-            f"peak host memory: {self.peak_host_mb:,.0f} MB ({held}, tokenizer {self.tokenizer_mb:,.0f}, this "
-            f"process before loading {self.baseline_mb:,.0f})",
+            f"peak host memory: {self.highest_host_mb:,.0f} MB ({held}, tokenizer {self.tokenizer_mb:,.0f}, this "
+            f"process before loading {self.baseline_mb:,.0f}{converting})",
         ]
         if self.peak_device_mb:
             free = "" if self.device_free_mb is None else f"; {self.device_free_mb:,.0f} MB free now"
@@ -269,10 +288,28 @@ def hf_source(cfg: Config) -> tuple[str, dict[str, Any]]:
     from .models import gguf
 
     weights = gguf.locate(m.gguf_file, m.path, m.package, m.gguf_parts, m.sha256)
-    copy = gguf.copy_dir(weights)
+    copy = gguf.copy_dir(weights, m.sha256)
     if (copy / gguf.PROVENANCE).is_file():
         return str(copy), {}
     return str(weights.file.parent), {"gguf_file": weights.file.name}
+
+
+def converts(cfg: Config) -> bool:
+    """Whether the run first converts its GGUF weights to float32 (no copy of them in the cache yet)."""
+    return bool(cfg.model.gguf_file) and "gguf_file" in hf_source(cfg)[1]
+
+
+def converting(plan: Plan, s: Shape) -> Plan:
+    """The plan of a run that first converts its GGUF weights (converts): CONVERT_COPIES copies of its float32
+    weights beside this process and its tokenizer, for their size at CONVERT_MB_S."""
+    weights = s.params * 4 / MB
+    seconds = weights / CONVERT_MB_S
+    return replace(
+        plan,
+        convert_mb=plan.baseline_mb + plan.tokenizer_mb + CONVERT_COPIES * weights,
+        convert_seconds=seconds,
+        seconds=None if plan.seconds is None else plan.seconds + seconds,
+    )
 
 
 def hf_shape(cfg: Config) -> tuple[Shape, Any]:
@@ -663,7 +700,8 @@ def plan_prompts(cfg: Config, task: Any, seed: int) -> Plan:
     stand_in = SimpleNamespace(tokenizer=tokenizer, vocab_size=shape.vocab, module=None, name=cfg.model.name)
     data = task.build(cfg.task.n_prompts, seed=seed, model=stand_in)
     reads, vocabulary = reads_at_once(task, data), reads_vocabulary(cfg, task, data)
-    return predict(cfg, shape, data, reads, baseline, tokenizer_mb(stand_in), vocabulary=vocabulary)
+    plan = predict(cfg, shape, data, reads, baseline, tokenizer_mb(stand_in), vocabulary=vocabulary)
+    return converting(plan, shape) if converts(cfg) else plan
 
 
 def measured(plan: Plan, seconds: float) -> dict[str, Any]:
@@ -671,7 +709,7 @@ def measured(plan: Plan, seconds: float) -> dict[str, Any]:
     its tensors on the device, and their ratios."""
     peak = peak_rss_mb()
     out: dict[str, Any] = {"seconds": round(seconds, 2), "peak_host_mb": round(peak, 1)}
-    out["peak_host_ratio"] = round(plan.peak_host_mb / peak, 3)
+    out["peak_host_ratio"] = round(plan.highest_host_mb / peak, 3)
     if plan.peak_device_mb and torch.cuda.is_available():
         on_device = torch.cuda.max_memory_allocated(torch.device(plan.device)) / MB
         out["peak_device_mb"] = round(on_device, 1)

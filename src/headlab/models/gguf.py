@@ -13,6 +13,7 @@ stays under output.root/checkpoints.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -146,6 +147,13 @@ def _writable(directory: Path) -> None:
 
 
 def sha256(file: Path) -> str:
+    # a run asks twice (whether loading will convert, then loading): the file read once while it is unchanged
+    stat = file.stat()
+    return _sha256(file.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(file: Path, _size: int, _mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with file.open("rb") as f:
         while block := f.read(1 << 22):

@@ -27,6 +27,8 @@ from ..planning import (
     SWEEP_EFFICIENCY,
     Plan,
     Shape,
+    converting,
+    converts,
     hf_shape,
     predict,
     reads_at_once,
@@ -122,7 +124,7 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
     largest = max(plans, key=lambda p: p.peak_host_mb) if plans else predict(cfg, shape, text, 0, baseline, loaded)
     total = sum(seconds.values()) + largest.load_seconds
     top = sorted(seconds.items(), key=lambda kv: -kv[1])
-    return dataclasses.replace(
+    atlas = dataclasses.replace(
         largest,
         study="atlas",
         prompts=sum(p.prompts for p in plans) + text.n,
@@ -134,3 +136,5 @@ def atlas_plan(cfg: Config, model: HookedModel | None = None, baseline_mb: float
         work=", ".join(f"{name} {s:,.0f} s" for name, s in top),
         note="" if not options.scores else f"the probes of {', '.join(sorted(options.scores))}",
     )
+    # a run's own plan (model given) is made once it has loaded: the runner adds what loading converted
+    return converting(atlas, shape) if model is None and converts(cfg) else atlas

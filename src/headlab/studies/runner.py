@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,11 +25,15 @@ from ..config import Config, option
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..planning import (
+    BUDGET_SHARE,
     PLANNED,
     Plan,
+    converting,
+    converts,
     fitted,
     fitted_passes,
     grown,
+    kept_mb,
     measured,
     plan_prompts,
     predict,
@@ -92,11 +97,12 @@ def execute_run(
     # its plan beside what it measured, each run checking it: a pretrained model's made once it is loaded,
     # before the work, so that the matmul rate is measured on the machine as the run finds it; a model
     # trained here exists only after the run (which refuses a task it cannot train on before training)
-    planned = study.name in PLANNED
-    plan, planning = _plan_in_run(study.name, ctx, baseline) if planned and not is_trained_here(cfg) else (None, 0)
+    planned = study.name in PLANNED and not is_trained_here(cfg)
+    first = planned and converts(cfg)  # asked before loading, which converts a GGUF model's weights once
+    plan, planning = _plan_in_run(study.name, ctx, baseline, first) if planned else (None, 0)
     df = study.run(ctx)
     seconds = time.perf_counter() - started - planning
-    if planned and plan is None and ctx.model is not None:
+    if study.name in PLANNED and plan is None and ctx.model is not None:
         plan = _plan_in_run(study.name, ctx, baseline)[0]
     if plan is not None:
         ctx.meta.update(plan=plan.as_meta(), measured=measured(plan, seconds))
@@ -125,13 +131,14 @@ def draw_all(sets: list[str], df: pd.DataFrame, run_dir: Path) -> None:
     results.add_meta(run_dir, figures=sets)
 
 
-def _plan_in_run(name: str, ctx: RunContext, baseline_mb: float) -> tuple[Plan, float]:
+def _plan_in_run(name: str, ctx: RunContext, baseline_mb: float, first: bool = False) -> tuple[Plan, float]:
     """The run's plan on its loaded model and prompts (loaded here, as the study would first), and the
-    seconds planning took (not the run's)."""
+    seconds planning took (not the run's); `first`: the loading converted its GGUF weights (converts)."""
     if name == "atlas":
         model = ctx.get_model(runs_task=False)
         started = time.perf_counter()
-        return atlas_plan(ctx.cfg, model, baseline_mb), time.perf_counter() - started
+        plan = atlas_plan(ctx.cfg, model, baseline_mb)
+        return converting(plan, shape_of_model(model)) if first else plan, time.perf_counter() - started
     data = ctx.get_data()
     model, started = ctx.get_model(), time.perf_counter()
     task = ctx.get_task()
@@ -144,7 +151,7 @@ def _plan_in_run(name: str, ctx: RunContext, baseline_mb: float) -> tuple[Plan, 
         tokenizer_mb(model),
         vocabulary=reads_vocabulary(ctx.cfg, task, data),
     )
-    return plan, time.perf_counter() - started
+    return converting(plan, shape_of_model(model)) if first else plan, time.perf_counter() - started
 
 
 # what within_budget chooses, by the setting it writes
@@ -175,6 +182,11 @@ def within_budget(cfg: Config) -> tuple[dict, Plan]:
         raise UsageError(f"engine.max_memory plans a pretrained model's run; {cfg.model.name} is built here")
     budget = str(cfg.engine.max_memory)
     plan = grown(plan_of(cfg))  # the run loads on top of what planning left in this process
+    if plan.convert_mb > kept_mb(budget):
+        raise UsageError(
+            f"engine.max_memory={budget}: de-quantising {cfg.model.name}'s GGUF weights once first needs "
+            f"{math.ceil(plan.convert_mb / BUDGET_SHARE):,}MB: run it once without a budget"
+        )
     passes = {}
     if plan.study == "circuit":  # fewer prompts per gradient pass first: the same scores, summed in more parts
         cfg.study.prompts_per_pass, curve_prompts, plan = fitted_passes(plan, int(cfg.study.prompts_per_pass), budget)
