@@ -113,7 +113,8 @@ def path_patch(
     caller keeps it across calls. The clean quantities are those the passes' own clean runs read (every
     prompt is in one of them), not a run of their own."""
     data = data.paired_reference()
-    sources = sources or reference_z(model, data, held, seed)
+    if sources is None:
+        sources = reference_z(model, data, held, seed)
     read: list[tuple[Tensor, Tensor]] = []
     with torch.inference_mode():
         patched = run_path(model, task, data, senders, sources, chunk_mb, show_progress, held, read)
