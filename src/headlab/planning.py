@@ -668,6 +668,11 @@ def kept_mb(size: str) -> float:
     return budget_mb(size) * BUDGET_SHARE
 
 
+def budget_for(peak_mb: float) -> int:
+    """The least engine.max_memory (MB) whose kept_mb holds a planned peak of `peak_mb`."""
+    return math.ceil(peak_mb / BUDGET_SHARE)
+
+
 def fitted_chunk(plan: Plan, chunk_mb: float, size: str) -> float:
     """The largest chunk (MB, at most `chunk_mb`, at least 1) whose predicted peak fits the budget `size`
     (kept_mb; `chunk_mb` where the run's working memory is not the chunk's: Plan.chunked); refused in one
@@ -675,7 +680,7 @@ def fitted_chunk(plan: Plan, chunk_mb: float, size: str) -> float:
     fixed = plan.peak_host_mb - plan.working_mb
     room = kept_mb(size) - fixed
     if room < least_working(plan):
-        need = math.ceil((fixed + least_working(plan)) / BUDGET_SHARE)
+        need = budget_for(fixed + least_working(plan))
         raise UsageError(
             f"engine.max_memory={size}: this run needs at least {need:,.0f}MB (weights {plan.weights_mb:,.0f}, "
             f"caches {plan.caches_mb:,.0f}, this process {plan.baseline_mb + plan.tokenizer_mb:,.0f}): headlab plan"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,9 +24,9 @@ from ..config import Config, option
 from ..errors import UsageError
 from ..io import atomic_write_bytes
 from ..planning import (
-    BUDGET_SHARE,
     PLANNED,
     Plan,
+    budget_for,
     converting,
     converts,
     fitted,
@@ -138,19 +137,19 @@ def _plan_in_run(name: str, ctx: RunContext, baseline_mb: float, first: bool = F
         model = ctx.get_model(runs_task=False)
         started = time.perf_counter()
         plan = atlas_plan(ctx.cfg, model, baseline_mb)
-        return converting(plan, shape_of_model(model)) if first else plan, time.perf_counter() - started
-    data = ctx.get_data()
-    model, started = ctx.get_model(), time.perf_counter()
-    task = ctx.get_task()
-    plan = predict(
-        ctx.cfg,
-        shape_of_model(model),
-        data,
-        reads_at_once(task, data),
-        baseline_mb,
-        tokenizer_mb(model),
-        vocabulary=reads_vocabulary(ctx.cfg, task, data),
-    )
+    else:
+        data = ctx.get_data()
+        model, started = ctx.get_model(), time.perf_counter()
+        task = ctx.get_task()
+        plan = predict(
+            ctx.cfg,
+            shape_of_model(model),
+            data,
+            reads_at_once(task, data),
+            baseline_mb,
+            tokenizer_mb(model),
+            vocabulary=reads_vocabulary(ctx.cfg, task, data),
+        )
     return converting(plan, shape_of_model(model)) if first else plan, time.perf_counter() - started
 
 
@@ -185,7 +184,7 @@ def within_budget(cfg: Config) -> tuple[dict, Plan]:
     if plan.convert_mb > kept_mb(budget):
         raise UsageError(
             f"engine.max_memory={budget}: de-quantising {cfg.model.name}'s GGUF weights once first needs "
-            f"{math.ceil(plan.convert_mb / BUDGET_SHARE):,}MB: run it once without a budget"
+            f"{budget_for(plan.convert_mb):,}MB: run it once without a budget"
         )
     passes = {}
     if plan.study == "circuit":  # fewer prompts per gradient pass first: the same scores, summed in more parts
