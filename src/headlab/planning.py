@@ -105,18 +105,20 @@ CONVERT_MB_S, CONVERT_COPIES = 45.0, 2.8
 # (docs/benchmarks/plan_accuracy.txt), so a budget planned to the last MB is not kept for certain
 BUDGET_SHARE = 0.9
 # the shares of the measured matmul rates EAP / EAP-IG's scoring and the faithfulness curve keep on a CPU in
-# circuit_gflop's count, at 2 threads, from the phases' own clocks (meta.json seconds): scoring's passes
-# (forward, each block again, backward) of the rate at a pass's rows, 0.41 on smollm2-135m, 0.52 on
-# gemma3-270m (16 IOI prompts) and 0.45 on Llama-3.2-1B's shape (4); its products of product_gflops's rate
-# at their own shape, 0.8-1.0; the curve (an upper bound for its small circuits) of the rate at every
-# prompt's rows, 0.34 on smollm2-135m and 0.22 on gemma3-270m (its forward passes, on 4 wide heads; on the
-# machine of the fit before, 0.58 and 0.33: this share moves with the machine more than the others)
-PASSES_EFFICIENCY, PRODUCTS_EFFICIENCY, CURVE_EFFICIENCY = 0.45, 0.9, 0.3
+# circuit_gflop's count, at 2 threads, from the phases' own clocks (meta.json seconds), fitted on the machine
+# docs/benchmarks/plan_accuracy.txt was measured on: scoring's passes (forward, each block again, backward) of
+# the rate at a pass's rows, 0.60 on smollm2-135m and 0.67 on gemma3-270m (16 IOI prompts); its products of
+# product_gflops's rate at their own shape, 0.8-1.0; the curve (an upper bound for its small circuits) of the
+# rate at every prompt's rows, 0.47 on smollm2-135m and 0.42 on gemma3-270m. These shares move with the machine
+# more than the sweeps' (their products are small and the curve's mixtures memory-bound): on the machine of the
+# fit before, whose float32 peak was 1.1-1.7 times this one's, the same runs took as long, at scoring shares of
+# 0.41 and 0.52 and curve shares of 0.34 and 0.22
+PASSES_EFFICIENCY, PRODUCTS_EFFICIENCY, CURVE_EFFICIENCY = 0.63, 0.9, 0.44
 # and, beside those FLOPs, each block a scoring pass runs one at a time costs a fixed time (its hooks, its
-# small products' launch, its weights read again): a forward block of smollm2-135m on one IOI prompt takes
-# 2.6 ms on 2 cores, its backward layer 8 ms (flops.BACKWARD_RUNS forward blocks), whatever few rows it has;
-# with 61 nodes and few prompts (EAP-IG over activations) this is most of the scoring's time
-BLOCK_RUN_S = 0.0027
+# small products' launch, its weights read again), whatever few rows it has: fitted with PASSES_EFFICIENCY to
+# EAP-IG over activations (61 nodes, 4 prompts, one step: 13,020 block runs, most of its time) and the two
+# EAP-IG runs above; a backward layer counts flops.BACKWARD_RUNS
+BLOCK_RUN_S = 0.0023
 # the share of the measured matmul rate study=ioi_classes keeps on a CPU in flops.ioi_classes_gflop's count
 # (its receiver rounds counted with their receivers at the costliest single layer: receivers the run finds
 # over several layers cost somewhat more), at 2 threads, between smollm2-135m's on 64 IOI prompts and
