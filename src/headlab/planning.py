@@ -11,8 +11,8 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             recordings and the senders' outputs, or the faithfulness curve's, whichever is larger
             (circuit_mb)
   working   the engine's chunk: engine.chunk_mb of a block's widest activation, WORKING_COPIES of it alive
-            at once, and the readout's logits (chunk_mb of them, one prompt's at least) with their log-softmax
-            and its exponent
+            at once, or the readout's logits (chunk_mb of them, one prompt's at least) with their log-softmax
+            and its exponent, whichever is larger (the two are not alive together)
   device    a run on a GPU (`device=cuda`): the weights, caches and working memory are the device's, in
             tensors (torch.cuda.max_memory_allocated: the CUDA context and the allocator's cache are not
             counted); its chunks take engine.gpu_memory_share of the device's free memory over
@@ -654,10 +654,11 @@ def least_working(plan: Plan) -> float:
 
 def working_mb(chunk_mb: float, logits_mb: float, copy_mb: float = 0.0) -> float:
     """The engine's working memory at `chunk_mb`: WORKING_COPIES chunks (one copy of the prompts at least,
-    `copy_mb` of a block's widest activation, however small the chunk: a long document's exceeds it), and
+    `copy_mb` of a block's widest activation, however small the chunk: a long document's exceeds it), or
     the readout's logits (chunk_mb of them, one prompt's `logits_mb` at least) with their log-softmax and its
-    exponent."""
-    return WORKING_COPIES * max(chunk_mb, copy_mb) + 3 * max(chunk_mb, logits_mb)
+    exponent, whichever is larger: the readout unembeds the chunks' last streams once their blocks' activations
+    are let go (interventions/readout.Readouts.flush)."""
+    return max(WORKING_COPIES * max(chunk_mb, copy_mb), 3 * max(chunk_mb, logits_mb))
 
 
 def budget_mb(size: str) -> float:
