@@ -452,9 +452,7 @@ def main() -> None:
     try:
         with stop_on_signals():
             from .discovery import load_plugins
-            from .runtime import tune_allocator
 
-            tune_allocator()
             load_plugins()
             code = app(standalone_mode=False)
     except HeadlabError as e:

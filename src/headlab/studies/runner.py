@@ -43,6 +43,7 @@ from ..planning import (
     tokenizer_mb,
     working_mb,
 )
+from ..runtime import tune_allocator
 from ..train.obtain import is_trained_here
 from .atlas_plan import atlas_plan
 from .context import EVAL_SEED_OFFSET, RunContext, apply_threads
@@ -85,6 +86,7 @@ def execute_run(
     previous = previous_result(cfg, run_dir, command, named)
     if previous is not None:
         return previous
+    tune_allocator()  # every run, from the shell or from Python, keeps its large buffers in the heap alike
     threads = apply_threads(cfg)
     key = study.hash(cfg)  # the config as asked for: a budget's smaller chunks compute the same table
     budget = within_budget(cfg)[0] if cfg.engine.max_memory else None  # before anything loads
