@@ -26,7 +26,7 @@ from headlab.config import Config
 from headlab.interventions import CLEAN, Intervention
 from headlab.interventions.engine import execute
 from headlab.models.hooked import HookedModel
-from headlab.studies.context import EVAL_SEED_OFFSET, apply_threads
+from headlab.studies.context import EVAL_SEED_OFFSET, apply_runtime
 from headlab.tasks import Task, TaskData, build_task
 from headlab.train.obtain import obtain_model
 
@@ -47,7 +47,7 @@ def trained_model(args: argparse.Namespace) -> tuple[Config, HookedModel, Task, 
     cfg = compose(
         *["experiment=ioi_trained", f"model.tokenizer={args.tokenizer}", f"output.root={args.root}", *args.overrides]
     )
-    apply_threads(cfg)
+    apply_runtime(cfg)
     task = build_task(cfg.task)
     started = time.perf_counter()
     model = obtain_model(cfg, task)

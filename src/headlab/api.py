@@ -34,7 +34,7 @@ from .models.check import Verdict, check_model
 from .models.hooked import HookedModel
 from .models.loading import ModelConfig, ModelKind
 from .planning import Plan
-from .studies.context import RunContext, apply_threads
+from .studies.context import RunContext, apply_runtime
 from .studies.registry import get as get_study
 from .studies.registry import named_study, resolve
 from .studies.runner import BUDGET_KNOBS, execute_run, plan_of, run_in_memory, within_budget
@@ -140,7 +140,7 @@ def load_model(
 def _loaded(cfg: Config, task: Task | None, show_progress: bool) -> HookedModel:
     """The model `cfg` names, on cfg.device; refused in one line if `task` cannot run on it (no task:
     nothing to refuse)."""
-    apply_threads(cfg)
+    apply_runtime(cfg)
     # the one door to a model, a study's own (RunContext.get_model): without a task, the configured one only
     # says what a model trained here is trained on
     context = RunContext(cfg, show_progress=show_progress, task=task or build_task(cfg.task))
@@ -555,7 +555,7 @@ def _context(
     cfg = compose_config(overrides)
     cfg.task = _task_config(task, n_prompts)
     cfg.model = getattr(model, "config", None) or ModelConfig(name=model.name, kind=ModelKind.hf)
-    apply_threads(cfg)
+    apply_runtime(cfg)
     return RunContext(cfg, show_progress=show_progress, task=task, model=model)
 
 
@@ -594,7 +594,7 @@ def plan(*overrides: str) -> Plan:
     """
     # a GPU run may be planned where no GPU is (a cluster's login node): its device is not checked here
     cfg = compose_checked(overrides, device=False)[1]
-    apply_threads(cfg)
+    apply_runtime(cfg)
     if not cfg.engine.max_memory:
         return plan_of(cfg)
     asked = _budget_settings(cfg)

@@ -41,8 +41,8 @@ def tune_allocator() -> bool:
 
     A sweep allocates and frees the same large activations (stacked copies x tokens x d_mlp) block after
     block; above glibc's mmap threshold each one is mapped and zeroed anew, and the page faults cost
-    as much as the matrix products. Set by every run (studies/runner.execute_run), from the shell or from
-    Python, for the rest of the process: the heap then keeps freed buffers, which can raise a run's peak
+    as much as the matrix products. Set by every run (studies/context.apply_runtime), from the shell or
+    from Python, for the rest of the process: the heap then keeps freed buffers, which can raise a run's peak
     (the Llama-3.2-1B shape's EAP-IG: 5.2 -> 6.0 GB) as it shortens the sweeps. Returns False where the C
     library is not glibc.
     """

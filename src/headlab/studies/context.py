@@ -17,7 +17,7 @@ from ..config import Config, option
 from ..config_rules import refusal
 from ..interventions.plan import Intervention
 from ..models.hooked import HookedModel
-from ..runtime import IDLE, Threads, choose_threads
+from ..runtime import IDLE, Threads, choose_threads, tune_allocator
 from ..tasks import Task, TaskData, build_task
 
 log = logging.getLogger("headlab")
@@ -37,7 +37,7 @@ class RunContext:
     # the sweep's interventions where the Python API hands them in (headlab.execute); None: the config's plan
     interventions: list[Intervention] | None = None
     options: Any = None  # the study's own options (study.options), typed by its Study's schema
-    threads: Threads | None = None  # how the run chose its torch threads (apply_threads), where it chose them
+    threads: Threads | None = None  # how the run chose its torch threads (apply_runtime), where it chose them
     _data: TaskData | None = None
     _prompts: TaskData | None = None  # built, checked, not yet placed on the model's device
 
@@ -132,9 +132,11 @@ def check_positions(positions: list[str], data: TaskData, task: str) -> None:
             )
 
 
-def apply_threads(cfg: Config) -> Threads:
-    """torch's thread count for this run (runtime.choose_threads: cfg.threads, a launcher's allotment, or
-    the idle cores), set and said in one line."""
+def apply_runtime(cfg: Config) -> Threads:
+    """What every run sets in its process, from the shell or from Python: glibc's allocator tuned
+    (runtime.tune_allocator) and torch's thread count (runtime.choose_threads: cfg.threads, a launcher's
+    allotment, or the idle cores), set and said in one line."""
+    tune_allocator()
     choice = choose_threads(cfg.threads)
     torch.set_num_threads(choice.threads)
     log.info(choice.line())

@@ -43,10 +43,9 @@ from ..planning import (
     tokenizer_mb,
     working_mb,
 )
-from ..runtime import tune_allocator
 from ..train.obtain import is_trained_here
 from .atlas_plan import atlas_plan
-from .context import EVAL_SEED_OFFSET, RunContext, apply_threads
+from .context import EVAL_SEED_OFFSET, RunContext, apply_runtime
 from .registry import study_for
 from .study import Study
 
@@ -86,8 +85,7 @@ def execute_run(
     previous = previous_result(cfg, run_dir, command, named)
     if previous is not None:
         return previous
-    tune_allocator()  # every run, from the shell or from Python, keeps its large buffers in the heap alike
-    threads = apply_threads(cfg)
+    threads = apply_runtime(cfg)
     key = study.hash(cfg)  # the config as asked for: a budget's smaller chunks compute the same table
     budget = within_budget(cfg)[0] if cfg.engine.max_memory else None  # before anything loads
     ctx = RunContext(cfg, Path(run_dir), show_progress, options=study.options(cfg), threads=threads)
@@ -212,7 +210,7 @@ def within_budget(cfg: Config) -> tuple[dict, Plan]:
 
 def run_in_memory(study: Study, ctx: RunContext) -> pd.DataFrame:
     """The study's table in ctx (the Python API's model and task), nothing written."""
-    apply_threads(ctx.cfg)
+    apply_runtime(ctx.cfg)
     ctx.options = study.options(ctx.cfg)
     return study.run(ctx)
 
