@@ -28,7 +28,7 @@ from ..models.hooked import HookedModel, Trace
 from ..models.projections import heads_alone
 from ..tasks import Task, TaskData
 from .graph import QKV, EdgeGraph
-from .postnorm import attn_output, mlp_output, received
+from .postnorm import attn_norm, attn_output, mlp_output, received
 from .record import Recording, check_pairs, head_senders, metric, metric_column, record, sender_outputs
 
 Hook = Callable[[Tensor], Tensor]
@@ -43,7 +43,7 @@ class Runs:
     clean: Recording
     corrupt_out: Tensor
     corrupt_resid: list[Tensor]
-    corrupt_attn: dict[int, Tensor]
+    corrupt_attn: dict[int, tuple[Tensor, Tensor]]  # layer -> (A, its norm's output)
     scratch: Tensor | None = None  # the senders' differences of the circuit measured now (Patches.diff)
 
 
@@ -54,7 +54,7 @@ def clean_and_corrupted(model: HookedModel, graph: EdgeGraph, data: TaskData, fo
         clean = record(model, graph, data.inputs)
         corrupt = record(model, graph, data.counterfactual)  # type: ignore[arg-type]
         resid = [*corrupt.trace.resid_pre, corrupt.trace.resid_final]
-        return Runs(clean, sender_outputs(model, graph, corrupt), resid, {l: a for l, (a, _) in corrupt.attn.items()})
+        return Runs(clean, sender_outputs(model, graph, corrupt), resid, dict(corrupt.attn))
 
 
 class Patches:
@@ -80,23 +80,26 @@ class Patches:
         self.total = self.diff[0].clone()  # the sum of diff over rows < self.summed
         self.summed = 1
         self.reads = graph.real.sum(0)  # each receiver reads a prefix of the senders: this many
-        # post-norm models under mib: each layer's attention output A in this run (the corrupted run's below first)
-        self.before: dict[int, Tensor] = {l: a for l, a in runs.corrupt_attn.items() if l < first}
+        # post-norm models under mib: each layer's attention output A in this run and its norm's output (the
+        # corrupted run's below first)
+        self.before: dict[int, tuple[Tensor, Tensor]] = {l: a for l, a in runs.corrupt_attn.items() if l < first}
 
     def set(self, rows: slice | int, outputs: Tensor) -> None:
         """The run's outputs of the senders `rows` (their differences follow)."""
         self.diff[rows] = self.runs.corrupt_out[rows] - outputs
 
-    def into(self, cols: list[int]) -> Tensor:
-        """[k, n, pos, d]: what receivers `cols` read beyond this run's residual stream."""
+    def into(self, cols: list[int], upto: int | None = None) -> Tensor:
+        """[k, n, pos, d]: what receivers `cols` read beyond this run's residual stream, from the first
+        `upto` senders at most (None: all they read)."""
+        reads = [int(self.reads[c]) if upto is None else min(int(self.reads[c]), upto) for c in cols]
         if self.graph.post_norm == "mib":
             # the rows past the prefix the receivers read are not written yet (any value, NaN included)
-            count = max(int(self.reads[c]) for c in cols)
+            count = max(reads)
             cut = self.cut[:count, cols].to(self.diff.dtype)
             return received(self.model, self.graph, cut, self.diff[:count], self.before)
         groups: dict[int, list[int]] = {}  # receivers by how many senders they read (a layer's heads: one group)
-        for i, c in enumerate(cols):
-            groups.setdefault(int(self.reads[c]), []).append(i)
+        for i, count in enumerate(reads):
+            groups.setdefault(count, []).append(i)
         parts = [(group, self._read_by([cols[i] for i in group], count)) for count, group in groups.items()]
         if len(parts) == 1:
             return parts[0][1]
@@ -104,6 +107,17 @@ class Patches:
         for group, part in parts:
             out[group] = part
         return out
+
+    def from_layer(self, col: int, layer: int) -> Tensor:
+        """[n, pos, d]: what receiver `col` reads from the heads of `layer` alone, once they are set: into([col])
+        is into([col], upto=their first row) plus this (each layer's cut heads act apart under mib too)."""
+        rows = self.graph.head_rows(layer)
+        cut = self.cut[rows, col].to(self.diff.dtype)  # [heads]
+        part = torch.einsum("h,hnpd->npd", cut, self.diff[rows])
+        if self.graph.post_norm != "mib" or not bool(cut.any()):
+            return part
+        a, normed = self.before[layer]
+        return attn_norm(self.model, layer)(a + part) - normed
 
     def _read_by(self, cols: list[int], count: int) -> Tensor:
         """[k, n, pos, d]: into(cols) for receivers that each read the first `count` senders."""
@@ -212,7 +226,12 @@ def _circuit_layer(
     kept = live_cols or attn_cols[:1]
     copy_of = {c: i for i, c in enumerate(kept)}
     copies, n = len(kept), h.shape[0]
-    deltas = patches.into(kept)  # [copies, n, pos, d]
+    has_mlp = layer in graph.mlp_layers
+    mlp = next(c for c in cols if graph.receivers[c].kind == "mlp") if has_mlp else None
+    # the MLP's read of the senders below this layer's heads in the same product as the heads' q, k and v
+    # (memory-bound: the senders' differences read once for both); its layer's own heads added once set
+    read_now = patches.into(kept if mlp is None else [*kept, mlp], upto=heads.start)
+    deltas = read_now[:copies]  # [copies, n, pos, d]
     stacked = [
         t.unflatten(0, (copies, n))  # [copies, n, head, pos, d_head]
         for t in model.attention_inputs(
@@ -244,16 +263,16 @@ def _circuit_layer(
         # norm too (postnorm.received)
         if not attn_now:
             attn_now.append((a, out))
-            patches.before[layer] = a
+            patches.before[layer] = (a, out)
         return out
 
     def heads_now() -> Tensor:
         return head_senders(model, graph, layer, z_now[0], attn_now[0] if attn_now else None)
 
     def mlp_input(t: Tensor) -> Tensor:
+        assert mlp is not None
         patches.set(heads, heads_now())
-        mlp = next(c for c in cols if graph.receivers[c].kind == "mlp")
-        return _seen(read, [mlp], t + patches.into([mlp])[0])
+        return _seen(read, [mlp], t + (read_now[copies] + patches.from_layer(mlp, layer)))
 
     def keep_mlp(t: Tensor) -> Tensor:
         patches.set(heads.stop, t)  # the MLP follows its layer's heads
@@ -262,7 +281,6 @@ def _circuit_layer(
     def given(kind: str) -> Hook:
         return lambda _t: assembled[kind]
 
-    has_mlp = layer in graph.mlp_layers
     fns: dict[str, Hook] = {kind: given(kind) for kind in QKV}
     fns["z"] = keep_z
     with ExitStack() as stack:

@@ -142,18 +142,30 @@ def renormed(norm: nn.Module, before: Tensor, added: Tensor) -> Tensor:
     return norm(before + added) - norm(before)
 
 
-def received(model: HookedModel, graph: EdgeGraph, cut: Tensor, diff: Tensor, before: dict[int, Tensor]) -> Tensor:
+def received(
+    model: HookedModel, graph: EdgeGraph, cut: Tensor, diff: Tensor, before: dict[int, tuple[Tensor, Tensor]]
+) -> Tensor:
     """[k, n, pos, d]: what k receivers read beyond this run's residual stream when the edges cut[:, j]
     ([senders, k], 0/1) are patched, diff [senders, n, pos, d] being out(corrupt) - out(this run); both
     may hold only a prefix of the senders, those the receivers read. Under mib the cut heads of a layer
-    go through its norm together, on this run's A (`before`, per layer)."""
+    go through its norm together, on this run's A (`before`, per layer: A and the norm's output)."""
     if graph.post_norm != "mib":
         return torch.einsum("sk,snpd->knpd", cut, diff)
+    # receivers that cut the same edges read the same: each such mixture computed once
+    columns, which = torch.unique(cut, dim=1, return_inverse=True)
+    if columns.shape[1] < cut.shape[1]:
+        return received(model, graph, columns, diff, before)[which]
     senders = graph.senders[: len(cut)]  # a prefix of the senders: those the receivers read
-    others = torch.tensor([s.kind != "head" for s in senders], device=cut.device, dtype=cut.dtype)
-    out = torch.einsum("sk,snpd->knpd", cut * others[:, None], diff)
-    for layer, a in before.items():
-        rows = graph.head_rows(layer)
-        if bool(cut[rows].any()):
-            out += renormed(attn_norm(model, layer), a, torch.einsum("hk,hnpd->knpd", cut[rows], diff[rows]))
+    others = torch.tensor([s.kind != "head" for s in senders], device=cut.device)
+    # the input's and the MLPs' differences add: only their rows that some receiver cuts are read (memory-bound)
+    rows = (others & cut.ne(0).any(1)).nonzero().flatten()
+    out = torch.einsum("sk,snpd->knpd", cut[rows], diff[rows])
+    for layer, (a, normed) in before.items():
+        heads = graph.head_rows(layer)
+        if not bool(cut[heads].any()):
+            continue
+        # receivers that cut the same heads of this layer read the same mixture: each one normed once
+        patterns, which = torch.unique(cut[heads], dim=1, return_inverse=True)  # [heads, u], [k]
+        mixed = torch.einsum("hu,hnpd->unpd", patterns, diff[heads])
+        out += (attn_norm(model, layer)(a + mixed) - normed)[which]
     return out
