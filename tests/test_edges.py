@@ -382,9 +382,13 @@ def _reference_circuit_metric(case: Case, kept: set[str]) -> Tensor:
 
 
 @WITH_LLAMA64
-def test_circuit_metric_equals_the_reference_on_a_partial_circuit(case):
+@pytest.mark.parametrize("share", [None, 0.5])
+def test_circuit_metric_equals_the_reference_on_a_partial_circuit(case, share):
+    # 25 edges: most receivers read the senders' sum less their few kept edges; half of the edges: each
+    # receiver its own mixture of kept and cut edges, both kinds in one product
     g = case.graph
-    circuit = g.top_n(case.eap, 25, prune=False)  # unpruned: dangling edges must be handled too
+    size = 25 if share is None else int(share * g.n_edges)
+    circuit = g.top_n(case.eap, size, prune=False)  # unpruned: dangling edges must be handled too
     got = circuit_metric(case.model, case.task, case.data, g, circuit)
     want = _reference_circuit_metric(case, set(g.edge_names(circuit)))
     clean, corrupt = case.hf_metric(case.clean_ids), case.hf_metric(case.corrupt_ids)
