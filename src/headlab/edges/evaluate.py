@@ -28,7 +28,7 @@ from ..models.hooked import HookedModel, Trace
 from ..models.projections import heads_alone
 from ..tasks import Task, TaskData
 from .graph import QKV, EdgeGraph
-from .postnorm import attn_norm, attn_output, mlp_output, received
+from .postnorm import attn_output, mlp_output, received, renormed
 from .record import Recording, check_pairs, head_senders, metric, metric_column, record, sender_outputs
 
 Hook = Callable[[Tensor], Tensor]
@@ -116,8 +116,7 @@ class Patches:
         part = torch.einsum("h,hnpd->npd", cut, self.diff[rows])
         if self.graph.post_norm != "mib" or not bool(cut.any()):
             return part
-        a, normed = self.before[layer]
-        return attn_norm(self.model, layer)(a + part) - normed
+        return renormed(self.model, layer, self.before[layer], part)
 
     def _read_by(self, cols: list[int], count: int) -> Tensor:
         """[k, n, pos, d]: into(cols) for receivers that each read the first `count` senders."""

@@ -137,9 +137,11 @@ def shares(norm: nn.Module, before: Tensor, after: Tensor, heads: Tensor, offset
     return (heads if g is None else heads * g.to(heads.dtype)) * c.to(heads.dtype)
 
 
-def renormed(norm: nn.Module, before: Tensor, added: Tensor) -> Tensor:
-    """norm(before + added) - norm(before), for added [..., n, pos, d] over before [n, pos, d]."""
-    return norm(before + added) - norm(before)
+def renormed(model: HookedModel, layer: int, attn: tuple[Tensor, Tensor], added: Tensor) -> Tensor:
+    """norm(A + added) - norm(A) for `layer`'s attention-output norm, `attn` being (A, norm(A)) as a run
+    recorded them, for added [..., n, pos, d] over A [n, pos, d]."""
+    before, normed = attn
+    return attn_norm(model, layer)(before + added) - normed
 
 
 def received(
@@ -160,12 +162,12 @@ def received(
     # the input's and the MLPs' differences add: only their rows that some receiver cuts are read (memory-bound)
     rows = (others & cut.ne(0).any(1)).nonzero().flatten()
     out = torch.einsum("sk,snpd->knpd", cut[rows], diff[rows])
-    for layer, (a, normed) in before.items():
+    for layer, attn in before.items():
         heads = graph.head_rows(layer)
         if not bool(cut[heads].any()):
             continue
         # receivers that cut the same heads of this layer read the same mixture: each one normed once
         patterns, which = torch.unique(cut[heads], dim=1, return_inverse=True)  # [heads, u], [k]
         mixed = torch.einsum("hu,hnpd->unpd", patterns, diff[heads])
-        out += (attn_norm(model, layer)(a + mixed) - normed)[which]
+        out += renormed(model, layer, attn, mixed)[which]
     return out

@@ -99,7 +99,7 @@ def patch_deltas(model: HookedModel, graph: EdgeGraph, clean: Recording, corrupt
     if graph.post_norm == "mib":
         for layer in range(graph.n_layers):
             rows = graph.head_rows(layer)
-            delta[rows] = renormed(attn_norm(model, layer), clean.attn[layer][0], delta[rows])
+            delta[rows] = renormed(model, layer, clean.attn[layer], delta[rows])
     return delta
 
 
