@@ -219,6 +219,28 @@ def test_senders_of_every_layer_run_together_equal_each_by_hand(llama, role, rec
             torch.testing.assert_close(quantities[:, 0], expected, atol=1e-7, rtol=0)
 
 
+def test_a_path_sweep_patches_at_the_positions_it_is_given(llama):
+    # patch.positions reaches path patching as it reaches activation patching: at S1+1, Wang et al.'s two
+    # passes there; at `all`, every position (into the logits the two agree: only the MLPs run, position by
+    # position, so a receiver head shows the difference)
+    from omegaconf import OmegaConf
+
+    from headlab.interventions import plan
+    from headlab.interventions.engine import execute
+    from headlab.interventions.options import PatchConfig
+
+    model, module, task, data = llama
+    patch = PatchConfig(kinds=["path"], receivers=["2.0"], receiver_site="k", positions=["S1+1", "all"])
+    cfg = OmegaConf.create({"ablate": {"sweep": "none", "method": "zero"}, "patch": OmegaConf.structured(patch)})
+    ivs = [iv for iv in plan(cfg, model.n_layers, model.n_heads)[1:] if (iv.layer, iv.head) == (1, 0)]
+    assert [iv.token for iv in ivs] == ["S1+1", None]
+    at_role, everywhere = execute(model, task, data, ivs, seed=0)[:, :, 0]
+    with torch.no_grad():
+        expected = _by_hand(module, data, (1, 0), "S1+1", [(2, 0)], "k")
+    torch.testing.assert_close(at_role, expected, atol=1e-7, rtol=0)
+    assert (everywhere - at_role).abs().max() > 1e-5
+
+
 def test_the_group_of_a_key_value_head_receives_more_than_one_of_its_query_heads(llama):
     model, _, task, data = llama
     ivs = [Intervention("path_patch", "path", 0, 1, token="S2", site="v", receivers=r) for r in ("1.2", "1.2 1.3")]

@@ -205,7 +205,11 @@ def plan(
             ]
     if Method.path in kinds:
         receivers, site = _receivers(cfg.patch.receivers, cfg.patch.receiver_site, n_layers, n_heads)
-        out += [Intervention(Kind.path_patch, Method.path, l, h, site=site, receivers=receivers) for l, h in cells]
+        out += [
+            Intervention(Kind.path_patch, Method.path, l, h, site=site, receivers=receivers, **where)
+            for where in _positions(cfg.patch.positions)
+            for l, h in cells
+        ]
     return out
 
 
