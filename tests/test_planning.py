@@ -46,6 +46,16 @@ SWEEPS = {
         {"ablate": "none", "patch": "path", "receivers": ["1.0", "1.2"], "receiver_site": "q"},
         ["ablate=none", "patch=path", "patch.receivers=[1.0,1.2]", "patch.receiver_site=q"],
     ),
+    # the engine starts where the counterfactual prompts first differ, or at the role
+    "activation": ({"ablate": "none", "patch": "activation"}, ["ablate=none", "patch=activation"]),
+    "activation at END and S2": (
+        {"ablate": "none", "patch": "activation", "positions": ["END", "S2"]},
+        ["ablate=none", "patch=activation", "patch.positions=[END,S2]"],
+    ),
+    "path into k at S2": (
+        {"ablate": "none", "patch": "path", "receivers": ["2.1"], "receiver_site": "k", "positions": ["S2"]},
+        ["ablate=none", "patch=path", "patch.receivers=[2.1]", "patch.receiver_site=k", "patch.positions=[S2]"],
+    ),
 }
 
 
@@ -60,7 +70,7 @@ def test_the_sweeps_flops_are_what_the_engine_executes(llama_dir, sweep):
     data = task.build(8, EVAL_SEED_OFFSET, model)
     n, gflop = sweep_gflop(cfg, shape_of_model(model), data)
     heads = model.n_layers * model.n_heads
-    assert n == 1 + (model.n_layers if sweep == "layers" else heads)
+    assert n == 1 + (model.n_layers if sweep == "layers" else heads * len(arguments.get("positions", [0])))
     assert 0.85 < gflop / (counter.get_total_flops() / 1e9) < 1.2, gflop / (counter.get_total_flops() / 1e9)
 
 

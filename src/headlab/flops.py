@@ -38,6 +38,7 @@ class Shape:
     window: int | None = None  # the sliding window of the layers that have one
     sliding: tuple[bool, ...] = ()  # per layer: has a sliding window
     tied: bool = True  # the unembedding is the embedding's matrix (one [vocab, d_model] matrix, not two)
+    suffixes: bool = True  # its blocks run on a suffix of positions (HookedModel.runs_suffixes)
 
 
 def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, float]:
@@ -49,6 +50,12 @@ def block_flops(s: Shape, rows: int, tokens: int, layer: int) -> tuple[float, fl
     reach = min(reach, tokens)  # query q attends to min(q + 1, reach) keys
     pairs = reach * (reach + 1) // 2 + (tokens - reach) * reach
     return rows * tokens * per_token, rows * 4 * s.n_heads * s.d_head * pairs
+
+
+def replayed_flops(s: Shape, rows: int, tokens: int) -> float:
+    """Matrix-product FLOPs of a block whose attention is replayed (HookedModel.run_blocks' `replay`: every
+    head's z given, so no q, k, v or scores): its output projection and MLP over `rows` x `tokens` positions."""
+    return rows * tokens * (2 * s.n_heads * s.d_head * s.d_model + 2 * s.d_model * s.d_mlp * (3 if s.gated else 2))
 
 
 def read_block_flops(s: Shape, rows: int, tokens: int, reads: int) -> float:
@@ -85,11 +92,12 @@ def most_in_one_layer(interventions: list[Any]) -> int:
 def sweep_gflop(cfg: Config, s: Shape, data: Any, interventions: list[Any] | None = None) -> tuple[int, float]:
     """(interventions, GFLOP) of study=sweep's stacked passes over the prompts `data` (TaskData): each
     intervention runs the blocks from its layer on (the clean run all of them), each group of prompts of like
-    length through its own longest (interventions/lengths.py, as the engine runs them), and reads the logits
-    at the read positions; path patching (every prompt whole, as interventions/path.py runs a sweep's
-    senders) its two passes (path_flops); attribution patching's passes (attribution_gflop). `interventions`:
-    uniform_sweep's, where the caller has them already."""
-    from .interventions.lengths import groups
+    length through its own longest (interventions/lengths.py, as the engine runs them), from the first
+    position it edits or any metric reads where the model runs suffixes (engine._run_stacked), and reads the
+    logits at the read positions; path patching its two passes (path_flops); attribution patching's passes
+    (attribution_gflop). `interventions`: uniform_sweep's, where the caller has them already."""
+    from .interventions.edits import Sources, first_edited
+    from .interventions.lengths import bucket, groups
     from .vocabulary import Kind, Method
 
     interventions = uniform_sweep(cfg, s) if interventions is None else interventions
@@ -100,17 +108,32 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any, interventions: list[Any] | Non
         others = []
     rows, tokens = data.inputs["input_ids"].shape
     reads = data.positions.shape[1]
+    sources = Sources.of_prompts(data, s.n_heads)
     grouped = groups(data, others)
-    sizes = [(rows, tokens)] if grouped is None else [(len(g), length) for g, length in grouped]
+    parts = (
+        [(data, sources)]
+        if grouped is None
+        else [(p, sources.subset(r, p)) for r, l in grouped for p in [bucket(data, r, l)]]
+    )
+    suffixes = s.suffixes and any(first_edited(iv, sources) for iv in others)
     total = 0.0
-    for n, length in sizes:
-        blocks = [sum(block_flops(s, n, length, layer)) for layer in range(s.n_layers)]
-        logits = n * reads * 2 * s.d_model * s.vocab
-        total += sum(sum(blocks[min(iv.layer or 0, s.n_layers - 1) :]) + logits for iv in others)
-    blocks = [sum(block_flops(s, rows, tokens, layer)) for layer in range(s.n_layers)]
+    for part, of_part in parts:
+        n, length = part.inputs["input_ids"].shape
+        first_read = int(part.positions.min())
+        starts = [
+            min(first_read, first_edited(iv, of_part)) if suffixes and iv.intervention != Kind.none else 0
+            for iv in others
+        ]
+        for start in set(starts):  # each intervention from its layer on, at positions start..
+            per_layer = [positions_flops(s, n, start, length - 1, layer) for layer in range(s.n_layers)]
+            total += sum(
+                sum(per_layer[min(iv.layer or 0, s.n_layers - 1) :]) + n * reads * 2 * s.d_model * s.vocab
+                for iv, at in zip(others, starts)
+                if at == start
+            )
     if paths:  # path_patch's clean run and a trace of the senders' prompts, each read out, then the senders
-        logits = rows * reads * 2 * s.d_model * s.vocab
-        total += 2 * (sum(blocks) + logits) + sum(path_flops(iv, blocks, logits) for iv in paths)
+        total += 2 * (forward_flops(s, rows, tokens) + rows * reads * 2 * s.d_model * s.vocab)
+        total += path_flops(s, data, paths, reads)
     if attributed:
         total += attribution_gflop(s, data, attributed) * 1e9
     methods = {iv.method for iv in interventions}
@@ -118,7 +141,7 @@ def sweep_gflop(cfg: Config, s: Shape, data: Any, interventions: list[Any] | Non
         ref_rows, ref_tokens = data.reference["input_ids"].shape  # the values taken: a run of the reference set
         total += forward_flops(s, ref_rows, ref_tokens)
     if data.counterfactual is not None and Method.activation in methods:
-        total += sum(blocks)  # the counterfactual run
+        total += forward_flops(s, rows, tokens)  # the counterfactual run
     return len(interventions), total / 1e9
 
 
@@ -141,19 +164,70 @@ def attribution_gflop(s: Shape, data: Any, interventions: list) -> float:
     return total / 1e9
 
 
-def path_flops(iv: Any, blocks: list[float], logits: float) -> float:
-    """FLOPs of path patching from the sender `iv` over every position (interventions/path.py): into the
-    logits, the blocks from its layer on; into receiver heads, pass A from its layer through the last
-    receiver's and pass B from the first receiver's on, where a receiver sits after it (else nothing runs)."""
-    from .interventions.plan import LOGITS, receiver_heads
+def path_flops(s: Shape, data: Any, senders: list[Any], reads: int = 1) -> float:
+    """FLOPs of path patching from `senders` (Interventions) over the prompts `data` as interventions/path.py
+    runs them: the senders that share receivers, site and position together, their prompts grouped by their
+    round position (none given: every position, one group) and last read position, each group's clean traces
+    and each sender's two passes (path_part_flops)."""
+    from .interventions.edits import Sources
+    from .interventions.plan import receiver_heads
 
-    layer = iv.layer or 0
-    if iv.receivers == LOGITS:
-        return sum(blocks[layer:]) + logits
-    downstream = [r for r in receiver_heads(iv.receivers) if r > layer]
-    if not downstream:
+    rows, tokens = data.inputs["input_ids"].shape
+    last_each = data.positions.max(1).values.cpu()
+    sources = Sources.of_prompts(data, s.n_heads)
+    together: dict[tuple, list[Any]] = {}
+    for iv in senders:
+        together.setdefault((iv.receivers, iv.site, iv.token, iv.position), []).append(iv)
+    total = 0.0
+    for (receivers, *_), ivs in together.items():
+        heads = sorted(receiver_heads(receivers))
+        place = sources.position(ivs[0])
+        if place is None:
+            parts: dict[tuple[int | None, int], int] = {(None, tokens - 1): rows}
+        else:
+            at_each = place.cpu().long() if isinstance(place, torch.Tensor) else torch.full((rows,), place % tokens)
+            parts = {}
+            for key in zip(at_each.tolist(), last_each.tolist()):
+                parts[key] = parts.get(key, 0) + 1
+        for (at, last), n in parts.items():
+            total += path_group_flops(s, [iv.layer or 0 for iv in ivs], heads, n, at, last, reads)
+    return total
+
+
+def path_group_flops(
+    s: Shape, layers: list[int], heads: list[int], rows: int, at: int | None, last: int, reads: int
+) -> float:
+    """FLOPs of path patching from senders at `layers` into receivers at the layers `heads` over one group of
+    `rows` prompts (round position `at`, last read position `last`): its clean traces, through the last read
+    position and, for receiver heads whose round position comes before it, through that, and each sender's
+    two passes (path_part_flops)."""
+    a_end = last + 1 if at is None or not heads or at >= last else at + 1
+    traces = forward_flops(s, rows, a_end) + (forward_flops(s, rows, last + 1) if a_end != last + 1 else 0.0)
+    return traces + sum(path_part_flops(s, layer, heads, rows, at, last, reads) for layer in layers)
+
+
+def path_part_flops(s: Shape, layer: int, heads: list[int], rows: int, at: int | None, last: int, reads: int) -> float:
+    """FLOPs of path patching from a sender at `layer` (interventions/path.py) over `rows` prompts whose round
+    position is `at` (None: every position) and last read position `last`, into receiver heads at the layers
+    `heads` (none: the logits). Pass A from its layer, every layer without receivers replayed (its heads at
+    their clean z), through the last receiver's layer (the logits: every layer, read out), over the positions
+    from the round's (on families that run suffixes) through the round's (into heads) or the last read one;
+    pass B from the first receiver layer after it over the positions from the round's to the last read one,
+    read out. Nothing where no receiver sits after it, or the round's position comes after every read one."""
+    downstream = [r for r in heads if r > layer]
+    if (heads and not downstream) or (at is not None and at > last):
         return 0.0
-    return sum(blocks[layer : max(downstream) + 1]) + sum(blocks[min(downstream) :]) + logits
+    start = at if at is not None and s.suffixes else 0
+    a_last = at if at is not None and heads and at < last else last
+    readout = rows * reads * 2 * s.d_model * s.vocab
+    stop = max(downstream) + 1 if heads else s.n_layers
+    pass_a = sum(
+        positions_flops(s, rows, start, a_last, l) if l in heads else replayed_flops(s, rows, a_last + 1 - start)
+        for l in range(layer, stop)
+    )
+    if not heads:
+        return pass_a + readout
+    return pass_a + sum(positions_flops(s, rows, start, last, l) for l in range(min(downstream), s.n_layers)) + readout
 
 
 def matmul_gflops(
@@ -317,27 +391,13 @@ def positions_flops(s: Shape, rows: int, first: int, last: int, layer: int) -> f
 def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None) -> float:
     """FLOPs of one path-patching round as interventions/path.py runs it, every head before the receivers'
     layer a sender (the logits: every head), prompts grouped by their round position `at` [n] and last read
-    position `last` [n]: per group its clean traces (through the last read position, and for receiver heads
-    whose round position comes before it, through that), and per sender pass A from its layer at the round's
-    position alone (through the receivers' layer; into the logits, to the last and read out) and pass B from
-    the receivers' layer over the positions from the round's to the last read one."""
+    position `last` [n] (path_group_flops), each sender's logits read at one position."""
     groups: dict[tuple[int, int], int] = {}
     for a, b in zip(at.tolist(), last.tolist()):
         groups[(a, b)] = groups.get((a, b), 0) + 1
-    stop = s.n_layers if receiver_layer is None else receiver_layer + 1
-    senders = s.n_layers if receiver_layer is None else receiver_layer
-    total = 0.0
-    for (a, b), rows in groups.items():
-        total += forward_flops(s, rows, b + 1)
-        if receiver_layer is not None and a < b:  # pass A's own trace, through the round's position
-            total += forward_flops(s, rows, a + 1)
-        one = [positions_flops(s, rows, a, a, l) for l in range(s.n_layers)]
-        suffix = [positions_flops(s, rows, a, b, l) for l in range(s.n_layers)]
-        for layer in range(senders):
-            pass_a = sum(one[layer:stop])
-            pass_b = sum(suffix[receiver_layer:]) if receiver_layer is not None else 0.0
-            total += s.n_heads * (pass_a + pass_b + rows * 2 * s.d_model * s.vocab)
-    return total
+    heads = [] if receiver_layer is None else [receiver_layer]
+    layers = [l for l in range(s.n_layers if receiver_layer is None else receiver_layer) for _ in range(s.n_heads)]
+    return sum(path_group_flops(s, layers, heads, rows, a, b, 1) for (a, b), rows in groups.items())
 
 
 def ioi_classes_gflop(s: Shape, data: Any, n_seq: int = 100, seq_len: int = 20) -> tuple[float, float]:

@@ -7,7 +7,8 @@ prompts built with the model's tokenizer) and a fraction of a second measuring t
             model.layers_on_disk, those blocks' weights are read from disk as a pass reaches them (one at a
             time, counted twice: accelerate reads it through a memory map into a tensor)
   caches    what a sweep keeps of the clean run: every block's input, the final residual stream
-            [prompts, tokens, d_model] and each layer's keys and values; study=circuit: EAP / EAP-IG's
+            [prompts, tokens, d_model] and each layer's keys and values, and what it records of other runs
+            (recorded_mb: the reference or counterfactual prompts' values it reads); study=circuit: EAP / EAP-IG's
             recordings and the senders' outputs, or the faithfulness curve's, whichever is larger
             (circuit_mb)
   working   the engine's chunk: engine.chunk_mb of a block's widest activation, WORKING_COPIES of it alive
@@ -276,6 +277,7 @@ def shape_of_config(config: Any, params: int, itemsize: int) -> Shape:
         window=getattr(config, "sliding_window", None),
         sliding=tuple(kind == "sliding_attention" for kind in kinds),
         tied=bool(getattr(config, "tie_word_embeddings", True)),
+        suffixes=getattr(family_of(config), "suffix_runs", True),
     )
 
 
@@ -435,6 +437,8 @@ def host_plan(
     unread = unread_mb(s, vocabulary) if mapped and not on_disk else 0.0
     activation = rows * tokens * s.d_model * s.itemsize
     caches = ((s.n_layers + 1) * activation + s.n_layers * 2 * rows * s.n_kv * tokens * s.d_head * s.itemsize) / MB
+    sweep = uniform_sweep(cfg, s) if study == "sweep" else []
+    caches += recorded_mb(s, data, sweep)
     chunk_rows = max(1, int(cfg.engine.chunk_mb * MB // (tokens * max(s.d_mlp, s.d_model) * s.itemsize)))
     logits = reads * s.vocab * 4 / MB  # one prompt's, float32
     # the bool attention masks a forward pass makes (models/hf.py bool_mask), [tokens, tokens] for every
@@ -503,13 +507,44 @@ def host_plan(
             f"faithfulness curve {flops.curve:,.0f}"
         )
         return plan
-    sweep = uniform_sweep(cfg, s)
     plan.interventions, plan.gflop = sweep_gflop(cfg, s, data, sweep)
     plan.chunk_interventions = most_in_one_layer(sweep)
     plan.matmul_gflops = rate or matmul_gflops(s, chunk_rows * tokens, dtype=dtype)
     plan.seconds = plan.gflop / (plan.matmul_gflops * SWEEP_EFFICIENCY) + plan.load_seconds
     plan.work = f"{plan.interventions} interventions"
     return plan
+
+
+def recorded_mb(s: Shape, data: Any, interventions: list[Any]) -> float:
+    """MB a sweep keeps of whole runs besides its caches (interventions/edits.py Sources, as the engine asks
+    for them): each site its interventions read from other prompts, at every layer, over those prompts (the
+    reference set's for resample ablation, the counterfactual prompts'; a mean's is averaged first), and
+    path patching's reference and clean z and the z its passes' clean traces keep."""
+    from .interventions.edits import UNRECORDED
+    from .vocabulary import Method, Site, Source
+
+    rows, tokens = data.inputs["input_ids"].shape
+    references = 0 if data.reference is None else int(data.reference["input_ids"].shape[0])
+    width = {Site.z: s.n_heads * s.d_head, Site.q: s.n_heads * s.d_head, Site.k: s.n_kv * s.d_head}
+    width |= {Site.v: s.n_kv * s.d_head, Site.pattern: s.n_heads * tokens, Site.mlp: s.d_model, Site.neurons: s.d_mlp}
+    needed = {
+        (e.source, e.site)
+        for iv in interventions
+        if iv.method not in (Method.path, Method.attribution)
+        for e in iv.edits(s.n_heads)
+        if e.source not in UNRECORDED
+    }
+    paths = any(iv.method == Method.path for iv in interventions)
+    if paths:
+        needed |= {(Source.reference, Site.z), (Source.clean, Site.z)}
+    # a mean's record of the reference set is let go once averaged, before the sweep's own memory is made
+    total = sum(
+        (references if source == Source.reference else rows) * width[site]
+        for source, site in needed
+        if source != Source.mean
+    )
+    total += rows * width[Site.z] if paths else 0
+    return total * tokens * s.n_layers * s.itemsize / MB
 
 
 def loading_s(s: Shape, weights_mb: float, mapped: bool) -> float:
@@ -739,9 +774,9 @@ def shape_of_model(model: Any) -> Shape:
     itemsize = next(model.module.parameters()).element_size()
     config = getattr(model.module, "config", None)
     if config is not None and hasattr(config, "num_hidden_layers"):
-        return shape_of_config(config, params, itemsize)
+        return replace(shape_of_config(config, params, itemsize), suffixes=model.runs_suffixes)
     sites = model.sites
     return Shape(
         model.n_layers, model.n_heads, sites.n_kv_heads, sites.d_head, sites.d_model, model.width,
-        int(model.vocab_size or 0), False, params, itemsize,
+        int(model.vocab_size or 0), False, params, itemsize, suffixes=model.runs_suffixes,
     )  # fmt: skip

@@ -66,16 +66,9 @@ class Sources:
     ) -> None:
         if option(mean_over) not in {m.value for m in MeanOver}:
             raise UsageError(f"unknown mean_over '{mean_over}'; choose from: {', '.join(m.value for m in MeanOver)}")
-        self.data = data
+        self._of_prompts(data, model.n_heads)
         self.mean_over = MeanOver(option(mean_over))
         self.kv_head_of = model.sites.kv_head_of
-        self.n_heads = model.n_heads
-        self.values: dict[tuple[str, str], dict[int, Tensor]] = {}
-        # what would otherwise cross between host and device once per edit (on a GPU each crossing waits
-        # for the queue to drain): the rows on each values' device, each role's first position
-        self._rows_on: dict[tuple[str, torch.device], Tensor] = {}
-        self._earliest: dict[str, int] = {}
-        self.rows: dict[str, Tensor] = {Source.counterfactual: torch.arange(data.n), Source.clean: torch.arange(data.n)}
         wanted = {(src, site) for src, site in needed if src not in UNRECORDED}
         if any(src in (Source.mean, Source.reference) for src, _ in wanted) and data.reference is None:
             raise UsageError("this task provides no reference set for mean/resample ablation")
@@ -106,6 +99,23 @@ class Sources:
         for _, site in sorted(w for w in wanted if w[0] == Source.mean):
             recorded = self.values.get((Source.reference, site)) or model.record(data.reference, site)  # type: ignore[arg-type]
             self.values[(Source.mean, site)] = {layer: self._means(t, site) for layer, t in recorded.items()}
+
+    def _of_prompts(self, data: TaskData, n_heads: int) -> None:
+        self.data, self.n_heads = data, n_heads
+        self.values: dict[tuple[str, str], dict[int, Tensor]] = {}
+        # what would otherwise cross between host and device once per edit (on a GPU each crossing waits
+        # for the queue to drain): the rows on each values' device, each role's first position
+        self._rows_on: dict[tuple[str, torch.device], Tensor] = {}
+        self._earliest: dict[str, int] = {}
+        self.rows: dict[str, Tensor] = {Source.counterfactual: torch.arange(data.n), Source.clean: torch.arange(data.n)}
+
+    @classmethod
+    def of_prompts(cls, data: TaskData, n_heads: int) -> Sources:
+        """What the prompts alone tell, no model and no values recorded: where each intervention first edits
+        (first_edited), as the plan asks before any model exists (flops.sweep_gflop)."""
+        sources = cls.__new__(cls)
+        sources._of_prompts(data, n_heads)
+        return sources
 
     def _means(self, t: Tensor, site: str) -> Tensor:
         """[groups, ...]: the mean over the reference prompts of each group (one group if none), per
