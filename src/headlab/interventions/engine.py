@@ -226,11 +226,15 @@ def _run_stacked(
             by_layer[iv.layer].append(i)  # type: ignore[index]
     chunks = []
     for layer, idx in sorted(by_layer.items()):
-        # a layer whose interventions all edit positions p.. alone runs on p..: more copies fit a chunk
-        ivs = [interventions[i] for i in idx]
-        pattern = edits_pattern(ivs, model.n_heads)
-        per_chunk = chunk_size(model, data, chunk_mb, trace.length - suffix_start(ivs), pattern)
-        chunks += [(layer, idx[s : s + per_chunk]) for s in range(0, len(idx), per_chunk)]
+        # a layer's interventions that edit positions p.. alone run together on p.. (patches at END beside
+        # patches at every position: each kind its own chunks), and more copies fit a chunk
+        starting: dict[int, list[int]] = defaultdict(list)
+        for i in idx:
+            starting[suffix_start([interventions[i]])].append(i)
+        for start, same in sorted(starting.items()):
+            pattern = edits_pattern([interventions[i] for i in same], model.n_heads)
+            per_chunk = chunk_size(model, data, chunk_mb, trace.length - start, pattern)
+            chunks += [(layer, same[s : s + per_chunk]) for s in range(0, len(same), per_chunk)]
     report.update(cache_mb=round(trace.nbytes / 2**20, 3), chunk_mb=round(chunk_mb, 3), chunks=len(chunks))
     log.info("sweep: clean caches %.1f MB, %d chunks of at most %.0f MB", trace.nbytes / 2**20, len(chunks), chunk_mb)
     readouts = Readouts(model, task, data, chunk_mb)
