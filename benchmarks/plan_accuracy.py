@@ -47,6 +47,17 @@ CASES = {
     "smollm2_ioi_attribution": [
         "model=smollm2-135m", "task=ioi", "task.n_prompts=64", "ablate=none", "patch=attribution",
     ],
+    # patches from the counterfactual prompts run from where those first differ, or from the role patched
+    "smollm2_ioi_activation": [
+        "model=smollm2-135m", "task=ioi", "task.n_prompts=16", "ablate=none", "patch=activation",
+        "patch.positions=[all,END]",
+    ],
+    # path patching: every sender's two passes (into the logits: pass A alone, its attention replayed)
+    "smollm2_ioi_path": ["model=smollm2-135m", "task=ioi", "task.n_prompts=16", "ablate=none", "patch=path"],
+    "gemma3_ioi_path_values": [
+        "model=gemma3-270m", "task=ioi", "task.n_prompts=16", "ablate=none", "patch=path",
+        "patch.receivers=[9.1,10.0]", "patch.receiver_site=v", "patch.positions=[S2]",
+    ],
     # the q, v and k rounds planned with their receivers at the costliest layer; the run finds its own
     "smollm2_ioi_classes": ["model=smollm2-135m", "study=ioi_classes", "task.n_prompts=64"],
     "gemma3_ioi_classes": ["model=gemma3-270m", "study=ioi_classes", "task.n_prompts=16"],
