@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +82,6 @@ def uniform_sweep(cfg: Config, s: Shape) -> list[Any]:
 def most_in_one_layer(interventions: list[Any]) -> int:
     """The most of a sweep's `interventions` at one layer: the engine stacks a chunk's copies within a layer
     (interventions/engine.py), so no chunk holds more."""
-    from collections import Counter
-
     from .vocabulary import Kind
 
     layers = Counter(iv.layer for iv in interventions if iv.intervention != Kind.none)
@@ -173,25 +172,27 @@ def path_flops(s: Shape, data: Any, senders: list[Any], reads: int = 1) -> float
     from .interventions.plan import receiver_heads
 
     rows, tokens = data.inputs["input_ids"].shape
-    last_each = data.positions.max(1).values.cpu()
     sources = Sources.of_prompts(data, s.n_heads)
     together: dict[tuple, list[Any]] = {}
     for iv in senders:
         together.setdefault((iv.receivers, iv.site, iv.token, iv.position), []).append(iv)
     total = 0.0
     for (receivers, *_), ivs in together.items():
-        heads = sorted(receiver_heads(receivers))
+        heads, layers = sorted(receiver_heads(receivers)), [iv.layer or 0 for iv in ivs]
         place = sources.position(ivs[0])
         if place is None:
-            parts: dict[tuple[int | None, int], int] = {(None, tokens - 1): rows}
-        else:
-            at_each = place.cpu().long() if isinstance(place, torch.Tensor) else torch.full((rows,), place % tokens)
-            parts = {}
-            for key in zip(at_each.tolist(), last_each.tolist()):
-                parts[key] = parts.get(key, 0) + 1
-        for (at, last), n in parts.items():
-            total += path_group_flops(s, [iv.layer or 0 for iv in ivs], heads, n, at, last, reads)
+            total += path_group_flops(s, layers, heads, rows, None, tokens - 1, reads)
+            continue
+        at = place.cpu().long() if isinstance(place, torch.Tensor) else torch.full((rows,), place % tokens)
+        total += path_groups_flops(s, layers, heads, at, data.positions.max(1).values.cpu(), reads)
     return total
+
+
+def path_groups_flops(s: Shape, layers: list[int], heads: list[int], at: Any, last: Any, reads: int) -> float:
+    """path_group_flops over the prompts grouped, as interventions/path.py groups them, by their round
+    position `at` [n] and last read position `last` [n]."""
+    groups = Counter(zip(at.tolist(), last.tolist()))
+    return sum(path_group_flops(s, layers, heads, rows, a, b, reads) for (a, b), rows in groups.items())
 
 
 def path_group_flops(
@@ -392,12 +393,9 @@ def path_round_flops(s: Shape, at: Any, last: Any, receiver_layer: int | None) -
     """FLOPs of one path-patching round as interventions/path.py runs it, every head before the receivers'
     layer a sender (the logits: every head), prompts grouped by their round position `at` [n] and last read
     position `last` [n] (path_group_flops), each sender's logits read at one position."""
-    groups: dict[tuple[int, int], int] = {}
-    for a, b in zip(at.tolist(), last.tolist()):
-        groups[(a, b)] = groups.get((a, b), 0) + 1
     heads = [] if receiver_layer is None else [receiver_layer]
     layers = [l for l in range(s.n_layers if receiver_layer is None else receiver_layer) for _ in range(s.n_heads)]
-    return sum(path_group_flops(s, layers, heads, rows, a, b, 1) for (a, b), rows in groups.items())
+    return path_groups_flops(s, layers, heads, at, last, 1)
 
 
 def ioi_classes_gflop(s: Shape, data: Any, n_seq: int = 100, seq_len: int = 20) -> tuple[float, float]:
